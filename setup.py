@@ -1,0 +1,41 @@
+"""Packaging for megatron-plugins: heterogeneous MiMo training on Megatron's stock pretrain()."""
+
+from setuptools import find_packages, setup
+
+MEGATRON_CORE = "megatron-core==0.19.2"
+TORCH = "torch==2.14.1"
+
+setup(
+    name="megatron-plugins",
+    version="0.1.0",
+    description=(
+        "Plugins for Megatron-LM's stock pretrain(): non-colocated, heterogeneous-parallel "
+        "multimodal (MiMo) training, plus a CPU simulation of the stock loop for testing."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_plugins", "megatron_plugins.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        MEGATRON_CORE,
+        TORCH,
+        "numpy>=1.26,<3",
+        "packaging>=24.2",
+        "einops==0.8.1",
+        "omegaconf==2.3.0",
+        "pyyaml>=6.0",
+    ],
+    extras_require={
+        # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.
+        "te": ["transformer-engine[pytorch,core_cu13]==2.14.0"],
+        "ssm": ["mamba-ssm==2.2.6.post3", "causal-conv1d==1.5.3.post1"],
+        "test": [
+            "pytest==8.4.2",
+            "pytest-timeout==2.4.0",
+            "tensorboard==2.20.0",
+        ],
+    },
+    entry_points={
+        "console_scripts": ["mimo-plan=megatron_plugins.plan:main"],
+    },
+)

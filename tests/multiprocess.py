@@ -1,0 +1,142 @@
+"""Run test code under N gloo processes with a hard deadline; a stuck collective fails, never hangs.
+
+Two ways in: :func:`run_in_processes` runs a picklable function on every rank of a fresh gloo world
+and returns the per-rank results; :func:`run_script` launches a script through ``torchrun`` in its
+own process group. Both kill every child on failure or timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class WorkerFailure(RuntimeError):
+    """A rank raised, died or ran past the deadline; the message names the rank and the cause."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
+            env: dict[str, str], results: "mp.Queue[tuple[int, bool, Any]]") -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(*args)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent as text
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, value))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _kill(processes: Sequence[mp.Process]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=10)
+
+
+def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float = 90.0,
+                     args: Sequence[Any] = (), env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ranks 0..world_size-1 of a fresh gloo world; results in rank order.
+
+    ``fn`` must be importable by name (spawned children unpickle it). The first rank to raise or
+    die fails the whole run at once, with its traceback; ranks still waiting are killed.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(fn, rank, world_size, port, tuple(args),
+                                              dict(env or {}), results))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    collected: dict[int, Any] = {}
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, process in enumerate(processes):
+                    if rank not in collected and process.exitcode not in (None, 0):
+                        raise WorkerFailure(
+                            f"rank {rank} died with exit code {process.exitcode} before reporting"
+                        ) from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(collected))
+                    raise WorkerFailure(
+                        f"ranks {missing} did not finish within {timeout:.0f} s (killed)"
+                    ) from None
+                continue
+            if not ok:
+                raise WorkerFailure(f"rank {rank} raised:\n{value}")
+            collected[rank] = value
+        for process in processes:
+            process.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        _kill(processes)
+    return [collected[rank] for rank in range(world_size)]
+
+
+@dataclass
+class ScriptRun:
+    """What a torchrun launch left behind."""
+
+    returncode: int
+    output: str
+    seconds: float
+
+
+def run_script(script: str | Path, argv: Sequence[str], nproc: int, *, timeout: float = 110.0,
+               env: dict[str, str] | None = None, cwd: str | Path = REPO_ROOT) -> ScriptRun:
+    """Launch ``script`` under ``torchrun --nproc-per-node nproc``; kill the whole tree on timeout."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *argv,
+    ]
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise WorkerFailure(
+            f"{script} with {nproc} processes ran past {timeout:.0f} s (killed); output tail:\n"
+            f"{output[-4000:]}"
+        ) from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return ScriptRun(process.returncode, output, time.monotonic() - start)

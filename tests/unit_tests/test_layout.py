@@ -1,0 +1,271 @@
+"""Layout flags, parsing and validation: a bad layout fails with one LayoutError naming its flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import shlex
+
+import pytest
+
+from megatron_plugins.layout import (
+    LANGUAGE,
+    LayoutError,
+    ModuleGrid,
+    ParallelLayout,
+    add_layout_args,
+    apply_language_grid,
+    layout_from_args,
+)
+from tests.multiprocess import run_in_processes
+
+
+def parse(command: str, **model: object) -> argparse.Namespace:
+    """Layout flags from a command line, plus stock model attributes given as keywords."""
+    parser = add_layout_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(shlex.split(command))
+    for name, value in model.items():
+        setattr(args, name, value)
+    return args
+
+
+TWO_BY_TWO = "--encoder vision=vit --grid vision:dp=2 --grid language:tp=2"
+
+# (id, flags, world size, stock model attributes, encoder heads, text the message must contain)
+BAD_LAYOUTS = [
+    ("world-size", TWO_BY_TWO, 6, {}, None, "WORLD_SIZE / --nproc-per-node is 6"),
+    ("zero", "--grid language:tp=0", 1, {}, None, "--grid language:tp=0: tp=0"),
+    ("fraction", "--grid language:dp=1.5", 1, {}, None, "--grid language:dp=1.5: dp=1.5"),
+    ("negative", "--grid language:pp=-1", 1, {}, None, "--grid language:pp=-1: pp=-1"),
+    ("not-a-number", "--grid language:tp=two", 1, {}, None, "--grid language:tp=two: tp=two"),
+    ("unknown-key", "--grid language:tp=1,xp=2", 1, {}, None, "unknown key 'xp'"),
+    ("no-colon", "--grid language", 1, {}, None, "--grid language: expected NAME:"),
+    ("no-equals", "--grid language:tp2", 1, {}, None, "--grid language:tp2: expected key=value"),
+    ("repeated-key", "--grid language:tp=1,tp=2", 1, {}, None, "tp given twice"),
+    ("bad-name", "--grid 1st:tp=1 --grid language:", 2, {}, None, "--grid 1st:tp=1"),
+    ("encoder-syntax", "--encoder vit --grid language:", 1, {}, None, "--encoder vit: expected"),
+    ("encoder-provider", "--encoder 'v=my pkg' --grid language:", 1, {}, None,
+     "--encoder v=my pkg"),
+    ("encoder-twice", "--encoder v=vit --encoder v=audio --grid v: --grid language:", 2, {}, None,
+     "--encoder v given twice"),
+    ("grid-twice", "--encoder v=vit --grid v: --grid v:dp=2 --grid language:", 4, {}, None,
+     "--grid v given twice"),
+    ("encoder-without-grid", "--encoder v=vit --encoder a=audio --grid v: --grid language:", 2, {},
+     None, "--encoder a has no --grid"),
+    ("grid-without-encoder", "--encoder v=vit --grid v: --grid a: --grid language:", 3, {}, None,
+     "--grid a has no --encoder"),
+    ("no-language", "--encoder v=vit --grid v:dp=2", 2, {}, None, "--grid language is missing"),
+    ("encoder-called-language", "--encoder language=vit --grid language:", 1, {}, None,
+     "--encoder language=vit"),
+    ("expert-tiling", "--grid language:tp=2,ep=4", 2, {"num_experts": 8}, None,
+     "--grid language: ep=4 x etp=1 = 4 does not divide tp*cp*dp = 2"),
+    ("expert-tiling-etp", "--grid language:dp=2,ep=2,etp=2", 2, {"num_experts": 8}, None,
+     "--grid language: ep=2 x etp=2 = 4"),
+    ("ep-without-experts", "--grid language:dp=2,ep=2", 2, {}, None,
+     "--grid language: ep=2 needs an MoE language model; add --num-experts"),
+    ("experts-not-divisible", "--grid language:dp=4,ep=4", 4, {"num_experts": 6}, None,
+     "--num-experts 6 is not divisible by --grid language: ep=4"),
+    ("heads", "--grid language:tp=3", 3, {"num_attention_heads": 4}, None,
+     "--grid language: tp=3 does not divide --num-attention-heads 4; choose tp in {1, 2, 4}"),
+    ("query-groups", "--grid language:tp=4", 4,
+     {"num_attention_heads": 8, "num_query_groups": 3, "group_query_attention": True}, None,
+     "--grid language: tp=4 is neither a multiple nor a divisor of --num-query-groups 3"),
+    ("encoder-heads", "--encoder v=vit --grid v:tp=3 --grid language:", 4, {}, {"v": 16},
+     "--grid v: tp=3 does not divide the v encoder's attention heads 16; choose tp in "
+     "{1, 2, 4, 8, 16}"),
+    ("encoder-pp", "--encoder v=vit --grid v:pp=2 --grid language:", 3, {}, None,
+     "--grid v: pp=2: encoder pipeline parallelism is not supported yet"),
+    ("encoder-cp", "--encoder v=vit --grid v:cp=2 --grid language:", 3, {}, None,
+     "--grid v: cp=2: encoder context parallelism is not supported yet"),
+    ("language-cp", "--grid language:cp=2", 2, {}, None,
+     "--grid language: cp=2: context parallelism for the language model is not supported yet"),
+    ("encoder-ep", "--encoder v=vit --grid v:dp=2,ep=2 --grid language:", 3, {}, None,
+     "--grid v: ep=2: expert parallelism is only supported for the language model"),
+    ("bridge-dp", "--encoder v=vit --grid v:dp=3 --grid language:dp=2", 5, {}, None,
+     "--grid v: dp=3 and --grid language: dp=2 must be multiples of one another"),
+    ("gtp", "--grid language:tp=2", 2, {"tensor_parallel_num_weight_shards": 4}, None,
+     "--tensor-parallel-num-weight-shards 4 enables GTP weight sharding"),
+    ("expert-gtp", "--grid language:dp=2,ep=2", 2,
+     {"num_experts": 4, "expert_tensor_parallel_num_weight_shards": 2}, None,
+     "--expert-tensor-parallel-num-weight-shards 2 enables GTP"),
+    ("alias-with-grid", "--llm-tp 2 --grid language:tp=2", 2, {}, None,
+     "--llm-tp cannot be combined with --grid"),
+    ("alias-two-encoders", "--encoder a=vit --encoder b=audio --llm-tp 2", 4, {}, None,
+     "--llm-tp describes a single encoder"),
+    ("alias-value", "--llm-tp x", 2, {}, None, "--llm-tp x must be a positive integer"),
+    ("alias-heads", "--llm-tp 3", 4, {"num_attention_heads": 4}, None,
+     "--grid language (from --llm-tp/"),
+]
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, model, encoder_heads, expected",
+    [case[1:] for case in BAD_LAYOUTS],
+    ids=[case[0] for case in BAD_LAYOUTS],
+)
+def test_bad_layout_names_the_flag(flags, world_size, model, encoder_heads, expected):
+    with pytest.raises(LayoutError) as first:
+        layout_from_args(parse(flags, **model), world_size, encoder_heads)
+    message = str(first.value)
+    assert expected in message
+    assert "\n" not in message
+    # Identical on every rank: the same inputs give the same message.
+    with pytest.raises(LayoutError) as second:
+        layout_from_args(parse(flags, **model), world_size, encoder_heads)
+    assert str(second.value) == message
+
+
+def test_layout_error_is_a_value_error():
+    assert issubclass(LayoutError, ValueError)
+
+
+def test_grids_take_consecutive_ranks_in_flag_order():
+    layout = layout_from_args(
+        parse("--encoder a=audio --encoder v=pkg.enc:build --grid language:tp=2,pp=2 "
+              "--grid v:dp=2 --grid a:tp=2,dp=2", num_attention_heads=4),
+        10,
+    )
+    assert [m.name for m in layout.modules] == [LANGUAGE, "v", "a"]
+    assert [(m.rank_offset, m.size) for m in layout.modules] == [(0, 4), (4, 2), (6, 4)]
+    assert layout.world_size == 10
+    assert layout.language is layout.modules[0]
+    assert [m.name for m in layout.encoders] == ["v", "a"]
+    assert layout.module("v").provider == "pkg.enc:build"
+    assert layout.language.provider is None
+    assert [layout.module_of_rank(r).name for r in range(10)] == (
+        [LANGUAGE] * 4 + ["v"] * 2 + ["a"] * 4
+    )
+    with pytest.raises(ValueError):
+        layout.module_of_rank(10)
+
+
+def test_omitted_keys_default_to_one():
+    layout = layout_from_args(parse("--grid language:dp=2"), 2)
+    language = layout.language
+    assert (language.tp, language.pp, language.cp, language.dp, language.ep, language.etp) == (
+        1, 1, 1, 2, 1, 1
+    )
+    assert language.expt_dp == 2
+
+
+def test_alias_flags_describe_one_encoder_and_the_language_model():
+    layout = layout_from_args(
+        parse("--encoder-tp 2 --encoder-dp 2 --llm-tp 2 --llm-pp 2 --llm-dp 2 --llm-ep 2 "
+              "--llm-expt-tp 1", num_experts=4),
+        12,
+    )
+    encoder, language = layout.modules
+    assert (encoder.name, encoder.provider) == ("vision", "vit")
+    assert (encoder.tp, encoder.dp, encoder.pp, encoder.cp, encoder.rank_offset) == (2, 2, 1, 1, 0)
+    assert (language.tp, language.pp, language.dp, language.ep, language.etp) == (2, 2, 2, 2, 1)
+    assert language.rank_offset == 4
+    assert language.expt_dp == 2
+
+    named = layout_from_args(parse("--encoder audio=whisper_pkg:build --encoder-dp 2"), 3)
+    assert [(m.name, m.provider, m.size) for m in named.modules] == [
+        ("audio", "whisper_pkg:build", 2), (LANGUAGE, None, 1)
+    ]
+
+
+def test_layout_is_immutable_and_checks_its_own_invariants():
+    layout = layout_from_args(parse(TWO_BY_TWO), 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.language.tp = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.modules = ()
+    language = ModuleGrid(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)
+    with pytest.raises(LayoutError, match="starts at rank 1, expected 0"):
+        ParallelLayout((language,))
+    with pytest.raises(LayoutError, match="--grid language: tp=0 must be a positive integer"):
+        ModuleGrid(name=LANGUAGE, tp=0, pp=1, cp=1, dp=1, rank_offset=0)
+    with pytest.raises(LayoutError, match="needs a provider"):
+        ParallelLayout((ModuleGrid(name="v", tp=1, pp=1, cp=1, dp=1, rank_offset=0),
+                        ModuleGrid(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)))
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp, ep, etp", [
+    (2, 1, 2, 2, 2, 1), (1, 1, 4, 1, 2, 2), (2, 2, 1, 3, 1, 1), (4, 1, 2, 1, 4, 2),
+])
+def test_coordinates_follow_hyper_comm_grid_order(tp, cp, dp, pp, ep, etp):
+    """Ranks count up with tp fastest, then cp, dp, pp (experts: expt_tp, ep, expt_dp, pp)."""
+    module = ModuleGrid(name=LANGUAGE, tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, rank_offset=3)
+    rank = 3
+    for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp)):
+        coords = module.coordinates(rank)
+        assert (coords["tp"], coords["cp"], coords["dp"], coords["pp"]) == (t, c, d, p)
+        rank += 1
+    edp = tp * cp * dp // (ep * etp)
+    rank = 3
+    for p, d, e, t in itertools.product(range(pp), range(edp), range(ep), range(etp)):
+        coords = module.coordinates(rank)
+        assert (coords["expt_tp"], coords["ep"], coords["expt_dp"], coords["pp"]) == (t, e, d, p)
+        rank += 1
+    assert rank == 3 + module.size
+
+
+def test_apply_language_grid_sets_stock_parallel_args():
+    layout = layout_from_args(parse("--encoder v=vit --grid v:dp=2 --grid language:tp=2,pp=2,"
+                                    "dp=2,ep=2", num_experts=4), 10)
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                              context_parallel_size=1, expert_model_parallel_size=1,
+                              expert_tensor_parallel_size=None, world_size=10)
+    with apply_language_grid(args, layout):
+        assert args.world_size == 8  # stock validate_args derives data_parallel_size from it
+    assert args.world_size == 10  # stock init_process_group needs the real one
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.context_parallel_size, args.expert_model_parallel_size,
+            args.expert_tensor_parallel_size) == (2, 2, 1, 2, 1)
+
+
+@pytest.mark.parametrize("attr, value, flag, grid", [
+    ("tensor_model_parallel_size", 4, "--tensor-model-parallel-size 4", "tp=2"),
+    ("pipeline_model_parallel_size", 4, "--pipeline-model-parallel-size 4", "pp=1"),
+    ("expert_tensor_parallel_size", 2, "--expert-tensor-parallel-size 2", "etp=1"),
+])
+def test_apply_language_grid_rejects_disagreeing_stock_flags(attr, value, flag, grid):
+    layout = layout_from_args(parse("--grid language:tp=2"), 2)
+    args = argparse.Namespace(world_size=2, **{attr: value})
+    with pytest.raises(LayoutError) as error:
+        with apply_language_grid(args, layout):
+            pass
+    assert flag in str(error.value)
+    assert f"--grid language: {grid}" in str(error.value)
+
+
+def _with_stock_parser(command: str) -> dict[str, object]:
+    """Stock parser + layout flags: dest clashes, then the language grid through validate_args."""
+    import megatron_plugins.cpu_simulation as cpu_simulation
+
+    cpu_simulation.activate()  # stock validate_args reads device properties
+    from megatron.training.arguments import add_megatron_arguments, validate_args
+
+    stock = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    stock_dests = {action.dest for action in stock._actions}
+    ours = add_layout_args(argparse.ArgumentParser(allow_abbrev=False))
+    clashes = sorted(({action.dest for action in ours._actions} - {"help"}) & stock_dests)
+    parser = add_layout_args(stock)  # argparse raises on a clashing option string
+    args = parser.parse_args(shlex.split(command))
+    args.rank, args.world_size = 0, 10
+    unvalidated_dp = args.world_size // args.tensor_model_parallel_size
+    with apply_language_grid(args, layout_from_args(args, args.world_size)):
+        validate_args(args)
+    return {
+        "clashes": clashes,
+        "unvalidated_dp": unvalidated_dp,
+        "parallel": (args.world_size, args.data_parallel_size, args.tensor_model_parallel_size,
+                     args.pipeline_model_parallel_size, args.expert_tensor_parallel_size),
+    }
+
+
+def test_layout_flags_work_with_stock_parser_and_validation():
+    command = (
+        "--encoder vision=vit --grid vision:dp=2 --grid language:tp=2,pp=2,dp=2 --num-layers 4 "
+        "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 1 --global-batch-size 4 --train-iters 2 "
+        "--tensor-model-parallel-size 2"
+    )
+    [result] = run_in_processes(_with_stock_parser, 1, args=(command,), timeout=120)
+    assert result["clashes"] == []
+    assert result["unvalidated_dp"] == 5  # what stock would derive from the whole world
+    assert result["parallel"] == (10, 2, 2, 2, 1)

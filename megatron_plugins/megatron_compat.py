@@ -8,6 +8,11 @@ Gap 1 (dataset helpers): stock ``pretrain()`` calls ``megatron.core.datasets.uti
 which runs ``make`` in a folder the wheel ships without a Makefile, so every process exits with
 code 1. The wheel does ship the prebuilt ``helpers_cpp`` extension; when it imports there is
 nothing to compile.
+
+Gap 2 (disjoint grids): the local attention kernel borrows scratch space from
+``parallel_state``'s global memory buffer, which only ``initialize_model_parallel`` creates. With
+``skip_model_parallel_init=True`` (every heterogeneous run) nothing creates it, so the first local
+attention forward asserts. :func:`ensure_global_memory_buffer` creates it, once.
 """
 
 from __future__ import annotations
@@ -48,3 +53,11 @@ def install() -> None:
 
     dataset_utils.compile_helpers = _use_prebuilt_dataset_helpers
     _installed = True
+
+
+def ensure_global_memory_buffer() -> None:
+    """Create ``parallel_state``'s global memory buffer unless it exists (Gap 2)."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()

@@ -13,9 +13,14 @@ from types import MappingProxyType
 
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
     default_embedding_ranks,
     default_position_embedding_ranks,
+)
+from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+from megatron.core.pipeline_parallel.multimodule_communicator import (
+    MultiModulePipelineCommunicator,
 )
 from megatron.core.process_groups_config import (
     MultiModuleProcessGroupCollection,
@@ -102,8 +107,10 @@ class HeteroTopology:
         return MappingProxyType(self.pg_collection.module_pgs)
 
     def destroy(self) -> None:
-        """Destroy every group this topology created on this rank; safe to call twice."""
+        """Destroy every group this topology or its pipeline communicator created; safe twice."""
         _destroy(self.grids, self._embedding_groups)
+        BridgeCommunicator.destroy_broadcast_pgs()
+        BridgeCommunicator.destroy_bridge_pgs()
 
 
 def _destroy(grids: Mapping[str, HyperCommGrid], embedding_groups: list[dist.ProcessGroup]) -> None:
@@ -184,3 +191,20 @@ def build_topology(layout: ParallelLayout, backend: str | None = None) -> Hetero
         language_model_module_name=LANGUAGE if LANGUAGE in module_pgs else None,
     )
     return HeteroTopology(layout, grids, carrier, embedding)
+
+
+def pipeline_communicator(topology: HeteroTopology,
+                          config: ModelParallelConfig) -> MultiModulePipelineCommunicator:
+    """The schedule's cross-grid communicator: every encoder feeds the language model.
+
+    Encoders hand over ``[tokens, hidden]`` (batch folded into dim 0, split per sample by the
+    bridge); language stages pass ``[seq, batch, hidden]``. Collective: call on every rank.
+    """
+    encoders = [module.name for module in topology.layout.encoders]
+    return MultiModulePipelineCommunicator(
+        dict(topology.grids),
+        {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []},
+        config,
+        dim_mapping={"s": 0, "b": 1, "h": 2},
+        module_output_ndim={name: 2 for name in encoders},
+    )

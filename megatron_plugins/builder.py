@@ -1,0 +1,167 @@
+"""The MiMo model builder that stock ``pretrain()`` calls through ``ModelConfig.builder``.
+
+``MimoBuildConfig`` is what goes into ``cfg.model``: its serialized fields describe the model
+(stock language config, encoder providers, special tokens, seed, freezing); the live topology and
+encoder plugins ride along in underscore fields, which Megatron never writes to checkpoints.
+``MimoModelBuilder`` seeds this rank's module, builds the rank-local ``MimoModel`` (only that
+module is instantiated), runs the pre/post wrap hooks, applies the distributed lifecycle,
+installs cross-grid gradient sync and sets what the stock loop reads from the model
+(``pg_collection``, ``rng_state_key_prefix``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, ClassVar
+
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.enums import ModelType
+from megatron.core.models.mimo import MimoModel, MimoModelConfig
+from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
+
+from megatron_plugins.encoders import EncoderPlugin
+from megatron_plugins.grad_sync import install_grad_sync
+from megatron_plugins.language import language_model_spec
+from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.lifecycle import Freeze, prepare_active_modules
+from megatron_plugins.rng import rng_state_key_prefix, seed_module
+from megatron_plugins.topology import HeteroTopology
+
+
+@dataclass
+class MimoBuildConfig(ModelConfig):
+    """Everything needed to build one rank's part of a heterogeneous MiMo model."""
+
+    builder: ClassVar[str] = "megatron_plugins.builder.MimoModelBuilder"
+
+    language: ModelConfig | None = None
+    """Stock language-model config (``GPTModelConfig`` or ``HybridModelConfig``)."""
+    encoders: dict[str, str] = field(default_factory=dict)
+    """Encoder module name -> provider, in layout order."""
+    special_token_ids: dict[str, int] = field(default_factory=dict)
+    """Token id that marks each encoder's positions in the language input."""
+    seed: int = 1234
+    inference_rng_tracker: bool = False
+    freeze_language_model: bool = False
+    freeze_encoders: list[str] = field(default_factory=list)
+    freeze_projections: list[str] = field(default_factory=list)
+    encoder_overlap_grad_reduce: bool | None = None
+    """Overlapped grad reduction for encoders; None follows the stock ``--overlap-grad-reduce``."""
+
+    _topology: HeteroTopology | None = None
+    _plugins: dict[str, EncoderPlugin] = field(default_factory=dict)
+
+    def encoder_configs(self) -> dict[str, TransformerConfig]:
+        """Each encoder's TransformerConfig, derived from the language model's numerics."""
+        return {name: plugin.transformer_config(self.language.transformer)
+                for name, plugin in self._plugins.items()}
+
+
+class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
+    """Builds the rank-local ``MimoModel``; the ``pg_collection`` stock passes is the carrier and
+    is not needed: every group comes from the config's topology."""
+
+    def _topology(self) -> HeteroTopology:
+        topology = self._model_config._topology
+        if topology is None:
+            raise RuntimeError(
+                "MimoBuildConfig._topology is unset: build the topology "
+                "(megatron_plugins.topology.build_topology) and attach it before pretrain()"
+            )
+        return topology
+
+    def build_model(self, pg_collection: Any = None, pre_process: bool | None = None,
+                    post_process: bool | None = None, vp_stage: int | None = None,
+                    encoder_configs: dict[str, TransformerConfig] | None = None) -> MimoModel:
+        """This rank's ``MimoModel``: specs for every module, only the active one instantiated."""
+        cfg = self._model_config
+        topology = self._topology()
+        module_pgs = topology.module_pgs
+        configs = encoder_configs or cfg.encoder_configs()
+        hidden = cfg.language.transformer.hidden_size
+        mimo_config = MimoModelConfig(
+            language_model_spec=language_model_spec(cfg.language, module_pgs.get(LANGUAGE)),
+            modality_submodules_spec={
+                name: plugin.submodule_spec(configs[name], hidden, module_pgs.get(name))
+                for name, plugin in cfg._plugins.items()
+            },
+            special_token_ids=dict(cfg.special_token_ids),
+            module_to_grid_map=dict(topology.grids),
+        )
+        language_pgc = module_pgs.get(LANGUAGE)
+        return MimoModel(mimo_config,
+                         cp_group=language_pgc.cp if language_pgc else None,
+                         tp_group=language_pgc.tp if language_pgc else None)
+
+    def build_distributed_models(
+        self,
+        pg_collection: Any = None,
+        ddp_config: DistributedDataParallelConfig | None = None,
+        overlap_param_gather_with_optimizer_step: bool = False,
+        use_megatron_fsdp: bool = False,
+        use_torch_fsdp2: bool = False,
+        wrap_with_ddp: bool = True,
+        data_parallel_random_init: bool = False,
+        mixed_precision_wrapper: Callable[[Any, MegatronModule], MegatronModule] | None = Float16Module,
+        model_type: ModelType = ModelType.encoder_or_decoder,
+    ) -> list[MimoModel]:
+        """Seed, build, wrap and hook up this rank's module; returns ``[mimo_model]``."""
+        cfg = self._model_config
+        topology = self._topology()
+        language = cfg.language.transformer
+        if not language.calculate_per_token_loss:
+            raise ValueError(
+                "MiMo training normalizes every module by one global token count: pass "
+                "--calculate-per-token-loss (the MiMo entry point sets it)"
+            )
+        if use_megatron_fsdp or use_torch_fsdp2:
+            raise ValueError("--use-megatron-fsdp / --use-torch-fsdp2 are not supported for "
+                             "heterogeneous MiMo yet; use DDP (optionally with "
+                             "--use-distributed-optimizer)")
+        for name in topology.active_modules:
+            seed_module(topology, name, cfg.seed, SimpleNamespace(
+                data_parallel_random_init=data_parallel_random_init,
+                te_rng_tracker=language.use_te_rng_tracker,
+                inference_rng_tracker=cfg.inference_rng_tracker,
+                cuda_graph_impl=language.cuda_graph_impl,
+            ))
+        configs = cfg.encoder_configs()
+        meta = torch.device("meta") if language.init_model_with_meta_device else None
+        with meta or contextlib.nullcontext():
+            model = self.build_model(encoder_configs=configs)
+        model = _single(compose_hooks(cfg.pre_wrap_hooks)([model]), "pre_wrap_hooks")
+
+        module_pgs = topology.module_pgs
+        ddp_configs = {}
+        if ddp_config is not None:
+            for name in module_pgs:
+                overlap = cfg.encoder_overlap_grad_reduce
+                if name == LANGUAGE or overlap is None:
+                    overlap = ddp_config.overlap_grad_reduce
+                ddp_configs[name] = DistributedDataParallelConfig(
+                    **{**vars(ddp_config), "overlap_grad_reduce": overlap}
+                )
+        prepare_active_modules(
+            model, module_pgs, {LANGUAGE: language, **configs}, ddp_configs,
+            freeze=Freeze(language_model=cfg.freeze_language_model,
+                          encoders=frozenset(cfg.freeze_encoders),
+                          projections=frozenset(cfg.freeze_projections)),
+            wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
+            overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
+        )
+        install_grad_sync(model, module_pgs)
+        [active] = topology.active_modules
+        model.pg_collection = module_pgs[active]
+        model.rng_state_key_prefix = rng_state_key_prefix(active)
+        return [_single(compose_hooks(cfg.post_wrap_hooks)([model]), "post_wrap_hooks")]
+
+
+def _single(models: list[MimoModel], hooks: str) -> MimoModel:
+    if len(models) != 1 or not isinstance(models[0], MimoModel):
+        raise ValueError(f"MimoBuildConfig.{hooks} must return [the MimoModel] (one chunk)")
+    return models[0]

@@ -1,0 +1,146 @@
+"""The encoder plugin interface: one class per modality, written in the user's own file if need be.
+
+A plugin declares its flags, builds its Megatron module spec (the encoder network, then a
+projection to the language model's hidden size), says how many language-model positions one
+sample's encoder output fills, and makes one sample's inputs for the mock data. The MiMo builder,
+the data module and the layout checks only talk to this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+from typing import ClassVar
+
+import torch
+from megatron.core.models.mimo.submodules.base import ModalitySubmodules
+from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_plugins.layout import ModuleGrid
+
+NUMERICS = (
+    "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype", "use_cpu_initialization",
+    "perform_initialization", "init_method_std", "init_model_with_meta_device",
+    "calculate_per_token_loss", "attention_dropout", "hidden_dropout",
+    "gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
+    "bias_dropout_fusion", "persist_layer_norm", "deterministic_mode", "transformer_impl",
+    "attention_backend", "barrier_with_L1_time", "layernorm_epsilon",
+    "attention_softmax_in_fp32", "variable_seq_lengths", "moe_token_dispatcher_type",
+    "use_te_rng_tracker",
+)
+"""TransformerConfig fields an encoder copies from the language model: numerics, not shape."""
+
+
+class EncoderPluginError(ValueError):
+    """An encoder plugin that cannot be used; the message names the flag to fix."""
+
+
+def encoder_config(language: TransformerConfig, grid: ModuleGrid, **shape: object) -> TransformerConfig:
+    """An encoder's TransformerConfig: its own shape (``shape`` fields) and TP, the LM's numerics.
+
+    Copying precision, initialization and per-token-loss settings from the language model is what
+    makes encoder gradients mean the same thing as language gradients once they cross the grid
+    boundary (DDP scales by 1/dp unless ``calculate_per_token_loss`` is set on *each* module).
+    """
+    numerics = {name: getattr(language, name) for name in NUMERICS}
+    return TransformerConfig(**numerics, **shape, tensor_model_parallel_size=grid.tp,
+                             expert_tensor_parallel_size=grid.tp)
+
+
+class EncoderPlugin(abc.ABC):
+    """One encoder modality of a MiMo model.
+
+    Subclass it, implement the abstract members, and launch with
+    ``--encoder NAME=package.module:YourPlugin --grid NAME:tp=...,dp=...``. ``name`` is the
+    module name from ``--encoder``; ``grid`` is its parallel split (``grid.tp`` ranks shard it).
+    """
+
+    submodules_class: ClassVar[type[ModalitySubmodules]] = VisionModalitySubmodules
+    """Megatron's container for this modality's encoder and projection."""
+
+    def __init__(self, name: str, args: argparse.Namespace, grid: ModuleGrid) -> None:
+        self.name = name
+        self.args = args
+        self.grid = grid
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Register this plugin's flags (once per class, shared by encoders of the same class)."""
+
+    @property
+    @abc.abstractmethod
+    def num_attention_heads(self) -> int:
+        """Attention heads of the encoder; the encoder's ``--grid`` tp must divide it."""
+
+    @property
+    @abc.abstractmethod
+    def tokens_per_sample(self) -> int:
+        """Language-model positions one sample's encoder output fills (its special tokens)."""
+
+    @abc.abstractmethod
+    def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
+        """The encoder's config; build it with :func:`encoder_config` to share the LM's numerics."""
+
+    @abc.abstractmethod
+    def encoder_spec(self, config: TransformerConfig,
+                     pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        """The encoder network; called with the inputs of :meth:`sample_inputs`, batched.
+
+        It returns ``[batch, tokens_per_sample, config.hidden_size]`` (or that flattened to
+        ``[batch * tokens_per_sample, hidden]``). ``pg_collection`` is None on ranks that never
+        build it.
+        """
+
+    @abc.abstractmethod
+    def sample_inputs(self, generator: torch.Generator, label: int) -> dict[str, torch.Tensor]:
+        """Keyword inputs of the encoder for one mock sample of class ``label``.
+
+        Draw only from ``generator``: it is seeded from the sample's global index, which is what
+        keeps encoder and language ranks on the same sample under any DP layout.
+        """
+
+    def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
+                        pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        """A two-layer MLP from the encoder's hidden size to the language model's, sharded on TP."""
+        projection = TransformerConfig(
+            **{name: getattr(config, name) for name in NUMERICS},
+            num_layers=1, hidden_size=language_hidden_size, ffn_hidden_size=language_hidden_size,
+            num_attention_heads=1, tensor_model_parallel_size=config.tensor_model_parallel_size,
+            expert_tensor_parallel_size=config.tensor_model_parallel_size,
+        )
+        if config.transformer_impl == "transformer_engine":
+            from megatron.core.extensions.transformer_engine import (
+                TEColumnParallelLinear,
+                TERowParallelLinear,
+            )
+
+            linears = MLPSubmodules(linear_fc1=TEColumnParallelLinear,
+                                    linear_fc2=TERowParallelLinear)
+        else:
+            linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        return ModuleSpec(
+            module=MultimodalProjector,
+            params={"config": projection, "projector_type": "mlp",
+                    "input_size": config.hidden_size, "pg_collection": pg_collection},
+            submodules=linears,
+        )
+
+    def submodule_spec(self, config: TransformerConfig, language_hidden_size: int,
+                       pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        """The whole modality for ``MimoModelConfig.modality_submodules_spec``."""
+        return ModuleSpec(
+            module=self.submodules_class,
+            params={"pg_collection": pg_collection},
+            submodules={
+                "encoders": {self.name: self.encoder_spec(config, pg_collection)},
+                "input_projections": [
+                    self.projection_spec(config, language_hidden_size, pg_collection)
+                ],
+            },
+        )

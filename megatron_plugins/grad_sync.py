@@ -1,0 +1,107 @@
+"""Gradient finalization across disjoint grids: per-module reductions, one global token count.
+
+The stock schedule calls ``config.finalize_model_grads_func([mimo_model], num_tokens, ...)`` once
+per step on every rank. Here each active module finalizes on its own groups with stock
+``finalize_model_grads`` (DP reduce, TP-replicated and embedding reductions), then every rank
+divides its gradients by the same global token count. That count has one source, the language
+model's last pipeline stage (tensor rank 0 of each DP x CP replica), and is summed world-wide, so
+encoder gradients are normalized exactly like language gradients whatever the encoder DP, the
+language DP, TP or PP are. A per-module normalizer is the silent encoder_dp / llm_dp bug.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.models.mimo import MimoModel
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import unwrap_model
+
+from megatron_plugins.layout import LANGUAGE
+
+
+def _active_modules(model: MimoModel, names: Mapping[str, object]) -> Iterator[tuple[str, torch.nn.Module]]:
+    for name in names:
+        yield name, model.language_model if name == LANGUAGE else model.modality_submodules[name]
+
+
+def counts_tokens(module_pgs: Mapping[str, ProcessGroupCollection]) -> bool:
+    """Whether this rank is the one source of its replica's token count (see module docstring)."""
+    language = module_pgs.get(LANGUAGE)
+    return language is not None and is_pp_last_stage(language.pp) and language.tp.rank() == 0
+
+
+class CrossGridGradSync:
+    """The ``finalize_model_grads_func`` and ``no_sync_func`` a MiMo model's config carries.
+
+    ``no_sync`` is re-entrant safe: if a step raised inside the schedule's no-sync window (the
+    stock schedule does not exit it on error), the next step's entry, or finalization, closes the
+    stale window first, so DDP hooks are never left disabled.
+    """
+
+    def __init__(self, model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection]) -> None:
+        self._model = model
+        self._module_pgs = dict(module_pgs)
+        self._counts_tokens = counts_tokens(module_pgs)
+        self._open: contextlib.ExitStack | None = None
+
+    def _close(self) -> None:
+        if self._open is not None:
+            stack, self._open = self._open, None
+            stack.close()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Hold back DDP's overlapped grad reduction of every active module (all but the last
+        microbatch)."""
+        self._close()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._model.no_sync())
+        self._open = stack
+        try:
+            yield
+        finally:
+            self._close()
+
+    def global_token_count(self, num_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Tokens of the whole global batch, identical on every rank (one world all-reduce)."""
+        if num_tokens is None:
+            raise RuntimeError(
+                "MiMo gradient finalization needs per-token loss: the language config must have "
+                "calculate_per_token_loss=True (the MiMo entry point sets it)"
+            )
+        local = num_tokens if self._counts_tokens else torch.zeros_like(num_tokens)
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        return total
+
+    def finalize(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None,
+                 pg_collection: object = None, force_all_reduce: bool = False) -> None:
+        """Stock per-module finalization, then division by the global token count."""
+        self._close()
+        assert unwrap_model(model[0]) is self._model, "grad sync installed on another model"
+        modules = list(_active_modules(self._model, self._module_pgs))
+        for name, module in modules:
+            finalize_model_grads([module], None, pg_collection=self._module_pgs[name],
+                                 force_all_reduce=force_all_reduce)
+        scaling = 1.0 / torch.clamp(self.global_token_count(num_tokens), min=1)
+        for _, module in modules:
+            module.scale_gradients(scaling)
+
+
+def install_grad_sync(model: MimoModel,
+                      module_pgs: Mapping[str, ProcessGroupCollection]) -> CrossGridGradSync:
+    """Point the model config's finalize/no-sync hooks at a :class:`CrossGridGradSync`.
+
+    Stock ``train()`` keeps a finalize function already set on the config; its own no-sync
+    function is only installed for DDP-wrapped chunks, which a MimoModel is not.
+    """
+    sync = CrossGridGradSync(model, module_pgs)
+    model.config.finalize_model_grads_func = sync.finalize
+    model.config.no_sync_func = sync.no_sync
+    return sync

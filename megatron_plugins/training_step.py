@@ -1,0 +1,48 @@
+"""The ``forward_step_func`` stock ``pretrain()`` runs for a MiMo model, and its per-token loss.
+
+Encoder ranks feed their inputs and hand their outputs to the schedule (which sends them across
+the grid); language ranks feed text and, on the last stage, return the summed token loss and the
+token count. The loss is never divided here: the global token count divides the gradients once
+(see :mod:`megatron_plugins.grad_sync`) and the logged ``lm loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+
+def _to_device(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cuda(non_blocking=True)
+    if isinstance(value, Mapping):
+        return {key: _to_device(item) for key, item in value.items()}
+    return value
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Summed masked token loss, token count, and the stock two-element ``lm loss`` report."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = torch.cat([loss.detach().clone().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+                 ) -> tuple[Any, Callable]:
+    """One microbatch through this rank's part of the MiMo model."""
+    batch = _to_device(next(data_iterator))
+    output, loss_mask = model(
+        input_ids=batch.get("tokens"),
+        position_ids=batch.get("position_ids"),
+        attention_mask=batch.get("attention_mask"),
+        loss_mask=batch.get("loss_mask"),
+        labels=batch.get("labels"),
+        modality_inputs=batch.get("modality_inputs"),
+    )
+    return output, partial(loss_func, loss_mask)

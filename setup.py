@@ -24,6 +24,8 @@ setup(
         "einops==0.8.1",
         "omegaconf==2.3.0",
         "pyyaml>=6.0",
+        # Megatron's distributed checkpoint writer imports it at save time.
+        "psutil==7.2.2",
     ],
     extras_require={
         # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.

@@ -166,9 +166,10 @@ def start(run: MimoRun) -> MimoSession:
     set_global_variables(args)
     if torch.cuda.device_count() > 0 and not cpu_simulation.is_active():
         torch.cuda.set_device(args.local_rank)
-    dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
-                            world_size=args.world_size,
-                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
+                                world_size=args.world_size,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
     topology = build_topology(run.layout)
     megatron_compat.ensure_global_memory_buffer()
     language = language_config_from_args(args)

@@ -23,6 +23,7 @@ from megatron.training.models.dist_utils import (
     prepare_existing_model_chunks_for_distributed_training,
 )
 
+from megatron_plugins import megatron_compat
 from megatron_plugins.layout import LANGUAGE
 
 
@@ -101,6 +102,7 @@ def prepare_active_modules(
         else:
             module, wrapper = model.modality_submodules[name], None
         _freeze(module, name, freeze)
+        megatron_compat.bind_tp_group(module, pgc.tp)
         if name != LANGUAGE:
             module = EncoderPrecisionWrapper(configs[name], module)
         [prepared] = prepare_existing_model_chunks_for_distributed_training(

@@ -13,11 +13,18 @@ Gap 2 (disjoint grids): the local attention kernel borrows scratch space from
 ``parallel_state``'s global memory buffer, which only ``initialize_model_parallel`` creates. With
 ``skip_model_parallel_init=True`` (every heterogeneous run) nothing creates it, so the first local
 attention forward asserts. :func:`ensure_global_memory_buffer` creates it, once.
+
+Gap 3 (explicit groups in checkpoints): ``MegatronModule.sharded_state_dict`` shards a module's
+own parameters on ``self.tp_group`` and falls back to ``parallel_state``'s (uninitialized on
+disjoint grids) when a module has none, as ``CLIPViTModel`` and other modules not yet ported to
+explicit process groups do. :func:`bind_tp_group` gives every such module its grid's TP group.
 """
 
 from __future__ import annotations
 
 import importlib
+
+import torch
 
 _installed = False
 
@@ -61,3 +68,12 @@ def ensure_global_memory_buffer() -> None:
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
+
+
+def bind_tp_group(module: torch.nn.Module, tp_group: torch.distributed.ProcessGroup) -> None:
+    """Give every ``MegatronModule`` inside ``module`` lacking a ``tp_group`` this one (Gap 3)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    for child in module.modules():
+        if isinstance(child, MegatronModule) and not hasattr(child, "tp_group"):
+            child.tp_group = tp_group

@@ -184,10 +184,12 @@ def derive_optimizer_configs(
     }
     settings = _bf16_settings(current, explicit)
     require_te_fused_adam()
-    # Chosen fields come back with the values they have (conflicting ones raised above).
-    grad_reduce_in_fp32 = settings.pop("grad_reduce_in_fp32")
-    return (dataclasses.replace(optimizer, **settings),
-            dataclasses.replace(ddp, grad_reduce_in_fp32=grad_reduce_in_fp32))
+    # Chosen fields come back with the values they have (conflicting ones raised above). Stock
+    # also copies --use-precision-aware-optimizer into this DDP field (get_megatron_ddp_config);
+    # only Megatron-FSDP reads it, but the result equals what stock builds from the same flags.
+    ddp_settings = {"grad_reduce_in_fp32": settings.pop("grad_reduce_in_fp32"),
+                    "megatron_fsdp_use_decoupled_grad": True}
+    return dataclasses.replace(optimizer, **settings), dataclasses.replace(ddp, **ddp_settings)
 
 
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -110,8 +110,10 @@ class EncoderPlugin(abc.ABC):
         """A two-layer MLP from the encoder's hidden size to the language model's, sharded on TP."""
         projection = TransformerConfig(
             **{name: getattr(config, name) for name in NUMERICS},
+            # The projector is an MLP: one layer and one head per TP rank only satisfy the checks.
             num_layers=1, hidden_size=language_hidden_size, ffn_hidden_size=language_hidden_size,
-            num_attention_heads=1, tensor_model_parallel_size=config.tensor_model_parallel_size,
+            num_attention_heads=config.tensor_model_parallel_size,
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
             expert_tensor_parallel_size=config.tensor_model_parallel_size,
         )
         if config.transformer_impl == "transformer_engine":

@@ -120,7 +120,9 @@ def test_bf16_sets_exactly_the_precision_aware_fields(fake_te):
         "exp_avg_sq_dtype": BF16,
     }
     assert new_optimizer.main_params_dtype == FP32
-    assert _changed(ddp, new_ddp) == {"grad_reduce_in_fp32": False}
+    # The second field is stock's copy of use_precision_aware_optimizer (Megatron-FSDP only).
+    assert _changed(ddp, new_ddp) == {"grad_reduce_in_fp32": False,
+                                      "megatron_fsdp_use_decoupled_grad": True}
     # Stock __post_init__ ran on the result: its derived flag routes grads to decoupled_grad.
     assert new_optimizer.use_precision_aware_optimizer_no_fp8_or_ds_fp8 is True
     assert optimizer.use_precision_aware_optimizer is False and ddp.grad_reduce_in_fp32 is True
@@ -306,6 +308,8 @@ def test_flag_needs_the_distributed_optimizer():
 
 
 def test_import_touches_neither_torch_nor_megatron():
+    # A fresh interpreter: in this one the module is already imported, and a re-import would
+    # repeat an idempotent patch unseen.
     code = (
         "import sys, torch\n"
         "before = {name: id(value) for name, value in vars(torch).items()}\n"
@@ -315,4 +319,4 @@ def test_import_touches_neither_torch_nor_megatron():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=120, check=True)
-    assert result.stdout.strip() == "True []"
+    assert result.stdout.strip() == "True []"  # torch as it was; no Megatron module loaded

@@ -1,0 +1,100 @@
+"""MiMo training runs through examples/mimo/pretrain_mimo.py's code path, for tests.
+
+``train_mimo`` runs the entry point's own steps (parse, start, stock ``pretrain()``) in N spawned
+gloo processes and returns the logged ``lm loss`` per iteration plus, per rank, what the test
+asked to observe (trained parameters of the rank's module, gradient reductions per step).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from tests.multiprocess import run_in_processes
+from tests.tensorboard_scalars import read_scalars
+
+TINY_MIMO = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--make-vocab-size-divisible-by", "1", "--transformer-impl", "local",
+    "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "5", "--seed", "1234",
+    "--distributed-backend", "gloo", "--num-workers", "0", "--cpu-simulation",
+]
+
+
+def _count_grad_reductions() -> dict[str, int]:
+    """Count DDP bucket-group reductions, keyed by the size of the group they reduce over."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    counts: dict[str, int] = {"calls": 0}
+    stock = _ParamAndGradBucketGroup.start_grad_sync
+
+    def counting(self, *args, **kwargs):
+        counts["calls"] += 1
+        return stock(self, *args, **kwargs)
+
+    _ParamAndGradBucketGroup.start_grad_sync = counting
+    return counts
+
+
+def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool) -> dict[str, Any]:
+    """One rank of a MiMo run; returns its module name and what was asked to observe."""
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron.training import pretrain
+
+    from megatron_plugins import megatron_compat
+    from megatron_plugins.launch import parse_mimo_args, pretrain_kwargs, start
+
+    run = parse_mimo_args(argv)
+    megatron_compat.install()
+    session = start(run)
+    [module] = session.topology.active_modules
+    models: list[Any] = []
+    session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
+    reductions = _count_grad_reductions() if count_reductions else None
+    try:
+        pretrain(**pretrain_kwargs(session))
+    finally:
+        session.topology.destroy()
+    result: dict[str, Any] = {"module": module}
+    if observe_params:
+        [mimo] = models
+        part = mimo.language_model if module == "language" else mimo.modality_submodules[module]
+        result["params"] = {name: p.detach().float().numpy().copy()
+                            for name, p in part.named_parameters()}
+    if reductions is not None:
+        result["reductions"] = reductions["calls"]
+    return result
+
+
+def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (),
+               observe_params: bool = False, count_reductions: bool = False,
+               timeout: float = 150.0) -> tuple[dict[int, float], list[dict[str, Any]]]:
+    """Train the tiny MiMo model on ``nproc`` ranks; (lm loss per iteration, per-rank results)."""
+    logdir = tempfile.mkdtemp(prefix="mimo-")
+    argv = [*TINY_MIMO, *extra, *flags, "--tensorboard-dir", logdir]
+    results = run_in_processes(train_mimo_rank, nproc, timeout=timeout,
+                               args=(argv, observe_params, count_reductions))
+    return read_scalars(logdir, "lm loss"), results
+
+
+@lru_cache(maxsize=None)
+def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[int, float], list]:
+    """Memoized :func:`train_mimo` with trained parameters, shared by several assertions."""
+    return train_mimo(nproc, flags, observe_params=True)
+
+
+def module_params(results: list[dict[str, Any]], module: str) -> dict[str, np.ndarray]:
+    """The trained parameters of ``module`` from its first rank."""
+    return next(r["params"] for r in results if r["module"] == module)

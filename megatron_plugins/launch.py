@@ -117,12 +117,6 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     layout = layout_from_args(
         args, args.world_size, {name: p.num_attention_heads for name, p in plugins.items()}
     )
-    if layout.modules[-1].name != "language":
-        raise LayoutError(
-            f"{layout.language.source} must come last: Megatron logs losses and TensorBoard "
-            "from the last rank, which must be a language rank; put --grid language after the "
-            "encoders' --grid flags"
-        )
     _check_freeze(args, layout)
     for module in layout.encoders:
         encoder_micro_batch_size(layout, module.name, args.micro_batch_size)

@@ -2,7 +2,8 @@
 
 Every module (each encoder, and the language model under the fixed MiMo key ``"language"``) owns
 a disjoint, consecutive rank range with its own TP/CP/DP/PP (and, for the language model, EP and
-expert TP). Modules take ranks in the order their ``--grid`` flags are given.
+expert TP). Modules take ranks in the order their ``--grid`` flags are given; the language model
+comes last, because stock Megatron reports losses from the last rank.
 
 Everything here is pure Python and runs before any process group exists, so a bad layout fails
 identically on every rank with one :class:`LayoutError` naming the flag to fix.
@@ -183,6 +184,12 @@ class ParallelLayout:
                     f"{expected_offset}; modules must tile the ranks consecutively in --grid order"
                 )
             expected_offset += module.size
+            if module.name == LANGUAGE and module is not self.modules[-1]:
+                raise LayoutError(
+                    f"{module.source} must come last: Megatron logs losses and TensorBoard "
+                    "from the last rank, which must be a language rank; give --grid "
+                    f"{LANGUAGE} after the encoders' --grid flags"
+                )
             if (module.name == LANGUAGE) != (module.provider is None):
                 raise LayoutError(
                     f"{module.source}: every encoder needs a provider (--encoder "

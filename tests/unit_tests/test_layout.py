@@ -56,6 +56,8 @@ BAD_LAYOUTS = [
     ("grid-without-encoder", "--encoder v=vit --grid v: --grid a: --grid language:", 3, {}, None,
      "--grid a has no --encoder"),
     ("no-language", "--encoder v=vit --grid v:dp=2", 2, {}, None, "--grid language is missing"),
+    ("language-not-last", "--encoder v=vit --grid language: --grid v:", 2, {}, None,
+     "--grid language must come last"),
     ("encoder-called-language", "--encoder language=vit --grid language:", 1, {}, None,
      "--encoder language=vit"),
     ("expert-tiling", "--grid language:tp=2,ep=4", 2, {"num_experts": 8}, None,
@@ -122,19 +124,19 @@ def test_layout_error_is_a_value_error():
 
 def test_grids_take_consecutive_ranks_in_flag_order():
     layout = layout_from_args(
-        parse("--encoder a=audio --encoder v=pkg.enc:build --grid language:tp=2,pp=2 "
-              "--grid v:dp=2 --grid a:tp=2,dp=2", num_attention_heads=4),
+        parse("--encoder a=audio --encoder v=pkg.enc:build --grid v:dp=2 "
+              "--grid a:tp=2,dp=2 --grid language:tp=2,pp=2", num_attention_heads=4),
         10,
     )
-    assert [m.name for m in layout.modules] == [LANGUAGE, "v", "a"]
-    assert [(m.rank_offset, m.size) for m in layout.modules] == [(0, 4), (4, 2), (6, 4)]
+    assert [m.name for m in layout.modules] == ["v", "a", LANGUAGE]
+    assert [(m.rank_offset, m.size) for m in layout.modules] == [(0, 2), (2, 4), (6, 4)]
     assert layout.world_size == 10
-    assert layout.language is layout.modules[0]
+    assert layout.language is layout.modules[-1]
     assert [m.name for m in layout.encoders] == ["v", "a"]
     assert layout.module("v").provider == "pkg.enc:build"
     assert layout.language.provider is None
     assert [layout.module_of_rank(r).name for r in range(10)] == (
-        [LANGUAGE] * 4 + ["v"] * 2 + ["a"] * 4
+        ["v"] * 2 + ["a"] * 4 + [LANGUAGE] * 4
     )
     with pytest.raises(ValueError):
         layout.module_of_rank(10)

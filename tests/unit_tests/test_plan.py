@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from megatron_plugins.plan import main
 from tests.multiprocess import REPO_ROOT
@@ -61,3 +65,18 @@ def test_plan_launches_and_imports_nothing_heavy():
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+LAUNCHERS = sorted((REPO_ROOT / "examples" / "mimo" / "scripts").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=[path.stem for path in LAUNCHERS])
+def test_gpu_launchers_pass_the_planning_view(script):
+    env = {**os.environ, "MIMO_PLAN_ONLY": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    world = int(result.stdout.split()[1])
+    assert world == len([line for line in result.stdout.splitlines() if line.startswith("rank ")])
+    assert world >= 8

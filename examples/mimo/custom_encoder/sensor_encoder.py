@@ -1,0 +1,70 @@
+"""A user-defined encoder in its own file: sensor readings -> one LM token per window.
+
+Nothing in megatron_plugins changes to use it. Put this folder on PYTHONPATH and launch with
+
+    PYTHONPATH=examples/mimo/custom_encoder torchrun --nproc-per-node 3 \\
+        examples/mimo/pretrain_mimo.py --cpu-simulation \\
+        --encoder sensors=sensor_encoder:SensorEncoder --grid sensors:dp=1 \\
+        --grid language:dp=2 --sensor-windows 4 <stock Megatron flags>
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_plugins.encoders import EncoderPlugin, encoder_config
+
+
+class WindowMLP(MegatronModule):
+    """Embeds each window of readings on its own: ``[batch, windows, width] -> [.., hidden]``."""
+
+    def __init__(self, config: TransformerConfig, width: int) -> None:
+        super().__init__(config=config)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, config.hidden_size), torch.nn.GELU(),
+            torch.nn.Linear(config.hidden_size, config.hidden_size),
+        )
+
+    def forward(self, readings: torch.Tensor) -> torch.Tensor:
+        return self.mlp(readings)
+
+
+class SensorEncoder(EncoderPlugin):
+    """Fixed-rate sensor readings cut into windows."""
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("sensor encoder (examples/mimo/custom_encoder)")
+        group.add_argument("--sensor-windows", type=int, default=4)
+        group.add_argument("--sensor-window-width", type=int, default=12)
+        group.add_argument("--sensor-hidden-size", type=int, default=32)
+
+    @property
+    def num_attention_heads(self) -> int:
+        return 1  # no attention: any encoder tp divides it only at tp=1
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.args.sensor_windows
+
+    def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
+        return encoder_config(language, self.grid, num_layers=1,
+                              hidden_size=self.args.sensor_hidden_size, num_attention_heads=1)
+
+    def encoder_spec(self, config: TransformerConfig,
+                     pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        return ModuleSpec(module=WindowMLP,
+                          params={"config": config, "width": self.args.sensor_window_width})
+
+    def sample_inputs(self, generator: torch.Generator, label: int) -> dict[str, torch.Tensor]:
+        """A sine whose frequency is the class, sampled with noise."""
+        steps = self.args.sensor_windows * self.args.sensor_window_width
+        t = torch.arange(steps, dtype=torch.float32) / steps
+        signal = torch.sin(2 * torch.pi * (label + 1) * t) + 0.1 * torch.randn(steps, generator=generator)
+        return {"readings": signal.view(self.args.sensor_windows, self.args.sensor_window_width)}

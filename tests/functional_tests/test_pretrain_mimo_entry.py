@@ -1,0 +1,93 @@
+"""examples/mimo/pretrain_mimo.py as users run it: torchrun, the README command, bad flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.mimo_runs import TINY_MIMO
+from tests.multiprocess import REPO_ROOT, run_in_processes, run_script
+from tests.tensorboard_scalars import read_scalars
+
+SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
+
+
+def test_readme_main_command_trains_evaluates_and_checkpoints(tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = subprocess.run(["bash", "scripts/run_default.sh"], cwd=REPO_ROOT, text=True,
+                            env={**os.environ, "MIMO_RUN_DIR": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert time.monotonic() - start < 180
+    losses = read_scalars(tmp_path / "tensorboard", "lm loss")
+    assert sorted(losses)[-1] == 60
+    assert losses[60] < losses[1] - 1.5, losses
+    assert "validation loss at iteration 60 on validation set" in result.stdout
+    assert "validation loss at iteration 60 on test set" in result.stdout
+    checkpoint = tmp_path / "checkpoints"
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
+    assert len(list((checkpoint / "iter_0000060").glob("*.distcp"))) == 3  # one file per rank
+
+
+def test_custom_encoder_from_its_own_file_trains(tmp_path: Path) -> None:
+    run = run_script(
+        SCRIPT,
+        [*TINY_MIMO, "--train-iters", "20", "--lr", "3e-3", "--tensorboard-dir", str(tmp_path),
+         "--encoder", "sensors=sensor_encoder:SensorEncoder", "--sensor-windows", "3",
+         "--grid", "sensors:dp=1", "--grid", "language:dp=2"],
+        nproc=3, timeout=150,
+        env={"PYTHONPATH": f"{REPO_ROOT / 'examples' / 'mimo' / 'custom_encoder'}"},
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    losses = read_scalars(tmp_path, "lm loss")
+    assert losses[20] < losses[1] - 0.5, losses
+
+
+BAD_FLAGS = [
+    (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:tp=3"],
+     "WORLD_SIZE / --nproc-per-node is 3 but the --grid sizes sum to 4"),
+    (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2,zz=1"],
+     "--grid language:dp=2,zz=1: unknown key 'zz'"),
+    (["--encoder", "vision=nope", "--grid", "vision:", "--grid", "language:dp=2"],
+     "--encoder vision=nope: unknown built-in encoder 'nope'"),
+    (["--encoder", "vision=vit", "--grid", "vision:dp=2", "--grid", "language:",
+      "--micro-batch-size", "1", "--global-batch-size", "4"],
+     "--micro-batch-size 1 x --grid language: dp=1 = 1 samples per microbatch cannot be split"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=["world-size", "grid-key",
+                                                           "encoder", "encoder-batch"])
+def test_bad_flags_fail_fast_with_one_line(flags: list[str], message: str) -> None:
+    run = run_script(SCRIPT, [*TINY_MIMO, *flags], nproc=3, timeout=90)
+    assert run.returncode != 0
+    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
+    assert errors and all(error == errors[0] for error in errors), run.output[-3000:]
+    assert message in errors[0]
+    assert "[rank" not in run.output, "a rank printed a traceback"
+    assert run.seconds < 60
+
+
+def _parse_on_rank(flags: list[str]) -> str:
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron_plugins.launch import USAGE_ERRORS, parse_mimo_args
+
+    try:
+        parse_mimo_args([*TINY_MIMO, *flags])
+    except USAGE_ERRORS as error:
+        return str(error)
+    return "no error"
+
+
+def test_every_rank_reaches_the_same_verdict() -> None:
+    flags, message = BAD_FLAGS[1]
+    verdicts = run_in_processes(_parse_on_rank, 3, args=(flags,), timeout=90)
+    assert len(set(verdicts)) == 1 and message in verdicts[0]
+

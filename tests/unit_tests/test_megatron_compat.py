@@ -1,0 +1,75 @@
+"""The wheel bridges close real gaps, and importing the plugin set changes nothing.
+
+Each gap test asserts the gap still exists in the installed megatron-core: when a release closes
+it, the test fails and the bridge is removed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import megatron.core.datasets
+from megatron.core import parallel_state
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_plugins import megatron_compat
+from tests.multiprocess import REPO_ROOT
+
+SNAPSHOT = """
+import importlib, pkgutil, sys, torch, torch.cuda, torch.distributed
+import megatron.core.datasets.utils, megatron.core.parallel_state, megatron.training.initialize
+import megatron.training.training, megatron.core.tensor_parallel.random
+watched = [torch, torch.cuda, torch.cuda.random, torch.distributed,
+           torch.distributed.distributed_c10d, torch.Tensor] + [
+    module for name, module in sorted(sys.modules.items()) if name.startswith("megatron.")]
+def snapshot():
+    return {(getattr(w, "__name__", str(w)), name): id(value)
+            for w in watched for name, value in list(vars(w).items())}
+before = snapshot()
+import megatron_plugins
+names = sorted(m.name for m in pkgutil.walk_packages(megatron_plugins.__path__, "megatron_plugins."))
+for name in names:
+    importlib.import_module(name)
+changed = sorted(key for key, value in snapshot().items() if before.get(key, value) != value)
+print(len(names), changed)
+"""
+
+
+def test_importing_every_plugin_module_changes_nothing_in_torch_or_megatron():
+    result = subprocess.run([sys.executable, "-c", SNAPSHOT], cwd=REPO_ROOT, text=True,
+                            capture_output=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    count, changed = result.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(count) >= 15  # every module of the package was imported
+    assert changed == "[]"
+
+
+def test_gap1_wheel_ships_prebuilt_helpers_but_no_makefile():
+    datasets = Path(megatron.core.datasets.__file__).parent
+    assert not (datasets / "Makefile").exists()
+    assert megatron_compat.prebuilt_dataset_helpers_available()
+
+
+def test_gap2_disjoint_grids_leave_the_global_memory_buffer_unset(monkeypatch):
+    monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    assert not parallel_state.model_parallel_is_initialized()
+    megatron_compat.ensure_global_memory_buffer()
+    buffer = parallel_state.get_global_memory_buffer()
+    megatron_compat.ensure_global_memory_buffer()
+    assert parallel_state.get_global_memory_buffer() is buffer
+
+
+def test_gap3_vit_has_no_explicit_tp_group_and_the_bridge_binds_one():
+    assert "tp_group" not in inspect.getsource(CLIPViTModel)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    outer, inner = MegatronModule(config), MegatronModule(config)
+    outer.inner = inner
+    inner.tp_group = own = object()
+    group = object()
+    megatron_compat.bind_tp_group(outer, group)
+    assert outer.tp_group is group and inner.tp_group is own

@@ -80,17 +80,20 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
 
 def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (),
                observe_params: bool = False, count_reductions: bool = False,
-               timeout: float = 150.0) -> tuple[dict[int, float], list[dict[str, Any]]]:
-    """Train the tiny MiMo model on ``nproc`` ranks; (lm loss per iteration, per-rank results)."""
+               timeout: float = 150.0) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
+    """Train the tiny MiMo model on ``nproc`` ranks.
+
+    Returns the logged ``lm loss`` and ``grad-norm`` per iteration and the per-rank results.
+    """
     logdir = tempfile.mkdtemp(prefix="mimo-")
     argv = [*TINY_MIMO, *extra, *flags, "--tensorboard-dir", logdir]
     results = run_in_processes(train_mimo_rank, nproc, timeout=timeout,
                                args=(argv, observe_params, count_reductions))
-    return read_scalars(logdir, "lm loss"), results
+    return {tag: read_scalars(logdir, tag) for tag in ("lm loss", "grad-norm")}, results
 
 
 @lru_cache(maxsize=None)
-def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[int, float], list]:
+def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[str, dict[int, float]], list]:
     """Memoized :func:`train_mimo` with trained parameters, shared by several assertions."""
     return train_mimo(nproc, flags, observe_params=True)
 

@@ -54,6 +54,15 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
         dist.destroy_process_group()
 
 
+def _deaths(processes: Sequence[mp.Process], skip: Sequence[int]) -> str:
+    """'rank R died with exit code C; ' for each rank that exited abnormally without reporting."""
+    return "".join(
+        f"rank {rank} died with exit code {process.exitcode}; "
+        for rank, process in enumerate(processes)
+        if rank not in skip and process.exitcode not in (None, 0)
+    )
+
+
 def _kill(processes: Sequence[mp.Process]) -> None:
     for process in processes:
         if process.is_alive():
@@ -86,11 +95,9 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float 
             try:
                 rank, ok, value = results.get(timeout=0.2)
             except queue.Empty:
-                for rank, process in enumerate(processes):
-                    if rank not in collected and process.exitcode not in (None, 0):
-                        raise WorkerFailure(
-                            f"rank {rank} died with exit code {process.exitcode} before reporting"
-                        ) from None
+                deaths = _deaths(processes, list(collected))
+                if deaths:
+                    raise WorkerFailure(f"{deaths}before reporting") from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(collected))
                     raise WorkerFailure(
@@ -98,7 +105,10 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float 
                     ) from None
                 continue
             if not ok:
-                raise WorkerFailure(f"rank {rank} raised:\n{value}")
+                # A peer's crash often surfaces first as a collective error on a survivor:
+                # give the crashed rank a moment to be seen, and name it first.
+                time.sleep(1.0)
+                raise WorkerFailure(f"{_deaths(processes, [rank])}rank {rank} raised:\n{value}")
             collected[rank] = value
         for process in processes:
             process.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -225,6 +225,12 @@ class _CpuDeviceMode(TorchFunctionMode):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_accelerator_device(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
+        if func is dist.all_to_all_single:
+            # MoE dispatch moves split sizes to host memory only for CUDA tensors (as numpy);
+            # CPU tensors stay tensors, which c10d does not accept as split sizes.
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
             # Megatron asserts main grads are "torch.cuda.FloatTensor".

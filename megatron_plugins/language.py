@@ -18,6 +18,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
 from megatron.training.models.base import ModelConfig
 
+from megatron_plugins import megatron_compat
+
 
 class LanguageModelError(ValueError):
     """A language model that cannot be built here; the message names the flag."""
@@ -48,6 +50,7 @@ class StockLanguageModel:
     def __new__(cls, config: object, model_config: ModelConfig,
                 pg_collection: ProcessGroupCollection, max_sequence_length: int) -> MegatronModule:
         # ``config`` and ``max_sequence_length`` are read from the spec by MimoModel itself.
+        model_config = megatron_compat.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
         return model_config.get_builder_cls()(model_config).build_model(pg_collection)
 
 

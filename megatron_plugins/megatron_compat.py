@@ -22,7 +22,9 @@ explicit process groups do. :func:`bind_tp_group` gives every such module its gr
 
 from __future__ import annotations
 
+import copy
 import importlib
+from typing import Any
 
 import torch
 
@@ -77,3 +79,21 @@ def bind_tp_group(module: torch.nn.Module, tp_group: torch.distributed.ProcessGr
     for child in module.modules():
         if isinstance(child, MegatronModule) and not hasattr(child, "tp_group"):
             child.tp_group = tp_group
+
+
+def with_explicit_moe_spec(model_config: Any, pp_rank: int) -> Any:
+    """``model_config`` itself, or for a stock-spec MoE GPT a copy with its block spec resolved
+    for pipeline rank ``pp_rank`` (Gap 4)."""
+    transformer = model_config.transformer
+    if (transformer.num_moe_experts is None or model_config.transformer_layer_spec is not None
+            or not hasattr(model_config, "transformer_layer_spec")):
+        return model_config
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    resolved = copy.copy(model_config)
+    resolved.transformer_layer_spec = get_gpt_decoder_block_spec(
+        transformer, use_transformer_engine=transformer.transformer_impl == "transformer_engine",
+        normalization=transformer.normalization, qk_l2_norm=transformer.qk_l2_norm,
+        pp_rank=pp_rank,
+    )
+    return resolved

@@ -214,6 +214,10 @@ def measure_setting(label, bf16, grad_fp32, distopt, precision_aware, shape) -> 
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"],
                      max_sequence_length=shape["seq_length"],
                      share_embeddings_and_output_weights=True)
+    if not ARGS.smoke:
+        # As stock get_model() does: a few modules (the learned position embedding) are built on
+        # the CPU whatever use_cpu_initialization says.
+        model.cuda(torch.cuda.current_device())
     if bf16:
         model = Float16Module(config, model)
     n = sum(p.numel() for p in model.parameters())

@@ -12,6 +12,7 @@ identically on every rank with one :class:`LayoutError` naming the flag to fix.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -436,6 +437,14 @@ def _check_encoder(encoder: ModuleGrid, language: ModuleGrid, heads: int | None)
             "multiples of one another (the encoder-to-language bridge fans DP replicas in or "
             f"out); choose an encoder dp that divides {language.dp} or is a multiple of it"
         )
+
+
+def required_world_size(args: Any) -> int:
+    """Ranks the layout flags describe (their grids' sizes summed), before any other check."""
+    total = 0
+    for _, sizes, _, _ in _grid_specs(args):
+        total += math.prod(sizes.get(key, 1) for key in ("tp", "pp", "cp", "dp"))
+    return total
 
 
 def layout_from_args(

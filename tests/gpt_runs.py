@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import pkgutil
 import sys
 import tempfile
 from functools import lru_cache
@@ -12,20 +14,9 @@ import numpy as np
 
 from tests.multiprocess import REPO_ROOT, run_in_processes
 from tests.tensorboard_scalars import read_scalars
+from tests.tiny_model import TINY_TRANSFORMER
 
-TINY_GPT = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--make-vocab-size-divisible-by", "1", "--transformer-impl", "local",
-    "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-    "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "10", "--seed", "1234",
-    "--distributed-backend", "gloo", "--num-workers", "0", "--cpu-simulation",
-]
+TINY_GPT = [*TINY_TRANSFORMER, "--mock-data", "--eval-interval", "10"]
 
 
 def load_gpt_example() -> Any:
@@ -43,7 +34,10 @@ def train_gpt_rank(argv: list[str], import_plugins: bool, install_bridge: bool) 
 
     cpu_simulation.activate()
     if import_plugins:
-        import megatron_plugins  # noqa: F401  (the whole public surface, see test_import_side_effects)
+        import megatron_plugins
+
+        for module in pkgutil.walk_packages(megatron_plugins.__path__, "megatron_plugins."):
+            importlib.import_module(module.name)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 

@@ -15,20 +15,9 @@ import numpy as np
 
 from tests.multiprocess import run_in_processes
 from tests.tensorboard_scalars import read_scalars
+from tests.tiny_model import TINY_TRANSFORMER
 
-TINY_MIMO = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--make-vocab-size-divisible-by", "1", "--transformer-impl", "local",
-    "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-    "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "5", "--seed", "1234",
-    "--distributed-backend", "gloo", "--num-workers", "0", "--cpu-simulation",
-]
+TINY_MIMO = [*TINY_TRANSFORMER, "--train-iters", "10", "--eval-interval", "5"]
 
 
 def _count_grad_reductions() -> dict[str, int]:

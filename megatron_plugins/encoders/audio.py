@@ -17,7 +17,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError, encoder_config
+from megatron_plugins.encoders.base import (
+    EncoderPlugin,
+    EncoderPluginError,
+    encoder_config,
+    encoder_layer_spec,
+)
 
 DOWNSAMPLE = 2
 
@@ -81,17 +86,9 @@ class AudioFrameEncoder(EncoderPlugin):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        if config.transformer_impl == "transformer_engine":
-            from megatron.core.models.vision.vit_layer_specs import (
-                get_vit_layer_with_transformer_engine_spec as layer_spec,
-            )
-        else:
-            from megatron.core.models.vision.vit_layer_specs import (
-                get_vit_layer_with_local_spec as layer_spec,
-            )
         return ModuleSpec(
             module=FrameTransformer,
-            params={"config": config, "layer_spec": layer_spec(),
+            params={"config": config, "layer_spec": encoder_layer_spec(config),
                     "num_features": self.args.audio_num_features,
                     "num_frames": self.args.audio_num_frames, "pg_collection": pg_collection},
         )

@@ -53,6 +53,26 @@ def encoder_config(language: TransformerConfig, grid: ModuleGrid, **shape: objec
                              expert_tensor_parallel_size=grid.tp)
 
 
+def encoder_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Megatron's bidirectional (ViT) transformer layer: TE spec when the config uses TE."""
+    from megatron.core.models.vision import vit_layer_specs
+
+    if config.transformer_impl == "transformer_engine":
+        return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
+    return vit_layer_specs.get_vit_layer_with_local_spec()
+
+
+def encoder_norm(config: TransformerConfig) -> type:
+    """The LayerNorm class matching :func:`encoder_layer_spec`."""
+    if config.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.models.vision.vit_layer_specs import LNImpl
+
+    return LNImpl
+
+
 class EncoderPlugin(abc.ABC):
     """One encoder modality of a MiMo model.
 

@@ -15,7 +15,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError, encoder_config
+from megatron_plugins.encoders.base import (
+    EncoderPlugin,
+    EncoderPluginError,
+    encoder_config,
+    encoder_layer_spec,
+    encoder_norm,
+)
 
 
 class ViTEncoder(EncoderPlugin):
@@ -54,20 +60,11 @@ class ViTEncoder(EncoderPlugin):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        if config.transformer_impl == "transformer_engine":
-            from megatron.core.extensions.transformer_engine import TENorm as norm
-            from megatron.core.models.vision.vit_layer_specs import (
-                get_vit_layer_with_transformer_engine_spec as layer_spec,
-            )
-        else:
-            from megatron.core.models.vision.vit_layer_specs import LNImpl as norm
-            from megatron.core.models.vision.vit_layer_specs import (
-                get_vit_layer_with_local_spec as layer_spec,
-            )
+        norm = encoder_norm(config)
         return ModuleSpec(
             module=CLIPViTModel,
             params={
-                "transformer_config": config, "transformer_layer_spec": layer_spec(),
+                "transformer_config": config, "transformer_layer_spec": encoder_layer_spec(config),
                 "ln_pre_impl": norm, "ln_post_impl": norm,
                 "add_class_token": False, "class_token_len": 0,
                 "patch_dim": self.args.vit_patch_size, "img_h": self.args.vit_img_size,

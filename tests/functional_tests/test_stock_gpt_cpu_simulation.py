@@ -53,3 +53,11 @@ def test_tensor_parallel_matches_single_tensor_rank() -> None:
 def test_stock_pretrain_needs_the_wheel_bridge() -> None:
     with pytest.raises(WorkerFailure, match="exit code 1|SystemExit: 1"):
         train_gpt(1, ("--train-iters", "2"), tag="no-bridge", install_bridge=False, timeout=80)
+
+
+def test_importing_the_plugin_set_leaves_stock_gpt_training_bit_identical() -> None:
+    plain, plain_params = cached_gpt_run(2, (), 0)
+    imported, imported_params = train_gpt(2, tag="with-plugins", import_plugins=True)
+    assert imported == plain
+    for name, value in plain_params[0].items():
+        np.testing.assert_array_equal(imported_params[0][name], value, err_msg=name)

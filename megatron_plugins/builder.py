@@ -12,6 +12,7 @@ installs cross-grid gradient sync and sets what the stock loop reads from the mo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
@@ -143,9 +144,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
                 overlap = cfg.encoder_overlap_grad_reduce
                 if name == LANGUAGE or overlap is None:
                     overlap = ddp_config.overlap_grad_reduce
-                ddp_configs[name] = DistributedDataParallelConfig(
-                    **{**vars(ddp_config), "overlap_grad_reduce": overlap}
-                )
+                ddp_configs[name] = dataclasses.replace(ddp_config, overlap_grad_reduce=overlap)
         prepare_active_modules(
             model, module_pgs, {LANGUAGE: language, **configs}, ddp_configs,
             freeze=Freeze(language_model=cfg.freeze_language_model,

@@ -26,7 +26,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
 
-from megatron_plugins import cpu_simulation, megatron_compat
+from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.data import MockMultimodalSamples, data_provider, encoder_micro_batch_size
 from megatron_plugins.encoders import EncoderPlugin, EncoderPluginError, add_encoder_args, resolve
@@ -118,6 +118,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
         args, args.world_size, {name: p.num_attention_heads for name, p in plugins.items()}
     )
     _check_freeze(args, layout)
+    checkpoints.check_resume(args, layout)
     for module in layout.encoders:
         encoder_micro_batch_size(layout, module.name, args.micro_batch_size)
     samples = MockMultimodalSamples(seed=args.seed, seq_length=args.seq_length,
@@ -165,6 +166,7 @@ def start(run: MimoRun) -> MimoSession:
                                 world_size=args.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     topology = build_topology(run.layout)
+    checkpoints.write_layout(args.save, run.layout, dist.get_rank())
     megatron_compat.ensure_global_memory_buffer()
     language = language_config_from_args(args)
     model = MimoBuildConfig(

@@ -56,12 +56,16 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
         pretrain(**pretrain_kwargs(session))
     finally:
         session.topology.destroy()
-    result: dict[str, Any] = {"module": module}
+    pgc = session.topology.module_pgs[module]
+    result: dict[str, Any] = {"module": module, "tp_rank": pgc.tp.rank(), "dp_rank": pgc.dp.rank()}
     if observe_params:
         [mimo] = models
         part = mimo.language_model if module == "language" else mimo.modality_submodules[module]
         result["params"] = {name: p.detach().float().numpy().copy()
                             for name, p in part.named_parameters()}
+        result["partition_dims"] = {
+            name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            for name, p in part.named_parameters()}
     if reductions is not None:
         result["reductions"] = reductions["calls"]
     return result
@@ -88,5 +92,10 @@ def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[str, dict[
 
 
 def module_params(results: list[dict[str, Any]], module: str) -> dict[str, np.ndarray]:
-    """The trained parameters of ``module`` from its first rank."""
-    return next(r["params"] for r in results if r["module"] == module)
+    """The trained, unsharded parameters of ``module``: its first DP replica's TP shards joined."""
+    shards = sorted((r for r in results if r["module"] == module and r["dp_rank"] == 0),
+                    key=lambda r: r["tp_rank"])
+    return {name: value if shards[0]["partition_dims"][name] is None else
+            np.concatenate([s["params"][name] for s in shards],
+                           axis=shards[0]["partition_dims"][name])
+            for name, value in shards[0]["params"].items()}

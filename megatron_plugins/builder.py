@@ -25,6 +25,7 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
+from megatron_plugins import megatron_compat
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
 from megatron_plugins.language import language_model_spec
@@ -114,6 +115,8 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         """Seed, build, wrap and hook up this rank's module; returns ``[mimo_model]``."""
         cfg = self._model_config
         topology = self._topology()
+        # Stock pretrain() builds the optimizer next; its checkpoints need these bridges.
+        megatron_compat.install_checkpoint_bridges()
         language = cfg.language.transformer
         if not language.calculate_per_token_loss:
             raise ValueError(

@@ -6,6 +6,9 @@ unreadable checkpoint is an error naming the flag, except the auto-resume idiom
 (``--load`` equal to ``--save``, whose first launch has nothing to load yet). The layout a
 checkpoint was written with is saved beside it (``mimo_layout.json``): resuming onto another
 layout is refused, since per-module optimizer shards and RNG keys are laid out per grid.
+Saving a pipelined language model whose output layer shares the embedding is refused up front:
+megatron-core 0.19.2 asks the uninitialized global ``parallel_state`` for its checkpoint replica id
+(``LanguageModule.tie_embeddings_and_output_weights_state_dict``) and crashes at the first save.
 """
 
 from __future__ import annotations
@@ -38,8 +41,16 @@ def _iteration_dir(load: Path, step: int | None) -> Path | None:
     return load / f"iter_{step:07d}"
 
 
-def check_resume(args: Any, layout: ParallelLayout) -> None:
-    """Before any process group: refuse a missing, unreadable or other-layout checkpoint."""
+def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> None:
+    """Before any process group: refuse an unsavable model and a missing, unreadable or
+    other-layout checkpoint."""
+    if (args.save is not None and layout.language.pp > 1
+            and not args.untie_embeddings_and_output_weights):
+        raise LayoutError(
+            f"--save with {layout.language.source}: pp={layout.language.pp} and tied embeddings "
+            "cannot be checkpointed on disjoint grids with megatron-core 0.19.2; add "
+            "--untie-embeddings-and-output-weights (or train without --save)"
+        )
     if args.load is None:
         return
     load = Path(args.load)

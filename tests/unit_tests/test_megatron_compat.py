@@ -73,3 +73,36 @@ def test_gap3_vit_has_no_explicit_tp_group_and_the_bridge_binds_one():
     group = object()
     megatron_compat.bind_tp_group(outer, group)
     assert outer.tp_group is group and inner.tp_group is own
+
+
+def test_gap4_stock_moe_spec_consults_the_global_pipeline_rank():
+    from megatron.training.models import gpt
+
+    assert "pp_rank" not in inspect.getsource(gpt.default_layer_spec)
+
+
+def test_gap5_mimo_optimizer_keeps_plain_state_in_rank_zero_common_state():
+    from megatron.core.models.mimo import optimizer as mimo_optimizer
+
+    assert "sub_sd.get('optimizer')" in inspect.getsource(mimo_optimizer._extract_param_groups)
+    assert "common_step" not in inspect.getsource(mimo_optimizer.MimoOptimizer)
+
+
+def test_gap5_bridge_round_trips_plain_optimizer_values():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sharded = ShardedObject("key", {"x": 1}, (1,), (0,))
+    state = {"state": {"common_step": 7, "0": {"exp_avg": sharded}},
+             "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    values = megatron_compat.plain_values(state)
+    assert values == {("state", "common_step"): 7,
+                      ("param_groups",): [{"lr": 0.1, "params": [0, 1]}]}
+    template = {"state": {"0": {"exp_avg": sharded}}}
+    megatron_compat.put_plain_values(template, values, "language")
+    assert template["state"]["common_step"] == 7 and template["param_groups"][0]["lr"] == 0.1
+
+
+def test_gap6_distributed_optimizer_state_dict_asserts_one_step():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert "assert len(steps) == 1" in inspect.getsource(DistributedOptimizer.state_dict)

@@ -5,7 +5,8 @@ without a checkpoint; on a cluster that silently throws training away. Here a mi
 unreadable checkpoint is an error naming the flag, except the auto-resume idiom
 (``--load`` equal to ``--save``, whose first launch has nothing to load yet). The layout a
 checkpoint was written with is saved beside it (``mimo_layout.json``): resuming onto another
-layout is refused, since per-module optimizer shards and RNG keys are laid out per grid.
+layout is refused, since per-module optimizer shards and RNG keys are laid out per grid; the
+weights alone (``--no-load-optim --no-load-rng``) reshard and may load into any layout.
 Saving a pipelined language model whose output layer shares the embedding is refused up front:
 megatron-core 0.19.2 asks the uninitialized global ``parallel_state`` for its checkpoint replica id
 (``LanguageModule.tie_embeddings_and_output_weights_state_dict``) and crashes at the first save.
@@ -73,11 +74,13 @@ def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> None:
     if not saved.exists():
         raise LayoutError(f"--load {args.load}: no {LAYOUT_FILE}; it was not written by a "
                           "heterogeneous MiMo run, whose per-module state this run needs")
-    if json.loads(saved.read_text()) != layout_record(layout):
+    weights_only = getattr(args, "no_load_optim", False) and getattr(args, "no_load_rng", False)
+    if json.loads(saved.read_text()) != layout_record(layout) and not weights_only:
         raise LayoutError(
             f"--load {args.load} was saved with layout {saved.read_text().strip()}, this run has "
             f"{json.dumps(layout_record(layout))}; resuming onto another --grid layout is not "
-            "supported: use the saved --grid flags"
+            "supported: use the saved --grid flags, or load only the weights (--no-load-optim "
+            "--no-load-rng, e.g. with --finetune)"
         )
 
 

@@ -80,3 +80,19 @@ def test_one_gradient_reduction_per_module_per_step(overlap: bool) -> None:
                             extra=extra, count_reductions=True)
     # One bucket group per module (the tiny model fits one bucket): 3 steps, 3 reductions.
     assert [r["reductions"] for r in results] == [3, 3, 3, 3]
+
+
+def test_language_pipeline_parallel_trains_identically_from_the_same_weights(tmp_path) -> None:
+    """Megatron seeds each pipeline stage's init stream on its own, so PP changes the random
+    init; both layouts therefore start from one checkpoint's weights (saved by the
+    one-rank-per-module layout, resharded by the load) and must then train identically."""
+    untied = ("--untie-embeddings-and-output-weights",)
+    one = (*VISION, "vision:", "--grid", "language:", *untied)
+    checkpoint = str(tmp_path / "checkpoints")
+    train_mimo(2, one, extra=("--train-iters", "2", "--eval-iters", "0", "--save", checkpoint,
+                              "--save-interval", "2"))
+    load = ("--load", checkpoint, "--finetune", "--no-load-optim", "--no-load-rng")
+    reference = train_mimo(2, one, extra=load, observe_params=True)
+    pipelined = train_mimo(3, (*VISION, "vision:", "--grid", "language:pp=2", *untied),
+                           extra=load, observe_params=True)
+    _assert_same_training(reference, pipelined, ("vision",))

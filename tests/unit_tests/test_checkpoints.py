@@ -29,10 +29,11 @@ def _checkpoint(folder: Path, step: int = 5, layout: ParallelLayout = LAYOUT) ->
     return iteration
 
 
-def _args(load, save=None, ckpt_step=None, untie=False):
+def _args(load, save=None, ckpt_step=None, untie=False, weights_only=False):
     return SimpleNamespace(load=None if load is None else str(load),
                            save=None if save is None else str(save), ckpt_step=ckpt_step,
-                           untie_embeddings_and_output_weights=untie)
+                           untie_embeddings_and_output_weights=untie,
+                           no_load_optim=weights_only, no_load_rng=weights_only)
 
 
 def test_a_good_checkpoint_of_the_same_layout_passes(tmp_path):
@@ -65,6 +66,7 @@ def test_another_layout_is_refused_with_both_layouts_named(tmp_path):
     _checkpoint(tmp_path, layout=OTHER)
     with pytest.raises(LayoutError, match="resuming onto another --grid layout is not supported"):
         check_checkpoint_flags(_args(tmp_path), LAYOUT)
+    check_checkpoint_flags(_args(tmp_path, weights_only=True), LAYOUT)  # weights reshard
     (tmp_path / "mimo_layout.json").unlink()
     with pytest.raises(LayoutError, match="no mimo_layout.json"):
         check_checkpoint_flags(_args(tmp_path), LAYOUT)

@@ -96,3 +96,16 @@ def test_language_pipeline_parallel_trains_identically_from_the_same_weights(tmp
     pipelined = train_mimo(3, (*VISION, "vision:", "--grid", "language:pp=2", *untied),
                            extra=load, observe_params=True)
     _assert_same_training(reference, pipelined, ("vision",))
+
+
+def test_frozen_language_model_keeps_its_weights_while_the_encoder_trains() -> None:
+    flags = (*VISION, "vision:", "--grid", "language:")
+    short = ("--train-iters", "3", "--eval-iters", "0")
+    _, frozen = train_mimo(2, (*flags, "--freeze-language-model"), extra=short,
+                           observe_params=True)
+    _, initial = train_mimo(2, (*flags, "--freeze-language-model", "--freeze-encoder", "vision"),
+                            extra=short, observe_params=True)  # nothing trains: the init
+    for name, value in module_params(initial, "language").items():
+        np.testing.assert_array_equal(module_params(frozen, "language")[name], value, name)
+    trained, start = module_params(frozen, "vision"), module_params(initial, "vision")
+    assert all(not np.array_equal(trained[name], start[name]) for name in start)

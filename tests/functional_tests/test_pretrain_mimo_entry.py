@@ -58,11 +58,15 @@ BAD_FLAGS = [
     (["--encoder", "vision=vit", "--grid", "vision:dp=2", "--grid", "language:",
       "--micro-batch-size", "1", "--global-batch-size", "4"],
      "--micro-batch-size 1 x --grid language: dp=1 = 1 samples per microbatch cannot be split"),
+    (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2",
+      "--load", "/nonexistent/checkpoints"],
+     "--load /nonexistent/checkpoints: no checkpoint at /nonexistent/checkpoints/latest"),
 ]
 
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=["world-size", "grid-key",
-                                                           "encoder", "encoder-batch"])
+                                                           "encoder", "encoder-batch",
+                                                           "missing-checkpoint"])
 def test_bad_flags_fail_fast_with_one_line(flags: list[str], message: str) -> None:
     run = run_script(SCRIPT, [*TINY_MIMO, *flags], nproc=3, timeout=90)
     assert run.returncode != 0

@@ -237,6 +237,16 @@ class ParallelLayout:
             )
 
 
+class _AppendWords(argparse.Action):
+    """Append every whitespace-separated word of the value: ``--grid "a:dp=1 language:dp=2"`` is
+    two ``--grid`` flags (the form a YAML case file with one value per flag can express)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, items + str(values).split())
+
+
 def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the layout flags; usable as (part of) Megatron's ``extra_args_provider``.
 
@@ -245,15 +255,17 @@ def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     group = parser.add_argument_group("megatron-plugins heterogeneous layout")
     group.add_argument(
-        "--encoder", action="append", dest="mimo_encoders", metavar="NAME=PROVIDER",
+        "--encoder", action=_AppendWords, dest="mimo_encoders", metavar="NAME=PROVIDER",
         help="An encoder module and its provider: a built-in name (vit, audio) or "
-             "package.module:attr. Repeat once per encoder.",
+             "package.module:attr. Repeat once per encoder, or give several in one "
+             "space-separated value.",
     )
     group.add_argument(
-        "--grid", action="append", dest="mimo_grids",
+        "--grid", action=_AppendWords, dest="mimo_grids",
         metavar="NAME:tp=T,pp=P,cp=C,dp=D[,ep=E,etp=X]",
         help=f"One module's parallel split; one per encoder plus one for '{LANGUAGE}'. Omitted "
-             "keys are 1. Modules take consecutive ranks in the order of their --grid flags.",
+             "keys are 1. Modules take consecutive ranks in the order of their --grid flags "
+             "(several grids may share one space-separated value).",
     )
     for flag, (module, key) in _ALIAS_FLAGS.items():
         group.add_argument(

@@ -1,13 +1,55 @@
-"""Every Megatron-format MiMo case against its CPU goldens (tools/functional_tests.py rules)."""
+"""Every Megatron-format MiMo case against its goldens (tools/functional_tests.py rules)."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
-from tools.functional_tests import all_cases, check_case
+from tools.functional_tests import (
+    all_cases,
+    check_case,
+    compare,
+    free_port,
+    load_case,
+    platform_signature,
+    read_metrics,
+    run_command,
+    run_environment,
+    signature_differences,
+)
+
+UPSTREAM_LAUNCH = Path(__file__).with_name("upstream_launch.sh")
+
+DISPATCH_VARIANT = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+"""Other torch kernels and another BLAS code path on this very host: a stand-in for a CI host with
+another CPU, whose low bits drift the same way (tests/functional_tests/data/cross_host)."""
 
 
 @pytest.mark.parametrize("name", all_cases())
-def test_case_matches_its_cpu_goldens(name: str, tmp_path) -> None:
-    failures = check_case(name, platform="cpu", workdir=tmp_path)
+def test_case_matches_its_goldens(name: str, tmp_path) -> None:
+    failures = check_case(name, workdir=tmp_path)
     assert failures == [], "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", ["mimo_hetero/two_encoders", "mimo_hetero/language_pp2"])
+def test_case_under_another_kernel_dispatch_passes_by_the_cross_host_rule(name: str,
+                                                                          tmp_path) -> None:
+    report: list[str] = []
+    failures = check_case(name, workdir=tmp_path, extra_env=DISPATCH_VARIANT, report=report)
+    assert report[0].startswith("cross-host tolerance (signature differs in"), report
+    assert failures == [], "\n".join(failures)
+
+
+def test_a_case_launched_by_upstreams_flag_loop_matches_its_goldens(tmp_path) -> None:
+    case = load_case("mimo_hetero/language_tp2")
+    env = {**run_environment(case), "MASTER_PORT": str(free_port())}
+    run_command(["bash", str(UPSTREAM_LAUNCH), str(case.path), str(tmp_path), sys.executable],
+                env, tmp_path / "launch.log", 240.0, "upstream-style launch")
+    actual = read_metrics(tmp_path / "tensorboard", case.metrics)
+    recorded = json.loads(case.signature_path().read_text())
+    same = not signature_differences(recorded, platform_signature(env))
+    golden = json.loads(case.golden_path().read_text())
+    assert compare(golden, actual, case.metrics, same_platform=same) == []

@@ -45,8 +45,8 @@ BAD_LAYOUTS = [
     ("repeated-key", "--grid language:tp=1,tp=2", 1, {}, None, "tp given twice"),
     ("bad-name", "--grid 1st:tp=1 --grid language:", 2, {}, None, "--grid 1st:tp=1"),
     ("encoder-syntax", "--encoder vit --grid language:", 1, {}, None, "--encoder vit: expected"),
-    ("encoder-provider", "--encoder 'v=my pkg' --grid language:", 1, {}, None,
-     "--encoder v=my pkg"),
+    ("encoder-provider", "--encoder 'v=my-pkg' --grid language:", 1, {}, None,
+     "--encoder v=my-pkg"),
     ("encoder-twice", "--encoder v=vit --encoder v=audio --grid v: --grid language:", 2, {}, None,
      "--encoder v given twice"),
     ("grid-twice", "--encoder v=vit --grid v: --grid v:dp=2 --grid language:", 4, {}, None,
@@ -140,6 +140,17 @@ def test_grids_take_consecutive_ranks_in_flag_order():
     )
     with pytest.raises(ValueError):
         layout.module_of_rank(10)
+
+
+def test_repeated_layout_flags_have_a_single_string_form():
+    """Upstream's case files give each flag one value: several grids share one ``--grid``."""
+    repeated = layout_from_args(parse("--encoder a=audio --encoder v=vit --grid v:dp=2 "
+                                      "--grid a:tp=2 --grid language:dp=2"), 6)
+    single = layout_from_args(parse("--encoder 'a=audio v=vit' "
+                                    "--grid 'v:dp=2 a:tp=2' --grid language:dp=2"), 6)
+    assert single == repeated
+    assert [(m.name, m.provider, m.rank_offset) for m in single.modules] == [
+        ("v", "vit", 0), ("a", "audio", 2), (LANGUAGE, None, 4)]
 
 
 def test_omitted_keys_default_to_one():

@@ -118,7 +118,9 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
         args, args.world_size, {name: p.num_attention_heads for name, p in plugins.items()}
     )
     _check_freeze(args, layout)
-    checkpoints.check_checkpoint_flags(args, layout)
+    notice = checkpoints.check_checkpoint_flags(args, layout)
+    if notice and args.rank == 0:
+        print(f"pretrain_mimo.py: notice: {notice}", flush=True)
     for module in layout.encoders:
         encoder_micro_batch_size(layout, module.name, args.micro_batch_size)
     samples = MockMultimodalSamples(seed=args.seed, seq_length=args.seq_length,

@@ -29,7 +29,14 @@ from megatron.training.global_vars import set_global_variables
 from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.data import MockMultimodalSamples, data_provider, encoder_micro_batch_size
-from megatron_plugins.encoders import EncoderPlugin, EncoderPluginError, add_encoder_args, resolve
+from megatron_plugins.encoders import (
+    EncoderPlugin,
+    EncoderPluginError,
+    add_encoder_args,
+    check_hooks,
+    instantiate,
+    resolve,
+)
 from megatron_plugins.language import LanguageModelError, language_config_from_args
 from megatron_plugins.layout import (
     ALIAS_ENCODER,
@@ -112,13 +119,15 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     finally:
         sys.argv = saved
     layout = layout_from_args(args, args.world_size)
-    plugins = {module.name: resolve(module.provider, module.name)(module.name, args, module)
+    plugins = {module.name: instantiate(module.provider, module.name, args, module)
                for module in layout.encoders}
     layout = layout_from_args(
         args, args.world_size, {name: p.num_attention_heads for name, p in plugins.items()}
     )
     _check_freeze(args, layout)
-    checkpoints.check_checkpoint_flags(args, layout)
+    notice = checkpoints.check_checkpoint_flags(args, layout)
+    if notice and args.rank == 0:
+        print(f"pretrain_mimo.py: notice: {notice}", flush=True)
     for module in layout.encoders:
         encoder_micro_batch_size(layout, module.name, args.micro_batch_size)
     samples = MockMultimodalSamples(seed=args.seed, seq_length=args.seq_length,
@@ -136,6 +145,11 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     args.variable_seq_lengths = True
     if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
+    language = language_config_from_args(args).transformer
+    for plugin in plugins.values():
+        notice = check_hooks(plugin, language)
+        if notice and args.rank == 0:
+            print(f"pretrain_mimo.py: notice: {notice}", flush=True)
     return MimoRun(args, layout, plugins, samples)
 
 

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 from collections.abc import Mapping
 
-from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError, encoder_config
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_plugins.encoders.base import (
+    EncoderPlugin,
+    EncoderPluginError,
+    encoder_config,
+    is_replicated,
+)
+from megatron_plugins.layout import ModuleGrid
 
 BUILTIN = {
     "vit": "megatron_plugins.encoders.vit:ViTEncoder",
@@ -19,8 +28,8 @@ BUILTIN = {
 }
 """Built-in provider names and the classes they stand for."""
 
-__all__ = ["BUILTIN", "EncoderPlugin", "EncoderPluginError", "add_encoder_args",
-           "encoder_config", "resolve"]
+__all__ = ["BUILTIN", "EncoderPlugin", "EncoderPluginError", "add_encoder_args", "check_hooks",
+           "encoder_config", "instantiate", "resolve"]
 
 
 def resolve(provider: str, encoder: str) -> type[EncoderPlugin]:
@@ -46,7 +55,56 @@ def resolve(provider: str, encoder: str) -> type[EncoderPlugin]:
         raise EncoderPluginError(
             f"{flag}: {path} is not a subclass of megatron_plugins.encoders.EncoderPlugin"
         )
+    if inspect.isabstract(plugin):
+        raise EncoderPluginError(
+            f"{flag}: {path} is abstract; implement "
+            f"{', '.join(sorted(plugin.__abstractmethods__))}"
+        )
     return plugin
+
+
+def _hook_error(flag: str, plugin: type, hook: str, error: Exception) -> EncoderPluginError:
+    message = str(error).splitlines()[0] if str(error) else ""
+    return EncoderPluginError(f"{flag}: {plugin.__name__}.{hook} raised "
+                              f"{type(error).__name__}: {message}")
+
+
+def instantiate(provider: str, encoder: str, args: argparse.Namespace,
+                grid: ModuleGrid) -> EncoderPlugin:
+    """The plugin for ``--encoder ENCODER=PROVIDER``; an ``__init__`` or a shape property that
+    raises is one line naming it."""
+    plugin_class = resolve(provider, encoder)
+    hook = "__init__"
+    try:
+        plugin = plugin_class(encoder, args, grid)
+        for hook in ("num_attention_heads", "tokens_per_sample"):
+            getattr(plugin, hook)
+    except EncoderPluginError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a user's plugin may raise anything
+        raise _hook_error(f"--encoder {encoder}={provider}", plugin_class, hook, error) from None
+    return plugin
+
+
+def check_hooks(plugin: EncoderPlugin, language: TransformerConfig) -> str | None:
+    """Run the build-time hooks once before any process group, so one that raises is one line
+    naming the plugin, not a traceback minutes in. Returns a notice if the encoder is replicated
+    over its tp ranks instead of sharded."""
+    flag = f"--encoder {plugin.name}={plugin.grid.provider}"
+    hook = "transformer_config"
+    try:
+        config = plugin.transformer_config(language)
+        hook = "encoder_spec"
+        spec = plugin.encoder_spec(config, None)
+    except EncoderPluginError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a user's plugin may raise anything
+        raise _hook_error(flag, type(plugin), hook, error) from None
+    if not is_replicated(spec, plugin.grid.tp):
+        return None
+    return (f"{flag}: {spec.module.__name__} is a plain torch.nn.Module (no sharded_state_dict), "
+            f"so each of its {plugin.grid.tp} tp ranks trains a full replica; make it a "
+            "MegatronModule with tensor-parallel layers to shard it")
 
 
 def add_encoder_args(parser: argparse.ArgumentParser,

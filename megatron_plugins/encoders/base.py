@@ -19,8 +19,9 @@ from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_plugins.layout import ModuleGrid
 
@@ -71,6 +72,38 @@ def encoder_norm(config: TransformerConfig) -> type:
     from megatron.core.models.vision.vit_layer_specs import LNImpl
 
     return LNImpl
+
+
+def is_replicated(spec: ModuleSpec, tp: int) -> bool:
+    """Whether an encoder spec at ``tp`` is replicated on its tp ranks rather than sharded: a plain
+    ``torch.nn.Module`` class without ``sharded_state_dict`` (``MegatronModule`` has one)."""
+    return tp > 1 and isinstance(spec.module, type) and not hasattr(spec.module,
+                                                                     "sharded_state_dict")
+
+
+class TensorReplicated(torch.nn.Module):
+    """A plain ``torch.nn.Module`` encoder at tp > 1: every tp rank trains a full copy.
+
+    The tp ranks of a replica get the same inputs and the same seed (same initial weights), and
+    the projection's first ``ColumnParallelLinear`` all-reduces its input gradient over tp, so the
+    copies receive equal gradients and stay equal. Checkpoints hold one copy: replica ids carry the
+    tp rank (stock's default for a plain module uses tp rank 0 on every rank, which the save
+    rejects as ``Invalid sharding pattern``); keys are the unwrapped module's, as at tp=1.
+    """
+
+    def __init__(self, spec: ModuleSpec, tp_group: torch.distributed.ProcessGroup) -> None:
+        super().__init__()
+        self.module = build_module(spec)
+        self._tp_group = tp_group
+
+    def forward(self, *inputs: object, **kwargs: object) -> object:
+        return self.module(*inputs, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """The wrapped module's tensors, replicated over tp and dp."""
+        return sharded_state_dict_default(self.module, prefix, sharded_offsets, metadata,
+                                          tp_group=self._tp_group)
 
 
 class EncoderPlugin(abc.ABC):
@@ -155,12 +188,17 @@ class EncoderPlugin(abc.ABC):
 
     def submodule_spec(self, config: TransformerConfig, language_hidden_size: int,
                        pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        """The whole modality for ``MimoModelConfig.modality_submodules_spec``."""
+        """The whole modality for ``MimoModelConfig.modality_submodules_spec``; an encoder that
+        cannot be sharded is replicated over its tp ranks (:class:`TensorReplicated`)."""
+        encoder = self.encoder_spec(config, pg_collection)
+        if is_replicated(encoder, self.grid.tp):
+            encoder = ModuleSpec(module=TensorReplicated, params={
+                "spec": encoder, "tp_group": pg_collection.tp if pg_collection else None})
         return ModuleSpec(
             module=self.submodules_class,
             params={"pg_collection": pg_collection},
             submodules={
-                "encoders": {self.name: self.encoder_spec(config, pg_collection)},
+                "encoders": {self.name: encoder},
                 "input_projections": [
                     self.projection_spec(config, language_hidden_size, pg_collection)
                 ],

@@ -1,4 +1,5 @@
-"""Resume guards: a missing, unreadable or other-layout checkpoint is refused before any group."""
+"""Resume guards: a missing, incomplete or other-layout checkpoint is refused before any group;
+an interrupted save resumes from the newest complete checkpoint, never silently from iteration 1."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_plugins.checkpoints import check_checkpoint_flags, layout_record, write_layout
+from megatron_plugins.checkpoints import (
+    check_checkpoint_flags,
+    is_complete,
+    layout_record,
+    write_layout,
+)
 from megatron_plugins.layout import LayoutError, ModuleGrid, ParallelLayout
 
 LAYOUT = ParallelLayout((
@@ -20,10 +26,20 @@ OTHER = ParallelLayout((
 ))
 
 
-def _checkpoint(folder: Path, step: int = 5, layout: ParallelLayout = LAYOUT) -> Path:
+def _iteration(folder: Path, step: int, complete: bool = True) -> Path:
+    """An iteration folder as stock leaves it: shards and index, then metadata.json when done."""
     iteration = folder / f"iter_{step:07d}"
     iteration.mkdir(parents=True)
+    (iteration / "__0_0.distcp").write_bytes(b"shard")
     (iteration / ".metadata").write_bytes(b"metadata")
+    if complete:
+        (iteration / "metadata.json").write_text(
+            '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    return iteration
+
+
+def _checkpoint(folder: Path, step: int = 5, layout: ParallelLayout = LAYOUT) -> Path:
+    iteration = _iteration(folder, step)
     (folder / "latest_checkpointed_iteration.txt").write_text(str(step))
     write_layout(str(folder), layout, rank=0)
     return iteration
@@ -55,11 +71,89 @@ def test_auto_resume_idiom_starts_fresh_only_when_nothing_was_saved(tmp_path):
     check_checkpoint_flags(_args(tmp_path / "run", save=tmp_path / "run"), LAYOUT)
 
 
-def test_an_interrupted_save_is_refused(tmp_path):
-    iteration = _checkpoint(tmp_path)
-    (iteration / ".metadata").unlink()
-    with pytest.raises(LayoutError, match="not a readable distributed checkpoint"):
+def test_completeness_is_the_metadata_json_stock_writes_last(tmp_path):
+    assert is_complete(_iteration(tmp_path, 1))
+    assert not is_complete(_iteration(tmp_path, 2, complete=False))
+    no_index = _iteration(tmp_path, 3)
+    (no_index / ".metadata").unlink()
+    assert not is_complete(no_index)
+    torn = _iteration(tmp_path, 4)
+    (torn / "metadata.json").write_text('{"sharded_')
+    assert not is_complete(torn)
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["load-only", "auto-resume"])
+def test_an_interrupted_first_save_is_refused_not_restarted(tmp_path, save):
+    _iteration(tmp_path, 2, complete=False)
+    write_layout(str(tmp_path), LAYOUT, rank=0)
+    args = _args(tmp_path, save=tmp_path if save else None)
+    with pytest.raises(LayoutError) as error:
+        check_checkpoint_flags(args, LAYOUT)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"--load {tmp_path}: no complete checkpoint to resume from")
+    assert "iter_0000002 lack metadata.json" in message and "give --load/--save a new folder" in message
+
+
+def test_a_later_interrupted_save_resumes_from_the_complete_one(tmp_path):
+    _checkpoint(tmp_path, step=2)
+    _iteration(tmp_path, 4, complete=False)
+    args = _args(tmp_path, save=tmp_path)
+    notice = check_checkpoint_flags(args, LAYOUT)
+    assert args.ckpt_step == 2
+    assert notice == (f"--load {tmp_path}: resuming from iteration 2, the newest complete "
+                      "checkpoint; iter_0000004 incomplete (an interrupted save; overwritten when "
+                      "training reaches it again)")
+
+
+@pytest.mark.parametrize("tracker", [None, "2", "6", "garbage"])
+def test_complete_checkpoints_without_a_current_tracker_resume_from_the_newest(tmp_path, tracker):
+    """The issue's case: complete iterations 2 and 4, tracker gone; stock trained from 1."""
+    write_layout(str(tmp_path), LAYOUT, rank=0)
+    _iteration(tmp_path, 2)
+    _iteration(tmp_path, 4)
+    _iteration(tmp_path, 6, complete=False)
+    if tracker is not None:
+        (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
+    args = _args(tmp_path, save=tmp_path)
+    notice = check_checkpoint_flags(args, LAYOUT)
+    assert args.ckpt_step == 4
+    assert notice.startswith(f"--load {tmp_path}: resuming from iteration 4")
+    assert "iter_0000006 incomplete" in notice
+    assert {None: "is absent", "2": "says 2: a newer save completed", "6": "names 6, which is not",
+            "garbage": "is unreadable"}[tracker] in notice
+
+
+def test_the_tracked_newest_checkpoint_is_stocks_choice_and_silent(tmp_path):
+    _iteration(tmp_path, 2)
+    _checkpoint(tmp_path, step=4)
+    args = _args(tmp_path, save=tmp_path)
+    assert check_checkpoint_flags(args, LAYOUT) is None
+    assert args.ckpt_step is None
+
+
+def test_an_explicit_ckpt_step_must_be_complete(tmp_path):
+    _checkpoint(tmp_path, step=2)
+    _iteration(tmp_path, 4, complete=False)
+    with pytest.raises(LayoutError, match="--ckpt-step 4: .*iter_0000004 is incomplete"):
+        check_checkpoint_flags(_args(tmp_path, ckpt_step=4), LAYOUT)
+
+
+def test_a_launch_killed_before_its_first_save_starts_fresh_with_a_notice(tmp_path):
+    write_layout(str(tmp_path), LAYOUT, rank=0)
+    notice = check_checkpoint_flags(_args(tmp_path, save=tmp_path), LAYOUT)
+    assert notice == f"--load {tmp_path}: a previous launch saved no checkpoint here yet; " \
+                     "starting from iteration 1"
+    with pytest.raises(LayoutError, match="no checkpoint at"):
         check_checkpoint_flags(_args(tmp_path), LAYOUT)
+
+
+def test_an_unwritable_save_folder_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(LayoutError, match=f"--save {blocker}/ckpt: {blocker} is not a directory"):
+        check_checkpoint_flags(_args(None, save=blocker / "ckpt"), LAYOUT)
+    check_checkpoint_flags(_args(None, save=tmp_path / "new" / "ckpt"), LAYOUT)
 
 
 def test_another_layout_is_refused_with_both_layouts_named(tmp_path):

@@ -47,7 +47,7 @@ class SensorEncoder(EncoderPlugin):
 
     @property
     def num_attention_heads(self) -> int:
-        return 1  # no attention: any encoder tp divides it only at tp=1
+        return self.grid.tp  # no attention: only the tp divisibility checks read it
 
     @property
     def tokens_per_sample(self) -> int:
@@ -55,7 +55,8 @@ class SensorEncoder(EncoderPlugin):
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         return encoder_config(language, self.grid, num_layers=1,
-                              hidden_size=self.args.sensor_hidden_size, num_attention_heads=1)
+                              hidden_size=self.args.sensor_hidden_size,
+                              num_attention_heads=self.num_attention_heads)
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

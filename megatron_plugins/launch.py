@@ -64,6 +64,10 @@ HELP_DESCRIPTION = (
     "flags), then stock Megatron's."
 )
 
+HELP_USAGE = ("%(prog)s [--encoder NAME=PROVIDER ...] --grid NAME:tp=T,pp=P,dp=D ... "
+              "[MiMo, encoder and stock Megatron flags]")
+"""Stock's usage line lists ~800 flags; this one says what a launch needs."""
+
 CPU_SIMULATION_VALUES = (
     ("transformer_impl", "local", "--transformer-impl local", "Transformer Engine needs a GPU"),
     ("gradient_accumulation_fusion", False, "--no-gradient-accumulation-fusion",
@@ -81,10 +85,10 @@ CPU_SIMULATION_VALUES = (
      "it needs Transformer Engine on a GPU"),
     ("moe_router_fusion", False, "drop the flag", "it needs Transformer Engine on a GPU"),
 )
-"""(args attribute, CPU-capable value, the flag that sets it, why the stock value cannot run on the simulation)."""
+"""(args attribute, CPU-capable value, the flag that sets it, why the stock value cannot run)."""
 
 DEFAULT_EVAL_INTERVAL = 1000
-"""--eval-interval when none is given (0.19.2 leaves it unset and then fails); earlier releases' default."""
+"""--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""
 
 
 def _encoder_providers(argv: Sequence[str]) -> dict[str, str]:
@@ -107,7 +111,7 @@ class MimoRun:
 
 
 def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
-    """argparse's 'unrecognized arguments' as one line naming each flag and its closest known one."""
+    """argparse's 'unrecognized arguments' as one line: each flag and its closest known one."""
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
         return message
@@ -128,13 +132,15 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
 
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         stock_groups = len(parser._action_groups)
-        for add in (add_layout_args, add_mimo_args, add_optimizer_args, cpu_simulation.add_cli_flag):
+        for add in (add_layout_args, add_mimo_args, add_optimizer_args,
+                    cpu_simulation.add_cli_flag):
             add(parser)
         add_encoder_args(parser, providers)
         # argparse prints groups in creation order: ours (made last) go first, after "options".
         groups = parser._action_groups
         parser._action_groups = groups[:2] + groups[stock_groups:] + groups[2:stock_groups]
         parser.description = HELP_DESCRIPTION
+        parser.usage = HELP_USAGE
         megatron_compat.escape_unformattable_help(parser)
 
         def error(message: str) -> None:

@@ -462,7 +462,7 @@ def _check_llm_offset(layout: ParallelLayout, offset: str | None) -> None:
 
 
 def encoder_micro_batch_size(layout: ParallelLayout, encoder: str, micro_batch_size: int) -> int:
-    """Samples per encoder DP replica per microbatch: the language microbatch times llm_dp/enc_dp."""
+    """Samples per encoder DP replica per microbatch: language microbatch x llm_dp / enc_dp."""
     language, module = layout.language, layout.module(encoder)
     total = micro_batch_size * language.dp
     if total % module.dp != 0:

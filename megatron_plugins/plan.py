@@ -4,8 +4,8 @@ Takes the whole training command line (flags it does not need are ignored) plus 
 ``--nproc-per-node`` / ``--nnodes``, runs the launch's own checks (:func:`preflight.check_run`),
 and prints each module's ranks, nodes and group sizes, a warning for every TP/CP/EP group that
 spans nodes, and (on request or for small layouts) every rank's node and coordinates; or the
-error on one line with exit code 2. Coordinates are computed by :meth:`ModuleGrid.coordinates`, which follows
-``HyperCommGrid``'s rank order, so they match the live topology.
+error on one line with exit code 2. Coordinates come from :meth:`ModuleGrid.coordinates`, which
+follows ``HyperCommGrid``'s rank order, so they match the live topology.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """MiMo training flags beyond the layout (freezing, encoder DDP overlap), upstream aliases included."""
+    """MiMo training flags beyond the layout (freezing, encoder DDP overlap), upstream aliases too."""
     group = parser.add_argument_group("megatron-plugins MiMo training")
     group.add_argument("--freeze-language-model", "--freeze-lm", action="store_true",
                        help="Do not train the language model (--freeze-lm: upstream spelling).")

@@ -122,6 +122,7 @@ def test_gap7_stock_help_breaks_argparse_and_the_bridge_escapes_only_that_string
         "--moe-paged-stash-buffer-size-factor-cuda"]
     help_text = parser.format_help()
     assert "--moe-paged-stash-buffer-size-factor-cuda" in help_text
-    changed = [a.option_strings for a, before in zip(parser._actions, untouched) if a.help != before]
+    changed = [action.option_strings for action, before in zip(parser._actions, untouched)
+               if action.help != before]
     assert changed == [["--moe-paged-stash-buffer-size-factor-cuda"]]
     assert megatron_compat.escape_unformattable_help(parser) == []  # idempotent

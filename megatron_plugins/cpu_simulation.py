@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_plugins.preflight import CPU_SIMULATION_FLAG
+
 ENV_VAR = "MEGATRON_PLUGINS_CPU_SIMULATION"
 
 _active = False
@@ -57,6 +59,7 @@ def activate() -> None:
     os.environ[ENV_VAR] = "1"
     # Stock validate_args requires this for TP > 1; it only matters for real CUDA streams.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    quiet_gpu_library_warnings()
     _patch_torch_cuda()
     _patch_process_groups()
     _enter_device_mode()
@@ -69,6 +72,24 @@ def activate() -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+GPU_LIBRARY_WARNINGS = (
+    r"(Transformer Engine and Apex are|Apex is) not installed",
+    r"Only transformer-engine>=.* supports MoE experts",
+    r"MimoModelConfig is experimental",
+)
+"""Import-time warnings of Megatron about GPU libraries, which the CPU simulation never has."""
+
+
+def quiet_gpu_library_warnings() -> None:
+    """Hide warnings nobody can act on on the CPU simulation (~20 lines per rank), so that errors
+    are what users see. Called by :func:`activate`, or before it by code that imports Megatron."""
+    import warnings
+
+    for message in GPU_LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +327,7 @@ def _patch_megatron() -> None:
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropForkWarning())
 
 
-CLI_FLAG = "--cpu-simulation"
+CLI_FLAG = CPU_SIMULATION_FLAG
 
 
 def add_cli_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -22,25 +22,12 @@ import numpy as np
 import torch
 
 from megatron_plugins.encoders import EncoderPlugin
-from megatron_plugins.layout import LANGUAGE, LayoutError, ParallelLayout
+from megatron_plugins.layout import LANGUAGE, LayoutError, ParallelLayout, encoder_micro_batch_size
 from megatron_plugins.topology import HeteroTopology
 
 SPLITS = ("train", "valid", "test")
 NUM_CLASSES = 8
 """Mock samples belong to one of these classes; encoders see it, text depends on it."""
-
-
-def encoder_micro_batch_size(layout: ParallelLayout, encoder: str, micro_batch_size: int) -> int:
-    """Samples per encoder DP replica per microbatch: the language microbatch times llm_dp/enc_dp."""
-    language, module = layout.language, layout.module(encoder)
-    total = micro_batch_size * language.dp
-    if total % module.dp != 0:
-        raise LayoutError(
-            f"--micro-batch-size {micro_batch_size} x {language.source}: dp={language.dp} = "
-            f"{total} samples per microbatch cannot be split over {module.source}: "
-            f"dp={module.dp}; choose a micro batch size that makes it divisible"
-        )
-    return total // module.dp
 
 
 def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:

@@ -9,6 +9,7 @@ data provider and the build config; :func:`pretrain_kwargs` is what stock ``pret
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from megatron.training.global_vars import set_global_variables
 
 from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
-from megatron_plugins.data import MockMultimodalSamples, data_provider, encoder_micro_batch_size
+from megatron_plugins.data import MockMultimodalSamples, data_provider
 from megatron_plugins.encoders import (
     EncoderPlugin,
     EncoderPluginError,
@@ -46,6 +47,13 @@ from megatron_plugins.layout import (
     apply_language_grid,
     layout_from_args,
 )
+from megatron_plugins.preflight import (
+    FlagError,
+    add_mimo_args,
+    check_run,
+    refuse_upstream_flags,
+    resolve_freeze,
+)
 from megatron_plugins.optimizer_config import (
     OptimizerConfigError,
     add_optimizer_args,
@@ -57,19 +65,37 @@ from megatron_plugins.training_step import forward_step
 USAGE_ERRORS = (LayoutError, EncoderPluginError, LanguageModelError, OptimizerConfigError)
 """Errors that mean a bad flag: reported in one line, exit code 2, on every rank."""
 
+HELP_DESCRIPTION = (
+    "Heterogeneous MiMo pretraining through stock Megatron pretrain(). MiMo flags come first, "
+    "then each named encoder's (name one with --encoder NAME=PROVIDER before --help to see its "
+    "flags), then stock Megatron's."
+)
 
-def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """MiMo training flags beyond the layout: freezing and encoder DDP overlap."""
-    group = parser.add_argument_group("megatron-plugins MiMo training")
-    group.add_argument("--freeze-language-model", action="store_true")
-    group.add_argument("--freeze-encoder", action="append", default=[], metavar="NAME",
-                       help="Do not train this encoder (projection included). Repeatable.")
-    group.add_argument("--freeze-projection", action="append", default=[], metavar="NAME",
-                       help="Do not train this encoder's projection to the LM. Repeatable.")
-    group.add_argument("--encoder-overlap-grad-reduce", action=argparse.BooleanOptionalAction,
-                       default=None, help="Overlap encoder grad reduction with backward "
-                       "(default: follow --overlap-grad-reduce).")
-    return parser
+HELP_USAGE = ("%(prog)s [--encoder NAME=PROVIDER ...] --grid NAME:tp=T,pp=P,dp=D ... "
+              "[MiMo, encoder and stock Megatron flags]")
+"""Stock's usage line lists ~800 flags; this one says what a launch needs."""
+
+CPU_SIMULATION_VALUES = (
+    ("transformer_impl", "local", "--transformer-impl local", "Transformer Engine needs a GPU"),
+    ("gradient_accumulation_fusion", False, "--no-gradient-accumulation-fusion",
+     "a fused CUDA kernel"),
+    ("masked_softmax_fusion", False, "--no-masked-softmax-fusion", "a fused CUDA kernel"),
+    ("bias_gelu_fusion", False, "--no-bias-gelu-fusion", "a fused CUDA kernel"),
+    ("bias_swiglu_fusion", False, "--no-bias-swiglu-fusion", "a fused CUDA kernel"),
+    ("bias_dropout_fusion", False, "--no-bias-dropout-fusion", "a fused CUDA kernel"),
+    ("apply_rope_fusion", False, "--no-rope-fusion", "a fused CUDA kernel"),
+    ("no_persist_layer_norm", True, "--no-persist-layer-norm",
+     "the persistent layer norm needs Apex on a GPU"),
+    ("distributed_backend", "gloo", "--distributed-backend gloo", "NCCL needs GPUs"),
+    ("moe_grouped_gemm", False, "drop the flag", "it needs Transformer Engine on a GPU"),
+    ("moe_permute_fusion", False, "drop the flag",
+     "it needs Transformer Engine on a GPU"),
+    ("moe_router_fusion", False, "drop the flag", "it needs Transformer Engine on a GPU"),
+)
+"""(args attribute, CPU-capable value, the flag that sets it, why the stock value cannot run)."""
+
+DEFAULT_EVAL_INTERVAL = 1000
+"""--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""
 
 
 def _encoder_providers(argv: Sequence[str]) -> dict[str, str]:
@@ -91,45 +117,120 @@ class MimoRun:
     samples: MockMultimodalSamples
 
 
-def _check_freeze(args: argparse.Namespace, layout: ParallelLayout) -> None:
-    names = {module.name for module in layout.encoders}
-    for flag, values in (("--freeze-encoder", args.freeze_encoder),
-                         ("--freeze-projection", args.freeze_projection)):
-        for name in values:
-            if name not in names:
-                raise LayoutError(f"{flag} {name}: no such encoder; encoders are "
-                                  f"{', '.join(sorted(names))}")
+def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
+    """argparse's 'unrecognized arguments' as one line: each flag and its closest known one."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return message
+    tokens = message[len(prefix):].split()
+    flags = [token.partition("=")[0] for token in tokens if token.startswith("-")] or tokens
+    known = list(parser._option_string_actions)
+    named = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1)
+        named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    return f"unknown flag{'s' if len(named) > 1 else ''} {', '.join(named)}; see --help"
 
 
-def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
-    """Parse and check every flag; raises one of :data:`USAGE_ERRORS` naming the flag to fix."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    providers = _encoder_providers(argv)
-    for name, provider in providers.items():
-        resolve(provider, name)
+def _parse_flags(argv: list[str], providers: dict[str, str]
+                 ) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """Stock parse_args with our flags, their help first, and parse errors raised as FlagError."""
+    parsers: list[argparse.ArgumentParser] = []
 
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for add in (add_layout_args, add_mimo_args, add_optimizer_args, cpu_simulation.add_cli_flag):
+        stock_groups = len(parser._action_groups)
+        for add in (add_layout_args, add_mimo_args, add_optimizer_args,
+                    cpu_simulation.add_cli_flag):
             add(parser)
-        return add_encoder_args(parser, providers)
+        add_encoder_args(parser, providers)
+        # argparse prints groups in creation order: ours (made last) go first, after "options".
+        groups = parser._action_groups
+        parser._action_groups = groups[:2] + groups[stock_groups:] + groups[2:stock_groups]
+        parser.description = HELP_DESCRIPTION
+        parser.usage = HELP_USAGE
+        megatron_compat.escape_unformattable_help(parser)
+
+        def error(message: str) -> None:
+            raise FlagError(_suggest(message, parser))
+
+        parser.error = error  # type: ignore[method-assign]
+        parsers.append(parser)
+        return parser
 
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
     try:
         args = parse_args(extra_args)
     finally:
         sys.argv = saved
-    layout = layout_from_args(args, args.world_size)
+    return args, parsers[0]
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str], attr: str) -> str | None:
+    """The flag of ``attr`` as the command line spells it, or None when it was not given."""
+    spellings = {option for action in parser._actions if action.dest == attr
+                 for option in action.option_strings}
+    return next((token.partition("=")[0] for token in argv
+                 if token.partition("=")[0] in spellings), None)
+
+
+def apply_run_defaults(args: argparse.Namespace, argv: Sequence[str],
+                       parser: argparse.ArgumentParser) -> list[str]:
+    """Fill what 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run.
+
+    Returns the flags it set, for one notice line. A GPU-only value the user gave explicitly is
+    a :class:`FlagError` naming the flag.
+    """
+    chosen = []
+    if args.tokenizer_type is None:
+        if args.vocab_size is None:
+            raise FlagError("--tokenizer-type is missing: the mock data needs only a vocabulary "
+                            "size; add --vocab-size N (the NullTokenizer is then used) or give "
+                            "--tokenizer-type")
+        args.tokenizer_type = "NullTokenizer"
+        chosen.append("--tokenizer-type NullTokenizer")
+    if args.eval_interval is None:
+        args.eval_interval = DEFAULT_EVAL_INTERVAL
+        chosen.append(f"--eval-interval {DEFAULT_EVAL_INTERVAL}")
+    if cpu_simulation.is_active():
+        for attr, value, flag, reason in CPU_SIMULATION_VALUES:
+            if getattr(args, attr) == value:
+                continue
+            given = _given(parser, argv, attr)
+            if given is not None:
+                raise FlagError(f"{given} cannot run on the CPU simulation ({reason}); "
+                                f"{'use ' + flag if flag.startswith('--') else flag}")
+            setattr(args, attr, value)
+            chosen.append(flag)
+    return chosen
+
+
+def _notice(args: argparse.Namespace, text: str) -> None:
+    """One line that something was chosen for the user, shown once (rank 0)."""
+    if args.rank == 0:
+        print(f"pretrain_mimo.py: notice: {text}", file=sys.stderr, flush=True)
+
+
+def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
+    """Parse and check every flag; raises one of :data:`USAGE_ERRORS` naming the flag to fix."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    refuse_upstream_flags(argv)
+    providers = _encoder_providers(argv)
+    for name, provider in providers.items():
+        resolve(provider, name)
+    args, parser = _parse_flags(argv, providers)
+    layout = check_run(argv, args.world_size)
+    resolve_freeze(args, layout)
     plugins = {module.name: instantiate(module.provider, module.name, args, module)
                for module in layout.encoders}
     layout = layout_from_args(
         args, args.world_size, {name: p.num_attention_heads for name, p in plugins.items()}
     )
-    _check_freeze(args, layout)
-    notice = checkpoints.check_checkpoint_flags(args, layout)
-    if notice and args.rank == 0:
-        print(f"pretrain_mimo.py: notice: {notice}", flush=True)
-    for module in layout.encoders:
-        encoder_micro_batch_size(layout, module.name, args.micro_batch_size)
+    resume_notice = checkpoints.check_checkpoint_flags(args, layout)
+    if resume_notice:
+        _notice(args, resume_notice)
+    chosen = apply_run_defaults(args, argv, parser)
+    if chosen:
+        _notice(args, f"defaults set (give the flags to silence this): {', '.join(chosen)}")
     samples = MockMultimodalSamples(seed=args.seed, seq_length=args.seq_length,
                                     vocab_size=args.vocab_size, plugins=plugins)
     apply_optimizer_args(args, argv)
@@ -148,8 +249,8 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     language = language_config_from_args(args).transformer
     for plugin in plugins.values():
         notice = check_hooks(plugin, language)
-        if notice and args.rank == 0:
-            print(f"pretrain_mimo.py: notice: {notice}", flush=True)
+        if notice:
+            _notice(args, notice)
     return MimoRun(args, layout, plugins, samples)
 
 

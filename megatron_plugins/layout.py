@@ -37,6 +37,8 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _PROVIDER = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
 _POSITIVE = re.compile(r"[0-9]+")
 
+_NAME_RULE = ("a module name starts with an ASCII letter and has only ASCII letters, digits "
+              "and '_' (e.g. vision, audio_2)")
 _GRID_EXAMPLE = "--grid language:tp=2,pp=1,cp=1,dp=2"
 _ENCODER_EXAMPLE = "--encoder vision=vit or --encoder vision=my_pkg.encoders:build_vision"
 
@@ -64,6 +66,11 @@ _STOCK_PARALLEL_FLAGS = (
 
 class LayoutError(ValueError):
     """A layout that cannot run; the message names the offending flag and how to fix it."""
+
+
+def _check_name(name: object, where: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise LayoutError(f"{where}: module name {name!r} is not valid: {_NAME_RULE}")
 
 
 def _dest(flag: str) -> str:
@@ -97,11 +104,7 @@ class ModuleGrid:
     def __post_init__(self) -> None:
         if not self.source:
             object.__setattr__(self, "source", f"--grid {self.name}")
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise LayoutError(
-                f"{self.source}: module name {self.name!r} must start with a letter and contain "
-                f"only letters, digits and '_' (e.g. {_GRID_EXAMPLE})"
-            )
+        _check_name(self.name, self.source)
         for key in _GRID_KEYS:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -274,6 +277,11 @@ def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  f"{'single encoder' if module == 'encoder' else 'language model'} "
                  "(default 1; do not combine with --grid).",
         )
+    group.add_argument(
+        "--llm-offset", metavar="N",
+        help="Upstream examples/mimo flag: the language grid's first rank. Modules take "
+             "consecutive ranks here, so it must equal the encoders' rank count.",
+    )
     return parser
 
 
@@ -286,6 +294,8 @@ def _parse_size(text: str, label: str) -> int:
 
 def _parse_encoder(text: str) -> tuple[str, str]:
     name, sep, provider = text.partition("=")
+    if sep and name:
+        _check_name(name, f"--encoder {text}")
     if not sep or not _NAME.fullmatch(name) or not _PROVIDER.fullmatch(provider):
         raise LayoutError(f"--encoder {text}: expected NAME=PROVIDER (e.g. {_ENCODER_EXAMPLE})")
     if name == LANGUAGE:
@@ -299,6 +309,8 @@ def _parse_encoder(text: str) -> tuple[str, str]:
 def _parse_grid(text: str) -> tuple[str, dict[str, int]]:
     name, sep, body = text.partition(":")
     where = f"--grid {text}"
+    if sep and name:
+        _check_name(name, where)
     if not sep or not _NAME.fullmatch(name):
         raise LayoutError(f"{where}: expected NAME:key=value,... (e.g. {_GRID_EXAMPLE})")
     values: dict[str, int] = {}
@@ -451,6 +463,29 @@ def _check_encoder(encoder: ModuleGrid, language: ModuleGrid, heads: int | None)
         )
 
 
+def _check_llm_offset(layout: ParallelLayout, offset: str | None) -> None:
+    """Upstream's ``--llm-offset``: accepted when it names where the language grid starts here."""
+    start = layout.language.rank_offset
+    if offset is not None and offset != str(start):
+        raise LayoutError(
+            f"--llm-offset {offset}: the language grid starts at rank {start}, right after "
+            f"the encoders' ranks; drop --llm-offset or give {start}"
+        )
+
+
+def encoder_micro_batch_size(layout: ParallelLayout, encoder: str, micro_batch_size: int) -> int:
+    """Samples per encoder DP replica per microbatch: language microbatch x llm_dp / enc_dp."""
+    language, module = layout.language, layout.module(encoder)
+    total = micro_batch_size * language.dp
+    if total % module.dp != 0:
+        raise LayoutError(
+            f"--micro-batch-size {micro_batch_size} x {language.source}: dp={language.dp} = "
+            f"{total} samples per microbatch cannot be split over {module.source}: "
+            f"dp={module.dp}; choose a micro batch size that makes it divisible"
+        )
+    return total // module.dp
+
+
 def required_world_size(args: Any) -> int:
     """Ranks the layout flags describe (their grids' sizes summed), before any other check."""
     total = 0
@@ -478,6 +513,7 @@ def layout_from_args(
         modules.append(module)
         offset += module.size
     layout = ParallelLayout(tuple(modules))
+    _check_llm_offset(layout, getattr(args, "llm_offset", None))
     for module in layout.modules:
         _check_supported(module)
     layout.check_world_size(world_size)

@@ -46,6 +46,12 @@ parameter. Independently of TE, fp32 main params are views of the model params a
 leaf Variable that requires grad is being used in an in-place operation").
 Bridge: load under ``torch.no_grad()``; without TE/Apex a fresh optimizer reports step 0 and after
 loading each parameter gets its own step tensor holding the step saved in ``param_groups``.
+
+Gap 7 (``--help``): argparse expands ``%`` in help strings; the stock help of
+``--moe-paged-stash-buffer-size-factor-cuda`` has a bare ``%`` (training/arguments.py), so
+``--help`` of every stock entry point dies with ``ValueError: unsupported format character``.
+Bridge: :func:`escape_unformattable_help` doubles the ``%`` of every help string argparse could
+not expand, on the one parser it is given.
 """
 
 from __future__ import annotations
@@ -267,3 +273,25 @@ def install_checkpoint_bridges() -> None:
     _install_mimo_module_common_state()
     _install_distributed_optimizer_resume()
     _checkpoint_bridges_installed = True
+
+
+def _help_expands(action: Any, parser: Any) -> bool:
+    """Whether argparse can expand ``action.help`` (it formats it with the action's attributes)."""
+    try:
+        (action.help or "") % {**vars(action), "prog": parser.prog}
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+def escape_unformattable_help(parser: Any) -> list[str]:
+    """Double the ``%`` of every help string of ``parser`` that breaks ``--help`` (Gap 7).
+
+    Returns the first option string of each action it escaped.
+    """
+    escaped = []
+    for action in parser._actions:
+        if action.help and not _help_expands(action, parser):
+            action.help = action.help.replace("%", "%%")
+            escaped.append(action.option_strings[0] if action.option_strings else action.dest)
+    return escaped

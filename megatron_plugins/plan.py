@@ -1,9 +1,11 @@
 """Print a heterogeneous layout's rank map without launching anything (``mimo-plan``).
 
-Takes the launch's layout flags plus the few stock flags validation reads, and prints each
-module's rank range and group sizes and every rank's coordinates, or the validation error on one
-line with exit code 2. Coordinates are computed by :meth:`ModuleGrid.coordinates`, which follows
-``HyperCommGrid``'s rank order, so they match the live topology.
+Takes the whole training command line (flags it does not need are ignored) plus torchrun's
+``--nproc-per-node`` / ``--nnodes``, runs the launch's own checks (:func:`preflight.check_run`),
+and prints each module's ranks, nodes and group sizes, a warning for every TP/CP/EP group that
+spans nodes, and (on request or for small layouts) every rank's node and coordinates; or the
+error on one line with exit code 2. Coordinates come from :meth:`ModuleGrid.coordinates`, which
+follows ``HyperCommGrid``'s rank order, so they match the live topology.
 """
 
 from __future__ import annotations
@@ -18,28 +20,33 @@ from megatron_plugins.layout import (
     LayoutError,
     ModuleGrid,
     ParallelLayout,
-    add_layout_args,
-    layout_from_args,
 )
+from megatron_plugins.preflight import FlagError, check_parser, check_run
+
+SMALL = 64
+"""Layouts up to this many ranks get the per-rank table without ``--ranks``."""
+
+FAST_DIMS = ("tp", "cp", "ep", "expt_tp")
+"""Dims whose groups talk every layer: a group of them across nodes is the costly mistake."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mimo-plan", allow_abbrev=False,
-        description="Show which rank runs which module, and where, for a MiMo layout.",
+        prog="mimo-plan", allow_abbrev=False, parents=[check_parser()],
+        description="Show which rank runs which module, and where, for a MiMo layout. Paste the "
+                    "whole training command line: flags the plan does not need are ignored.",
     )
-    add_layout_args(parser)
-    launch = parser.add_argument_group("launch and model (as given to torchrun and Megatron)")
-    launch.add_argument("--nproc-per-node", type=int, required=True)
+    launch = parser.add_argument_group("launch (as given to torchrun)")
+    launch.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
     launch.add_argument("--nnodes", type=int, default=1)
-    launch.add_argument("--num-attention-heads", type=int)
-    launch.add_argument("--num-query-groups", type=int)
-    launch.add_argument("--num-experts", type=int)
-    launch.add_argument("--tensor-parallel-num-weight-shards", type=int)
-    launch.add_argument("--expert-tensor-parallel-num-weight-shards", type=int)
-    # There is no --group-query-attention here: a given --num-query-groups is always checked.
-    parser.set_defaults(group_query_attention=True)
+    launch.add_argument("--ranks", action="store_true",
+                        help=f"Print the per-rank table (default: only up to {SMALL} ranks).")
+    parser.error = _raise  # type: ignore[method-assign]
     return parser
+
+
+def _raise(message: str) -> None:
+    raise FlagError(message)
 
 
 def _dims(values: dict[str, int], dims: Sequence[str]) -> str:
@@ -50,35 +57,74 @@ def _sizes(module: ModuleGrid) -> dict[str, int]:
     return {dim: module.dim_size(dim) for dim in DENSE_DIMS + EXPERT_DIMS}
 
 
-def format_plan(layout: ParallelLayout) -> str:
-    """Module lines (ranks, group sizes) then one line per rank (module, coordinates)."""
+def _span(values: range | list[int]) -> str:
+    return f"{min(values)}-{max(values)}"
+
+
+def cross_node_groups(module: ModuleGrid, nproc_per_node: int) -> dict[str, tuple[int, int]]:
+    """Per dim of :data:`FAST_DIMS`: (groups spanning nodes, groups) of ``module``."""
+    found = {}
+    for dim in FAST_DIMS:
+        if module.dim_size(dim) == 1:
+            continue
+        dims = DENSE_DIMS if dim in DENSE_DIMS else EXPERT_DIMS
+        nodes: dict[tuple[int, ...], set[int]] = {}
+        for rank in module.ranks:
+            coords = module.coordinates(rank)
+            key = tuple(coords[d] for d in dims if d != dim)
+            nodes.setdefault(key, set()).add(rank // nproc_per_node)
+        spanning = sum(len(members) > 1 for members in nodes.values())
+        if spanning:
+            found[dim] = (spanning, len(nodes))
+    return found
+
+
+def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool) -> str:
+    """A summary per module (ranks, nodes, group sizes), warnings, then the per-rank table."""
+    nodes = -(-layout.world_size // nproc_per_node)
     names = ", ".join(m.name for m in layout.modules)
-    lines = [f"world: {layout.world_size} ranks; modules in rank order: {names}"]
+    lines = [f"world: {layout.world_size} ranks on {nodes} node(s) of {nproc_per_node}; "
+             f"modules in rank order: {names}"]
+    warnings = []
     for module in layout.modules:
         provider = f" provider={module.provider}" if module.provider else ""
         sizes = _sizes(module)
+        module_nodes = [rank // nproc_per_node for rank in module.ranks]
         lines.append(
-            f"module {module.name}{provider} ranks={module.ranks.start}-{module.ranks.stop - 1} "
-            f"group sizes: {_dims(sizes, DENSE_DIMS)} | {_dims(sizes, EXPERT_DIMS)}"
+            f"module {module.name}{provider} ranks={_span(module.ranks)} "
+            f"nodes={_span(module_nodes)} group sizes: {_dims(sizes, DENSE_DIMS)} | "
+            f"{_dims(sizes, EXPERT_DIMS)}"
         )
-    for rank in range(layout.world_size):
-        module = layout.module_of_rank(rank)
-        coords = module.coordinates(rank)
-        lines.append(
-            f"rank {rank} {module.name}: {_dims(coords, DENSE_DIMS)} | {_dims(coords, EXPERT_DIMS)}"
-        )
+        for dim, (spanning, total) in cross_node_groups(module, nproc_per_node).items():
+            warnings.append(
+                f"WARNING: module {module.name}: {spanning} of {total} {dim} groups "
+                f"({module.dim_size(dim)} ranks each) span nodes ({nproc_per_node} ranks per "
+                f"node); {dim} traffic then crosses the network every layer: keep {dim} groups "
+                f"inside a node (a {dim} dividing {nproc_per_node}, module sizes ending on node "
+                f"boundaries)"
+            )
+    lines.extend(warnings)
+    if ranks:
+        for rank in range(layout.world_size):
+            module = layout.module_of_rank(rank)
+            coords = module.coordinates(rank)
+            lines.append(f"rank {rank} node {rank // nproc_per_node} {module.name}: "
+                         f"{_dims(coords, DENSE_DIMS)} | {_dims(coords, EXPERT_DIMS)}")
+    else:
+        lines.append(f"(per-rank table: add --ranks; shown by default up to {SMALL} ranks)")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mimo-plan`` and ``python -m megatron_plugins.plan``; returns exit code."""
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        layout = layout_from_args(args, args.nproc_per_node * args.nnodes)
+        own, _ = _parser().parse_known_args(argv)
+        layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True)
     except LayoutError as error:
         print(f"mimo-plan: error: {error}", file=sys.stderr)
         return 2
-    print(format_plan(layout))
+    print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL))
     return 0
 
 

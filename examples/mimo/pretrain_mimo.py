@@ -5,12 +5,20 @@
 
 Each encoder trains on its own ranks (``--grid NAME:tp=..,dp=..``), the language model on the
 last ranks (``--grid language:tp=..,pp=..,dp=..,ep=..``). ``--cpu-simulation`` runs the stock loop
-on CPU over gloo. A bad flag ends every rank at once with one line naming it (exit code 2).
+on CPU over gloo. A bad flag ends every rank at once with one line naming it (exit code 2); a bad
+layout does so before torch or Megatron is imported.
 """
 
 import sys
 
-from megatron_plugins import cpu_simulation
+from megatron_plugins import preflight
+
+# The layout is checked before torch and Megatron are imported, so a refused one exits at once.
+_refused = preflight.run(sys.argv[1:], "pretrain_mimo.py") if __name__ == "__main__" else None
+if _refused is not None:
+    sys.exit(_refused)
+
+from megatron_plugins import cpu_simulation  # noqa: E402
 
 if cpu_simulation.CLI_FLAG in sys.argv:
     cpu_simulation.activate()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,3 +96,83 @@ def test_every_rank_reaches_the_same_verdict() -> None:
     verdicts = run_in_processes(_parse_on_rank, 3, args=(flags,), timeout=90)
     assert len(set(verdicts)) == 1 and message in verdicts[0]
 
+
+
+README_LAUNCH = ["--cpu-simulation", "--encoder", "vision=vit", "--grid", "vision:dp=1",
+                 "--grid", "language:dp=2", "--num-layers", "2", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "32",
+                 "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--train-iters", "3", "--eval-iters", "1",
+                 "--lr", "1e-3", "--vocab-size", "128"]
+"""The README's launch example: model, batch, optimizer and tokenizer flags only."""
+
+
+def test_readme_launch_with_only_model_batch_optimizer_flags_trains(tmp_path: Path) -> None:
+    run = run_script(SCRIPT, [*README_LAUNCH, "--tensorboard-dir", str(tmp_path)], nproc=3,
+                     timeout=240)
+    assert run.returncode == 0, run.output[-4000:]
+    notices = re.findall(r"^pretrain_mimo\.py: notice: defaults set .*$", run.output, flags=re.M)
+    assert len(notices) == 1 and "--transformer-impl local" in notices[0], run.output[-4000:]
+    assert "Transformer Engine and Apex are not installed" not in run.output
+    losses = read_scalars(tmp_path, "lm loss")
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses
+
+
+def test_unknown_flag_is_one_line_per_rank_with_the_closest_flag() -> None:
+    run = run_script(SCRIPT, [*TINY_MIMO, "--freeze-lmm", "--grid", "language:dp=2"], nproc=2,
+                     timeout=150)
+    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
+    assert errors and set(errors) == {
+        "unknown flag --freeze-lmm (did you mean --freeze-lm?); see --help"}, run.output[-3000:]
+    assert "usage:" not in run.output
+    assert run.returncode == 1  # torchrun's own code when its ranks exit 2
+    # torchrun stops the other ranks (SIGTERM, -15) once the first one exits.
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.output)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
+
+
+def test_help_prints_mimo_and_encoder_flags_first_and_exits_0() -> None:
+    for flags, first in ((["--help"], "--grid"), (["--encoder", "vision=vit", "--help"],
+                                                 "--vit-num-layers")):
+        result = subprocess.run([sys.executable, str(SCRIPT), *flags], cwd=REPO_ROOT, text=True,
+                                capture_output=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith("usage: pretrain_mimo.py [--encoder NAME=PROVIDER ...]")
+        text = result.stdout[result.stdout.index("options:"):]
+        assert text.index(first) < text.index("--num-layers") < text.index("--moe-paged-stash")
+        assert text.index("--freeze-lm") < text.index("--num-layers")
+
+
+CPU_DEFAULT_CASES = [
+    (["--transformer-impl", "transformer_engine"],
+     "--transformer-impl cannot run on the CPU simulation (Transformer Engine needs a GPU); use "
+     "--transformer-impl local"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm cannot run on the CPU simulation"),
+    (["--lrr", "1"], "unknown flag --lrr (did you mean --lr?); see --help"),
+]
+
+
+def _verdicts(cases: list[list[str]]) -> list[str]:
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron_plugins.launch import USAGE_ERRORS, parse_mimo_args
+
+    stripped = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "NullTokenizer")]
+    verdicts = []
+    for flags in [[], *cases]:
+        try:
+            run = parse_mimo_args([*stripped, *flags, "--grid", "language:dp=1"])
+        except USAGE_ERRORS as error:
+            verdicts.append(str(error))
+        else:
+            verdicts.append(f"{run.args.tokenizer_type} {run.args.eval_interval}")
+    return verdicts
+
+
+def test_cpu_simulation_defaults_and_explicit_gpu_flags() -> None:
+    [verdicts] = run_in_processes(_verdicts, 1, args=([flags for flags, _ in CPU_DEFAULT_CASES],),
+                                  timeout=150)
+    assert verdicts[0] == "NullTokenizer 5"  # tokenizer defaulted; TINY_MIMO's interval kept
+    for verdict, (_, message) in zip(verdicts[1:], CPU_DEFAULT_CASES):
+        assert verdict.startswith(message), verdict

@@ -106,3 +106,23 @@ def test_gap6_distributed_optimizer_state_dict_asserts_one_step():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     assert "assert len(steps) == 1" in inspect.getsource(DistributedOptimizer.state_dict)
+
+
+def test_gap7_stock_help_breaks_argparse_and_the_bridge_escapes_only_that_string():
+    import argparse
+
+    import pytest
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(prog="p", allow_abbrev=False))
+    with pytest.raises(ValueError, match="unsupported format character"):
+        parser.format_help()
+    untouched = [action.help for action in parser._actions]
+    assert megatron_compat.escape_unformattable_help(parser) == [
+        "--moe-paged-stash-buffer-size-factor-cuda"]
+    help_text = parser.format_help()
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in help_text
+    changed = [action.option_strings for action, before in zip(parser._actions, untouched)
+               if action.help != before]
+    assert changed == [["--moe-paged-stash-buffer-size-factor-cuda"]]
+    assert megatron_compat.escape_unformattable_help(parser) == []  # idempotent

@@ -21,17 +21,17 @@ def test_prints_modules_and_rank_coordinates(capsys):
     captured = capsys.readouterr()
     assert captured.err == ""
     assert captured.out.splitlines() == [
-        "world: 6 ranks; modules in rank order: vision, language",
-        "module vision provider=vit ranks=0-1 group sizes: tp=2 cp=1 dp=1 pp=1 | "
+        "world: 6 ranks on 1 node(s) of 6; modules in rank order: vision, language",
+        "module vision provider=vit ranks=0-1 nodes=0-0 group sizes: tp=2 cp=1 dp=1 pp=1 | "
         "expt_tp=1 ep=1 expt_dp=2 pp=1",
-        "module language ranks=2-5 group sizes: tp=1 cp=1 dp=2 pp=2 | "
+        "module language ranks=2-5 nodes=0-0 group sizes: tp=1 cp=1 dp=2 pp=2 | "
         "expt_tp=1 ep=2 expt_dp=1 pp=2",
-        "rank 0 vision: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
-        "rank 1 vision: tp=1 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=1 pp=0",
-        "rank 2 language: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
-        "rank 3 language: tp=0 cp=0 dp=1 pp=0 | expt_tp=0 ep=1 expt_dp=0 pp=0",
-        "rank 4 language: tp=0 cp=0 dp=0 pp=1 | expt_tp=0 ep=0 expt_dp=0 pp=1",
-        "rank 5 language: tp=0 cp=0 dp=1 pp=1 | expt_tp=0 ep=1 expt_dp=0 pp=1",
+        "rank 0 node 0 vision: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
+        "rank 1 node 0 vision: tp=1 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=1 pp=0",
+        "rank 2 node 0 language: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
+        "rank 3 node 0 language: tp=0 cp=0 dp=1 pp=0 | expt_tp=0 ep=1 expt_dp=0 pp=0",
+        "rank 4 node 0 language: tp=0 cp=0 dp=0 pp=1 | expt_tp=0 ep=0 expt_dp=0 pp=1",
+        "rank 5 node 0 language: tp=0 cp=0 dp=1 pp=1 | expt_tp=0 ep=1 expt_dp=0 pp=1",
     ]
 
 
@@ -41,7 +41,9 @@ def test_nnodes_multiplies_the_world_size(capsys):
         capsys.readouterr().err
     )
     assert main(["--llm-dp", "4", "--nproc-per-node", "1", "--nnodes", "5"]) == 0
-    assert "world: 5 ranks; modules in rank order: vision, language" in capsys.readouterr().out
+    assert "world: 5 ranks on 5 node(s) of 1; modules in rank order: vision, language" in (
+        capsys.readouterr().out
+    )
 
 
 def test_bad_layout_prints_one_line_and_exits_2():
@@ -55,6 +57,63 @@ def test_bad_layout_prints_one_line_and_exits_2():
         "mimo-plan: error: --grid language: tp=3 does not divide --num-attention-heads 4; "
         "choose tp in {1, 2, 4}"
     ]
+
+
+CLUSTER_COMMAND = (
+    "torchrun --nnodes 136 --nproc-per-node 8 examples/mimo/pretrain_mimo.py "
+    "--encoder vision=vit --grid vision:dp=64 --grid language:tp=16,pp=4,dp=16 "
+    "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+    "--max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 256 --lr 1e-4 "
+    "--bf16 --use-distributed-optimizer --tokenizer-type NullTokenizer --vocab-size 32000"
+).split()
+
+
+def test_full_training_command_line_gets_a_summary_and_a_cross_node_tp_warning(capsys):
+    assert main(CLUSTER_COMMAND) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == [
+        "world: 1088 ranks on 136 node(s) of 8; modules in rank order: vision, language",
+        "module vision provider=vit ranks=0-63 nodes=0-7 group sizes: tp=1 cp=1 dp=64 pp=1 | "
+        "expt_tp=1 ep=1 expt_dp=64 pp=1",
+        "module language ranks=64-1087 nodes=8-135 group sizes: tp=16 cp=1 dp=16 pp=4 | "
+        "expt_tp=1 ep=1 expt_dp=256 pp=4",
+        "WARNING: module language: 64 of 64 tp groups (16 ranks each) span nodes (8 ranks per "
+        "node); tp traffic then crosses the network every layer: keep tp groups inside a node "
+        "(a tp dividing 8, module sizes ending on node boundaries)",
+        "(per-rank table: add --ranks; shown by default up to 64 ranks)",
+    ]
+    assert len(lines) == 5
+    assert main([*CLUSTER_COMMAND, "--ranks"]) == 0
+    table = capsys.readouterr().out.splitlines()[4:]
+    assert len(table) == 1088 and table[1087].startswith("rank 1087 node 135 language: tp=15")
+
+
+def test_groups_inside_nodes_get_no_warning_and_misaligned_ones_do(capsys):
+    layout = ["--encoder", "vision=vit", "--grid", "vision:dp=4", "--num-attention-heads", "8",
+              "--nproc-per-node", "4", "--nnodes", "3"]
+    assert main([*layout, "--grid", "language:tp=4,dp=2"]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    assert main([*layout, "--grid", "language:tp=8"]) == 0  # ranks 4-11: one tp group, 2 nodes
+    assert "WARNING: module language: 1 of 1 tp groups (8 ranks each) span nodes" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--grid", "vision:tp=3", "--grid", "language:dp=2", "--nproc-per-node", "5"],
+     "--grid vision: tp=3 does not divide the vision encoder's attention heads 4"),
+    (["--encoder", "vísion=vit", "--grid", "vísion:", "--grid", "language:",
+      "--nproc-per-node", "2"],
+     "--encoder vísion=vit: module name 'vísion' is not valid: a module name starts with an "
+     "ASCII letter"),
+    (["--grid", "vision:", "--grid", "language:", "--nproc-per-node", "2", "--freeze-vit"],
+     "--freeze-vit is upstream Megatron-LM examples/mimo's flag"),
+    (["--grid", "vision:", "--grid", "language:", "--nproc-per-node", "2",
+      "--freeze-lm", "--freeze-encoder", "vision"], "leaves nothing to train"),
+])
+def test_plan_refuses_what_the_launch_refuses(flags, message, capsys):
+    assert main(["--encoder", "vision=vit", *flags]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_plan_launches_and_imports_nothing_heavy():
@@ -79,4 +138,5 @@ def test_gpu_launchers_pass_the_planning_view(script):
     assert result.returncode == 0, result.stderr
     world = int(result.stdout.split()[1])
     assert world == len([line for line in result.stdout.splitlines() if line.startswith("rank ")])
+    assert "WARNING" not in result.stdout
     assert world >= 8

@@ -25,8 +25,8 @@ TRAINING=(--micro-batch-size 4 --global-batch-size 128 --train-iters 5000
           --save "${SAVE_DIR:-runs/mimo-multinode}/checkpoints" --save-interval 1000
           --tensorboard-dir "${SAVE_DIR:-runs/mimo-multinode}/tensorboard")
 if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
-  exec python -m megatron_plugins.plan "${LAYOUT[@]}" --num-attention-heads 32 \
-    --num-query-groups 8 --nproc-per-node "$NPROC" --nnodes "$NNODES"
+  exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --nnodes "$NNODES" --ranks \
+    "${LAYOUT[@]}" "${MODEL[@]}" "${TRAINING[@]}"
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 exec torchrun --nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" \

@@ -1,0 +1,198 @@
+"""The checks that run before torch or Megatron is imported, shared by the launch and ``mimo-plan``.
+
+Importing Megatron's argument parser costs ~5 s per process on a small machine, 20-30 s under
+torchrun with several ranks. A refused layout must not wait for it: :func:`check_run` reads the
+layout flags, the MiMo flags and the few stock model flags the layout checks need from the raw
+command line (ignoring every other flag) and raises one :class:`FlagError` / ``LayoutError``.
+Only an encoder with tp > 1 imports its plugin (the head-count check needs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from megatron_plugins.layout import (
+    LayoutError,
+    ParallelLayout,
+    add_layout_args,
+    encoder_micro_batch_size,
+    layout_from_args,
+)
+
+CPU_SIMULATION_FLAG = "--cpu-simulation"
+
+EVERY_ENCODER = "*"
+"""``--freeze-projection`` without a name (upstream's spelling): every encoder's projection."""
+
+UPSTREAM_REFUSED: Mapping[str, str] = {
+    "--freeze-vit": "it freezes the ViT backbone but not its projection; here "
+                    "--freeze-encoder NAME freezes an encoder with its projection",
+    "--llm-only": "train a language model alone with stock pretrain_gpt.py",
+    "--model-provider": "name encoders with --encoder NAME=PROVIDER; stock flags describe the "
+                        "language model",
+    "--language-model-checkpoint": "resume with stock --load",
+    "--image-size": "use --vit-img-size",
+    "--image-seq-length": "an encoder's tokens per sample follow from its flags "
+                          "(--vit-img-size / --vit-patch-size)",
+    "--total-seq-length": "use --seq-length",
+    "--image-token-id": "encoders' special token ids are the top ids of --vocab-size",
+    "--pad-token-id": "the mock data has no padding",
+    "--mock-dataset-size": "mock samples are drawn by global index; there is no dataset size",
+    "--audio-encoder-model": "use --encoder NAME=audio or your own encoder plugin",
+    "--hf-assign-unused-tokens": "encoders' special token ids are the top ids of --vocab-size",
+    "--packing-buffer-size": "sequence packing is not supported",
+    "--mimo-encoder-prefetch": "encoder feature prefetch is not supported",
+    "--mimo-encoder-prefetch-depth": "encoder feature prefetch is not supported",
+    "--mimo-encoder-prefetch-debug": "encoder feature prefetch is not supported",
+    "--class-token-len": "the RADIO encoder is not built in; write an encoder plugin",
+    "--pixel-shuffle": "the RADIO encoder is not built in; write an encoder plugin",
+    "--disable-vision-class-token": "the RADIO encoder is not built in; write an encoder plugin",
+    "--dynamic-resolution": "the RADIO encoder is not built in; write an encoder plugin",
+    "--vision-projection-type": "the projection is a two-layer MLP (EncoderPlugin.projection_spec)",
+}
+"""Upstream Megatron-LM ``examples/mimo`` flags without an equivalent here, and what to use."""
+
+
+class FlagError(LayoutError):
+    """A flag that cannot be used (unknown, mistyped, or meaningless here); one line names it."""
+
+
+def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def error(message: str) -> None:
+        raise FlagError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """MiMo training flags beyond the layout (freezing, encoder DDP overlap), upstream aliases too."""
+    group = parser.add_argument_group("megatron-plugins MiMo training")
+    group.add_argument("--freeze-language-model", "--freeze-lm", action="store_true",
+                       help="Do not train the language model (--freeze-lm: upstream spelling).")
+    group.add_argument("--freeze-encoder", action="append", default=[], metavar="NAME",
+                       help="Do not train this encoder (projection included). Repeatable.")
+    group.add_argument("--freeze-projection", action="append", default=[], metavar="NAME",
+                       nargs="?", const=EVERY_ENCODER,
+                       help="Do not train this encoder's projection to the LM; without NAME "
+                            "(upstream spelling) every encoder's. Repeatable.")
+    group.add_argument("--encoder-overlap-grad-reduce", action=argparse.BooleanOptionalAction,
+                       default=None, help="Overlap encoder grad reduction with backward "
+                       "(default: follow --overlap-grad-reduce).")
+    group.add_argument("--encoder-ddp-overlap", dest="encoder_overlap_grad_reduce",
+                       action="store_const", const=True,
+                       help="Upstream spelling of --encoder-overlap-grad-reduce; like upstream, "
+                            "needs --overlap-grad-reduce.")
+    group.add_argument("--dataset-provider", choices=["mock"], default="mock",
+                       help="Upstream examples/mimo flag; the mock data is the only provider.")
+    return parser
+
+
+def check_parser() -> argparse.ArgumentParser:
+    """Layout and MiMo flags plus the stock model flags the checks read; errors raise FlagError."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_layout_args(parser)
+    add_mimo_args(parser)
+    stock = parser.add_argument_group("stock Megatron flags the layout checks read")
+    for flag in ("--num-attention-heads", "--num-query-groups", "--num-experts",
+                 "--tensor-parallel-num-weight-shards",
+                 "--expert-tensor-parallel-num-weight-shards", "--micro-batch-size"):
+        stock.add_argument(flag, type=int)
+    stock.add_argument("--group-query-attention", action="store_true")
+    stock.add_argument("--overlap-grad-reduce", action="store_true")
+    return _raise_instead_of_exit(parser)
+
+
+def refuse_upstream_flags(argv: Sequence[str]) -> None:
+    """One line for the first upstream ``examples/mimo`` flag that has no meaning here."""
+    for token in argv:
+        flag = token.partition("=")[0]
+        if flag in UPSTREAM_REFUSED:
+            raise FlagError(f"{flag} is upstream Megatron-LM examples/mimo's flag and has no "
+                            f"equivalent here: {UPSTREAM_REFUSED[flag]}")
+
+
+def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> None:
+    """Check the freeze flags against the layout, expand a bare --freeze-projection, in place."""
+    names = [module.name for module in layout.encoders]
+    for flag, attr in (("--freeze-encoder", "freeze_encoder"),
+                       ("--freeze-projection", "freeze_projection")):
+        for name in getattr(args, attr):
+            if name != EVERY_ENCODER and name not in names:
+                raise FlagError(f"{flag} {name}: no such encoder; encoders are "
+                                f"{', '.join(sorted(names))}")
+    if EVERY_ENCODER in args.freeze_projection:
+        args.freeze_projection = list(names)
+    if args.freeze_language_model and names and set(names) <= set(args.freeze_encoder):
+        raise FlagError(
+            "--freeze-language-model with --freeze-encoder for every encoder "
+            f"({', '.join(names)}) leaves nothing to train; unfreeze one module"
+        )
+
+
+def _encoder_heads(argv: Sequence[str], layout: ParallelLayout, quiet: bool) -> dict[str, int]:
+    """Attention heads of the encoders whose tp must divide them (tp > 1); imports their plugins."""
+    sharded = [module for module in layout.encoders if module.tp > 1]
+    if not sharded:
+        return {}
+    if quiet or CPU_SIMULATION_FLAG in argv:
+        from megatron_plugins.cpu_simulation import quiet_gpu_library_warnings
+
+        quiet_gpu_library_warnings()
+    from megatron_plugins.encoders import EncoderPluginError, resolve
+
+    try:
+        classes = {module.name: resolve(module.provider, module.name) for module in sharded}
+        parser = check_parser()
+        for plugin in dict.fromkeys(classes.values()):
+            plugin.add_arguments(parser)
+        args, _ = parser.parse_known_args(list(argv))
+        return {module.name: classes[module.name](module.name, args, module).num_attention_heads
+                for module in sharded}
+    except EncoderPluginError as error:
+        raise FlagError(str(error)) from None
+
+
+def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> ParallelLayout:
+    """Every check that needs no Megatron import, on a raw command line; returns the layout.
+
+    Flags it does not know are ignored, so the launch's and a pasted torchrun command line both
+    work. Raises :class:`FlagError` or ``LayoutError`` with one line naming the flag. ``quiet``
+    hides Megatron's warnings about absent GPU libraries when a plugin import needs Megatron (as
+    ``--cpu-simulation`` does).
+    """
+    argv = list(argv)
+    refuse_upstream_flags(argv)
+    args, _ = check_parser().parse_known_args(argv)
+    layout = layout_from_args(args, world_size)
+    heads = _encoder_heads(argv, layout, quiet)
+    if heads:
+        layout = layout_from_args(args, world_size, heads)
+    resolve_freeze(args, layout)
+    if args.micro_batch_size is not None:
+        for module in layout.encoders:
+            encoder_micro_batch_size(layout, module.name, args.micro_batch_size)
+    if "--encoder-ddp-overlap" in argv and not args.overlap_grad_reduce:
+        raise FlagError("--encoder-ddp-overlap needs --overlap-grad-reduce (as upstream); add it "
+                        "or use --encoder-overlap-grad-reduce alone")
+    return layout
+
+
+def world_size_from_env() -> int:
+    """The world size the launch will have: ``WORLD_SIZE`` as torchrun sets it (stock default 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run(argv: Sequence[str], prog: str) -> int | None:
+    """The entry point's first step: 2 after printing the one-line error, None to go on."""
+    if "-h" in argv or "--help" in argv:
+        return None
+    try:
+        check_run(argv, world_size_from_env())
+    except LayoutError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return None

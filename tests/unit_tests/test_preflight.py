@@ -1,0 +1,97 @@
+"""Checks before any Megatron import: upstream flags, freezing, the refused-layout fast path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_plugins.layout import LayoutError
+from megatron_plugins.preflight import (
+    EVERY_ENCODER,
+    FlagError,
+    check_parser,
+    check_run,
+    resolve_freeze,
+)
+from tests.multiprocess import REPO_ROOT
+
+TWO = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "vision:",
+       "--grid", "audio:", "--grid", "language:dp=2"]
+
+
+def _freeze(flags: list[str]) -> list[str]:
+    args, _ = check_parser().parse_known_args([*TWO, *flags])
+    resolve_freeze(args, check_run(TWO, 4))
+    return args.freeze_projection
+
+
+def test_upstream_freeze_flags_mean_what_they_mean_upstream():
+    args, _ = check_parser().parse_known_args([*TWO, "--freeze-lm"])
+    assert args.freeze_language_model is True
+    assert _freeze(["--freeze-projection"]) == ["vision", "audio"]  # bare: every encoder's
+    assert _freeze(["--freeze-projection", "audio"]) == ["audio"]
+    assert EVERY_ENCODER not in _freeze(["--freeze-projection", "--freeze-projection", "vision"])
+
+
+def test_freezing_every_module_is_refused_in_one_line():
+    with pytest.raises(FlagError, match="^--freeze-language-model with --freeze-encoder for every "
+                                        "encoder \\(vision, audio\\) leaves nothing to train"):
+        check_run([*TWO, "--freeze-lm", "--freeze-encoder", "vision", "--freeze-encoder",
+                   "audio"], 4)
+    check_run([*TWO, "--freeze-lm", "--freeze-encoder", "vision"], 4)  # audio still trains
+
+
+def test_upstream_layout_flags_are_accepted_with_their_meaning():
+    layout = check_run(["--encoder-tp", "2", "--encoder-dp", "2", "--llm-offset", "4",
+                        "--llm-tp", "2", "--llm-dp", "2"], 8)
+    assert layout.language.rank_offset == 4 and layout.module("vision").tp == 2
+    with pytest.raises(LayoutError, match="^--llm-offset 2: the language grid starts at rank 4"):
+        check_run(["--encoder-tp", "2", "--encoder-dp", "2", "--llm-offset", "2",
+                   "--llm-dp", "4"], 8)
+    args, _ = check_parser().parse_known_args(["--encoder-ddp-overlap"])
+    assert args.encoder_overlap_grad_reduce is True
+    check_run(["--llm-dp", "2", "--encoder-ddp-overlap", "--overlap-grad-reduce"], 3)
+    with pytest.raises(FlagError, match="^--encoder-ddp-overlap needs --overlap-grad-reduce"):
+        check_run(["--llm-dp", "2", "--encoder-ddp-overlap"], 3)
+
+
+@pytest.mark.parametrize("flag, instead", [
+    ("--freeze-vit", "--freeze-encoder NAME"), ("--llm-only", "pretrain_gpt.py"),
+    ("--model-provider=mock", "--encoder NAME=PROVIDER"), ("--image-size", "--vit-img-size"),
+    ("--total-seq-length", "--seq-length"), ("--mimo-encoder-prefetch", "not supported"),
+    ("--language-model-checkpoint", "--load"),
+])
+def test_upstream_flags_without_a_meaning_here_are_refused_in_one_line(flag, instead):
+    with pytest.raises(FlagError) as error:
+        check_run(["--llm-dp", "2", flag], 3)
+    message = str(error.value)
+    assert message.startswith(f"{flag.partition('=')[0]} is upstream Megatron-LM examples/mimo")
+    assert instead in message and "\n" not in message
+
+
+def test_other_flags_of_a_full_command_line_are_ignored():
+    layout = check_run(["torchrun", "--nproc-per-node", "3", "train.py", "--llm-dp", "2",
+                        "--num-layers", "2", "--lr", "1e-3", "--bf16", "--micro-batch-size", "2"],
+                       3)
+    assert layout.world_size == 3
+    with pytest.raises(LayoutError, match="micro-batch-size 1 x --grid language"):
+        check_run(["--encoder-dp", "2", "--micro-batch-size", "1"], 3)
+    with pytest.raises(FlagError, match="argument --num-attention-heads: invalid int value"):
+        check_run(["--llm-dp", "2", "--num-attention-heads", "four"], 3)
+
+
+def test_a_refused_layout_exits_2_before_torch_is_imported():
+    code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', '--grid', "
+            "'language:dp=4']; sys.modules['torch'] = None\n"
+            "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__main__')")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60, env={"WORLD_SIZE": "3", "PATH": ""})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "pretrain_mimo.py: error: WORLD_SIZE / --nproc-per-node is 3 but the --grid sizes sum "
+        "to 4 (language 4); launch 4 ranks or change the grids"]
+    assert time.monotonic() - start < 10

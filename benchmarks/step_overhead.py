@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -78,15 +79,25 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
         command = [sys.executable, *worker]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(worker_args[:1])} run failed ({done.returncode}):\n"
-                           f"{(done.stdout + done.stderr)[-4000:]}")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{worker_args[0]} run failed ({process.returncode}):\n{output[-4000:]}")
 
 
-def _ranks(probe_out: str, nproc: int, warmup: int) -> list[list[dict[str, Any]]]:
-    """Per rank, the recorded steps after warm-up."""
+def record(mode: str, steps: int, warmup: int, probe_out: str,
+           timeout: float = 600.0) -> list[list[dict[str, Any]]]:
+    """Train the ``gpt`` (one rank) or ``mimo`` (two ranks) configuration under the probe; per
+    rank, the recorded steps after warm-up."""
+    nproc, flags = {"gpt": (1, ["--mock-data"]), "mimo": (2, MIMO_LAYOUT)}[mode]
+    iters = ["--train-iters", str(steps + warmup)]
+    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters], probe_out, timeout)
     return [json.loads(Path(f"{probe_out}.rank{r}.json").read_text())["steps"][warmup:]
             for r in range(nproc)]
 
@@ -124,14 +135,11 @@ def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     """Run the three measurements and return the report."""
     iters = ["--train-iters", str(steps + warmup)]
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
-        gpt, mimo, enc = (f"{tmp}/gpt", f"{tmp}/mimo", f"{tmp}/enc")
-        _launch(1, ["gpt", *LANGUAGE_MODEL, *iters, "--mock-data"], gpt, timeout)
+        [stock] = record("gpt", steps, warmup, f"{tmp}/gpt", timeout)
         _launch(0, ["encoder", str(steps), str(warmup), *LANGUAGE_MODEL, *MIMO_LAYOUT, *iters],
-                enc, timeout)
-        _launch(2, ["mimo", *LANGUAGE_MODEL, *MIMO_LAYOUT, *iters], mimo, timeout)
-        [stock] = _ranks(gpt, 1, warmup)
-        hetero = _ranks(mimo, 2, warmup)
-        encoder = json.loads(Path(f"{enc}.encoder.json").read_text())
+                f"{tmp}/enc", timeout)
+        hetero = record("mimo", steps, warmup, f"{tmp}/mimo", timeout)
+        encoder = json.loads(Path(f"{tmp}/enc.encoder.json").read_text())
     mimo_step = statistics.median(max(r[i]["seconds"] for r in hetero) for i in range(steps))
     language_step = _median(stock, "seconds")
     return {

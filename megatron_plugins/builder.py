@@ -117,6 +117,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         topology = self._topology()
         # Stock pretrain() builds the optimizer next; its checkpoints need these bridges.
         megatron_compat.install_checkpoint_bridges()
+        megatron_compat.install_step_bridges()
         language = cfg.language.transformer
         if not language.calculate_per_token_loss:
             raise ValueError(

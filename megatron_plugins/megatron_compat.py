@@ -52,6 +52,23 @@ Gap 7 (``--help``): argparse expands ``%`` in help strings; the stock help of
 ``--help`` of every stock entry point dies with ``ValueError: unsupported format character``.
 Bridge: :func:`escape_unformattable_help` doubles the ``%`` of every help string argparse could
 not expand, on the one parser it is given.
+
+Gap 8 (MiMo optimizer scalars): ``MimoOptimizer.step`` (core/models/mimo/optimizer.py:76-111)
+issues three world-wide all-reduces per step, each a barrier across every GPU of every module:
+found-inf (MAX), the per-module squared grad norms (MAX, in ``get_grad_norm``) and update
+success (MIN). The first two have no data dependency between them; the third only matters when
+some optimizer can report failure, and every ``step_with_ready_grads`` of the 0.19.2 wheel
+returns True. Bridge (:func:`install_step_bridges`, MiMo processes only): one MAX all-reduce of
+``[found_inf, may_fail, norm_sq...]`` with stock's values, so the grad norm is bit-identical;
+the success MIN runs only when some rank's optimizer is not a known always-succeeding one.
+
+Gap 9 (cross-grid shape handshake): ``BridgeCommunicator`` exchanges tensor shapes before every
+activation and gradient transfer (``_communicate_shapes``, core/pipeline_parallel/
+bridge_communicator.py:864), whatever ``tensor_shape`` the schedule passes, and the schedule
+refuses multi-module pipelines without ``variable_seq_lengths`` (schedules.py:2182). MiMo
+transfer shapes are fixed by ``--seq-length``, the micro-batch sizes and each encoder's
+``tokens_per_sample``. Bridge (:func:`exchange_bridge_shapes_once`): each bridge exchanges each
+direction's shapes on its first transfer and reuses them; a transfer of another shape raises.
 """
 
 from __future__ import annotations
@@ -295,3 +312,127 @@ def escape_unformattable_help(parser: Any) -> list[str]:
             action.help = action.help.replace("%", "%%")
             escaped.append(action.option_strings[0] if action.option_strings else action.dest)
     return escaped
+
+# Gap 8: the MiMo optimizer's world-wide scalars (see the module docstring).
+
+_SUCCEEDING_STEPS: tuple[str, ...] = (
+    "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.step_with_ready_grads",
+    "megatron.core.optimizer.optimizer:FP32Optimizer.step_with_ready_grads",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.step_with_ready_grads",
+)
+"""``step_with_ready_grads`` implementations of the 0.19.2 wheel that always return True."""
+
+
+def _resolve(path: str) -> Any:
+    module, _, attrs = path.partition(":")
+    value: Any = importlib.import_module(module)
+    for attr in attrs.split("."):
+        value = getattr(value, attr)
+    return value
+
+
+def always_succeeds(optimizer: Any) -> bool:
+    """Whether ``optimizer.step_with_ready_grads()`` can only return True (a chain: every link)."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return all(always_succeeds(inner) for inner in optimizer.chained_optimizers)
+    known = {_resolve(path) for path in _SUCCEEDING_STEPS}
+    return type(optimizer).step_with_ready_grads in known
+
+
+def _folded_mimo_step(self: Any) -> tuple[bool, float | None, int | None]:
+    """``MimoOptimizer.step`` with its found-inf, grad-norm and may-fail scalars in one world
+    all-reduce (MAX); the success all-reduce only when some rank's optimizer may fail."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = self.prepare_grads()
+    infos = sorted(self.module_infos.items())
+    # [found_inf, may_fail, squared grad norm of each module in name order]: stock's values.
+    scalars = torch.zeros(2 + len(infos), device="cuda", dtype=torch.float32)
+    scalars[0] = float(found_inf)
+    scalars[1] = float(not all(always_succeeds(opt) for opt in self._active_optimizers))
+    for index, (_, info) in enumerate(infos):
+        if info.is_active and info.optimizer:
+            scalars[2 + index] = (info.optimizer.get_grad_norm() or 0.0) ** 2
+    torch.distributed.all_reduce(scalars, op=torch.distributed.ReduceOp.MAX)
+    if scalars[0].item() > 0:
+        return False, None, None
+    grad_norm = torch.sqrt(scalars[2:].sum()).item()
+    for opt in self._active_optimizers:
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad,
+                                         total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer)
+    num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+    success = self.step_with_ready_grads()
+    if scalars[1].item() > 0:
+        flag = torch.tensor([1 if success else 0], dtype=torch.int, device="cuda")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        success = bool(flag.item())
+    elif not success:
+        raise MegatronCompatError("an optimizer listed as always succeeding reported failure")
+    return success, grad_norm, num_zeros
+
+
+def install_step_bridges() -> None:
+    """Apply Gap 8 (``MimoOptimizer.step``). Idempotent; the MiMo builder calls it (MiMo
+    processes only: stock optimizers are not touched)."""
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    MimoOptimizer.step = _folded_mimo_step
+
+
+# Gap 9: the cross-grid shape handshake (see the module docstring).
+
+
+def exchange_bridge_shapes_once(communicator: Any) -> None:
+    """Make each cross-grid bridge of ``communicator`` exchange each direction's shapes once (Gap 9).
+
+    For layouts whose transfer shapes never change (fixed ``--seq-length``, micro-batch sizes and
+    tokens per encoder sample). A later transfer of another shape raises instead of hanging.
+    """
+    for bridge in communicator.bridge_comms:
+        _static_shapes(bridge)
+
+
+def _static_shapes(bridge: Any) -> None:
+    stock = bridge._communicate_shapes
+    known: dict[str, list[tuple[int, ...]]] = {}
+
+    def check_sent(kind: str, tensors: Any, peers: list[int]) -> bool:
+        """True when ``kind`` was exchanged before (and these shapes match it)."""
+        shapes = [tuple(t.shape) for t in bridge._as_per_peer_tensors(tensors, len(peers))]
+        if kind not in known:
+            known[kind] = shapes
+            return False
+        if shapes != known[kind]:
+            raise MegatronCompatError(
+                f"cross-grid transfer {bridge.src_module_name}->{bridge.dest_module_name} changed "
+                f"shape {known[kind]} -> {shapes}; the layout declared static shapes")
+        return True
+
+    def communicate_shapes(tensor_to_send_next=None, recv_next=False, recv_prev=False,
+                           tensor_to_send_prev=None):
+        info = bridge.comm_map.get(bridge.current_rank)
+        if not info or info.role.name == "MEMBER":
+            return stock(tensor_to_send_next, recv_next, recv_prev, tensor_to_send_prev)
+        if tensor_to_send_next is not None and check_sent("fwd", tensor_to_send_next,
+                                                          info.send_to_ranks):
+            tensor_to_send_next = None
+        if tensor_to_send_prev is not None and check_sent("grad", tensor_to_send_prev,
+                                                          info.recv_from_ranks):
+            tensor_to_send_prev = None
+        new_next = recv_next and "grad" not in known
+        new_prev = recv_prev and "fwd" not in known
+        forward, grads = stock(tensor_to_send_next, new_next, new_prev, tensor_to_send_prev)
+        if new_next:
+            known["grad"] = grads
+        if new_prev:
+            known["fwd"] = forward
+        return (known["fwd"] if recv_prev else [], known["grad"] if recv_next else [])
+
+    bridge._communicate_shapes = communicate_shapes

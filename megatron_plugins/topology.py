@@ -27,6 +27,7 @@ from megatron.core.process_groups_config import (
     ProcessGroupCollection,
 )
 
+from megatron_plugins import megatron_compat
 from megatron_plugins.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModuleGrid, ParallelLayout
 
 EXPERT_VIEW = "expert"
@@ -198,13 +199,18 @@ def pipeline_communicator(topology: HeteroTopology,
     """The schedule's cross-grid communicator: every encoder feeds the language model.
 
     Encoders hand over ``[tokens, hidden]`` (batch folded into dim 0, split per sample by the
-    bridge); language stages pass ``[seq, batch, hidden]``. Collective: call on every rank.
+    bridge); language stages pass ``[seq, batch, hidden]``. Shapes are exchanged once per bridge
+    and direction (megatron_compat Gap 9). Collective: call on every rank.
     """
     encoders = [module.name for module in topology.layout.encoders]
-    return MultiModulePipelineCommunicator(
+    communicator = MultiModulePipelineCommunicator(
         dict(topology.grids),
         {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []},
         config,
         dim_mapping={"s": 0, "b": 1, "h": 2},
         module_output_ndim={name: 2 for name in encoders},
     )
+    # Every transfer's shape is fixed by --seq-length, the micro-batch sizes and each encoder's
+    # tokens_per_sample: one shape handshake per bridge and direction, not one per transfer.
+    megatron_compat.exchange_bridge_shapes_once(communicator)
+    return communicator

@@ -126,3 +126,55 @@ def test_gap7_stock_help_breaks_argparse_and_the_bridge_escapes_only_that_string
                if action.help != before]
     assert changed == [["--moe-paged-stash-buffer-size-factor-cuda"]]
     assert megatron_compat.escape_unformattable_help(parser) == []  # idempotent
+
+def _source_digest(function: object) -> str:
+    import hashlib
+
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+
+
+def test_gap8_mimo_optimizer_issues_separate_world_reductions() -> None:
+    """Gap 8: the wheel's MimoOptimizer.step is what the folded step replicates, and the
+    step_with_ready_grads it trusts to succeed are the 0.19.2 ones (a new release fails here)."""
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    step = inspect.getsource(MimoOptimizer.step)
+    assert step.count("torch.distributed.all_reduce(") == 2, "found-inf and success reductions"
+    assert "torch.distributed.all_reduce(norm_sq" in inspect.getsource(MimoOptimizer.get_grad_norm)
+    assert _source_digest(MimoOptimizer.step) == "b94c7151c14f89f1"
+    assert _source_digest(MimoOptimizer.get_grad_norm) == "e9d577bfcae5757f"
+    digests = {"MixedPrecisionOptimizer": "34fc101b433f1515", "FP32Optimizer": "90ac3825f5932ab0",
+               "DistributedOptimizer": "2350cce9dd8822dd"}
+    for path in megatron_compat._SUCCEEDING_STEPS:
+        cls = path.partition(":")[2].split(".")[0]
+        assert _source_digest(megatron_compat._resolve(path)) == digests[cls], path
+
+
+def test_gap8_always_succeeds_follows_chains() -> None:
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    fp32 = FP32Optimizer.__new__(FP32Optimizer)
+    chain = ChainedOptimizer.__new__(ChainedOptimizer)
+    chain.chained_optimizers = [fp32, fp32]
+    assert megatron_compat.always_succeeds(chain)
+
+    class MayFail(FP32Optimizer):
+        def step_with_ready_grads(self) -> bool:
+            return False
+
+    chain.chained_optimizers = [fp32, MayFail.__new__(MayFail)]
+    assert not megatron_compat.always_succeeds(chain)
+
+
+def test_gap9_bridge_exchanges_shapes_on_every_transfer() -> None:
+    """Gap 9: every bridge transfer asks for a shape handshake, and the multi-module schedule
+    insists on variable_seq_lengths (so no static tensor_shape reaches the bridge)."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    for name in ("send_forward", "recv_forward", "send_backward", "recv_backward",
+                 "send_forward_recv_backward", "send_backward_recv_forward"):
+        assert "self._communicate_shapes(" in inspect.getsource(getattr(BridgeCommunicator, name))
+    assert _source_digest(BridgeCommunicator._communicate_shapes) == "522553b2bc0c597e"
+    assert "config.variable_seq_lengths=True required for multi-module pipelines" in (
+        inspect.getsource(schedules.forward_backward_pipelining_without_interleaving))

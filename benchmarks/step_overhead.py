@@ -1,0 +1,205 @@
+"""Fixed per-step cost of the heterogeneous MiMo path on the CPU simulation, against stock Megatron.
+
+    python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--out-dir runs/step-overhead]
+    python benchmarks/step_overhead.py --smoke          # seconds of stepping, for CI
+
+In one invocation, never more processes than cores (two): the language model alone through stock
+``examples/gpt/pretrain_gpt.py`` (one rank), the encoder alone (one rank, forward + backward of
+every microbatch at its micro-batch size) and the MiMo step (a 1-layer, 32-wide ViT on rank 0, the
+same language model on rank 1, 4 microbatches per step). Reports
+
+(a) median MiMo step / (median language step + median encoder step), steps after warm-up;
+(b) collectives per step by kind and group (world-wide = the default group) against stock's;
+(c) a breakdown of each process's step (forward, backward, transfers including waiting for the
+    other grid, gradient finalization, optimizer, the rest), from the probe and Megatron's
+    ``optimizer`` timer.
+
+Writes ``step_overhead.json`` and ``step_overhead.md`` in ``--out-dir`` and prints the table.
+The machine's load average is recorded beside the figures: timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+LANGUAGE_MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--make-vocab-size-divisible-by", "1", "--transformer-impl", "local",
+    "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--seed", "1234",
+    "--distributed-backend", "gloo", "--num-workers", "0", "--cpu-simulation",
+    "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1000000",
+    "--timing-log-level", "1", "--no-barrier-with-level-1-timing",
+]
+"""The language model of every run (same shapes as tests/tiny_model.py), 4 microbatches/step."""
+
+MIMO_LAYOUT = [
+    "--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=1",
+    "--vit-num-layers", "1", "--vit-hidden-size", "32", "--vit-num-attention-heads", "4",
+    "--vit-img-size", "16", "--vit-patch-size", "8",
+]
+"""A 1-layer, 32-wide ViT (4 patches per image) on rank 0; the language model on rank 1."""
+
+PARTS = ("forward", "backward", "transfers", "grad sync")
+"""Parts of a step the probe times (besides Megatron's ``optimizer`` timer)."""
+
+
+def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) -> None:
+    """Run step_worker.py under torchrun on ``nproc`` ranks; ``nproc=0``: one plain process that
+    parses the MiMo flags as rank 0 of the 2-rank layout (the encoder-alone measurement)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "STEP_PROBE_OUT": probe_out, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    worker = [str(HERE / "step_worker.py"), *worker_args]
+    if nproc:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), *worker]
+    else:
+        command = [sys.executable, *worker]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{worker_args[0]} run failed ({process.returncode}):\n{output[-4000:]}")
+
+
+def record(mode: str, steps: int, warmup: int, probe_out: str,
+           timeout: float = 600.0) -> list[list[dict[str, Any]]]:
+    """Train the ``gpt`` (one rank) or ``mimo`` (two ranks) configuration under the probe; per
+    rank, the recorded steps after warm-up."""
+    nproc, flags = {"gpt": (1, ["--mock-data"]), "mimo": (2, MIMO_LAYOUT)}[mode]
+    iters = ["--train-iters", str(steps + warmup)]
+    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters], probe_out, timeout)
+    return [json.loads(Path(f"{probe_out}.rank{r}.json").read_text())["steps"][warmup:]
+            for r in range(nproc)]
+
+
+def collective_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Collectives of one rank's step (they are the same every step: the first is taken)."""
+    calls = steps[0]["collectives"]
+    for step in steps[1:]:
+        if len(step["collectives"]) != len(calls):
+            raise RuntimeError("collective count differs between steps: "
+                               f"{len(calls)} vs {len(step['collectives'])}")
+    kinds = Counter(
+        (c["kind"], "world" if c["world"] else f"ranks {c['ranks']}", c["bytes"]) for c in calls)
+    return {"total": len(calls), "world": sum(c["world"] for c in calls),
+            "by_kind": [{"kind": k, "group": g, "bytes": b, "count": n}
+                        for (k, g, b), n in sorted(kinds.items())]}
+
+
+def _median(steps: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(s[key] for s in steps)
+
+
+def breakdown(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds per part of one rank's step; ``other`` is the step minus the parts."""
+    parts = {part: statistics.median(s["regions"].get(part, 0.0) for s in steps)
+             for part in PARTS}
+    parts["optimizer"] = statistics.median(s["timers"].get("optimizer", 0.0) for s in steps)
+    step = _median(steps, "seconds")
+    parts["other"] = step - sum(parts.values())
+    parts["step"] = step
+    return parts
+
+
+def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    """Run the three measurements and return the report."""
+    iters = ["--train-iters", str(steps + warmup)]
+    with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
+        [stock] = record("gpt", steps, warmup, f"{tmp}/gpt", timeout)
+        _launch(0, ["encoder", str(steps), str(warmup), *LANGUAGE_MODEL, *MIMO_LAYOUT, *iters],
+                f"{tmp}/enc", timeout)
+        hetero = record("mimo", steps, warmup, f"{tmp}/mimo", timeout)
+        encoder = json.loads(Path(f"{tmp}/enc.encoder.json").read_text())
+    mimo_step = statistics.median(max(r[i]["seconds"] for r in hetero) for i in range(steps))
+    language_step = _median(stock, "seconds")
+    return {
+        "load_average": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "steps": steps, "warmup": warmup,
+        "ratio": mimo_step / (language_step + encoder["median"]),
+        "seconds": {"mimo_step": mimo_step, "language_step": language_step,
+                    "encoder_step": encoder["median"]},
+        "collectives": {"stock": collective_summary(stock),
+                        **{f"mimo rank {r}": collective_summary(s) for r, s in enumerate(hetero)}},
+        "breakdown": {"stock": breakdown(stock),
+                      **{f"mimo rank {r}": breakdown(s) for r, s in enumerate(hetero)}},
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as markdown tables."""
+    s = report["seconds"]
+    load = ", ".join(f"{x:.2f}" for x in report["load_average"])
+    lines = [
+        f"Load average {load} on {report['cpu_count']} cores; medians of {report['steps']} steps "
+        f"after {report['warmup']} warm-up steps.", "",
+        "| MiMo step (ms) | language step, stock (ms) | encoder step (ms) | ratio (a) |",
+        "| ---: | ---: | ---: | ---: |",
+        f"| {s['mimo_step'] * 1e3:.1f} | {s['language_step'] * 1e3:.1f} | "
+        f"{s['encoder_step'] * 1e3:.1f} | {report['ratio']:.2f} |", "",
+        "| collectives per step | total | world-wide |", "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {name} | {c['total']} | {c['world']} |"
+              for name, c in report["collectives"].items()]
+    lines += ["", "| process | kind | group | bytes | calls |", "| --- | --- | --- | ---: | ---: |"]
+    lines += [f"| {name} | {k['kind']} | {k['group']} | {k['bytes']} | {k['count']} |"
+              for name, c in report["collectives"].items() for k in c["by_kind"]]
+    parts = list(next(iter(report["breakdown"].values())))
+    lines += ["", "| breakdown (ms) | " + " | ".join(parts) + " |",
+              "| --- |" + " ---: |" * len(parts)]
+    lines += [f"| {name} | " + " | ".join(f"{b[p] * 1e3:.1f}" for p in parts) + " |"
+              for name, b in report["breakdown"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print the tables, write JSON and markdown."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="steps discarded first")
+    parser.add_argument("--smoke", action="store_true", help="3 steps after 1 warm-up (CI)")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "step-overhead")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    args = parser.parse_args(argv)
+    steps, warmup = (3, 1) if args.smoke else (args.steps, args.warmup)
+    report = measure(steps, warmup, args.timeout)
+    table = markdown(report)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "step_overhead.json").write_text(json.dumps(report, indent=1))
+    (args.out_dir / "step_overhead.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Collectives in one MiMo training step, counted by wrapping torch.distributed (issue 15).
+
+The benchmark's probe (benchmarks/collective_probe.py) records every outermost torch.distributed
+call inside stock ``train_step`` on each rank: a 1-layer ViT on rank 0, the tiny GPT on rank 1,
+4 microbatches per step, against stock ``pretrain_gpt`` of the same GPT on one rank. A new
+world-wide synchronisation, a shape handshake per transfer or an extra per-module reduction
+fails here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiprocess import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import step_overhead  # noqa: E402
+
+ENCODERS = 1
+MICROBATCHES = 4
+WORLD_WIDE_REACHED = 3
+"""The rerun state machine's check (stock train_step, world-wide by design), the global token
+count (gradients are divided by it before the grad norm is taken, so it cannot join the
+optimizer's reduction without changing results) and the MiMo optimizer's folded scalars."""
+
+
+def _bridge_call(call: dict) -> bool:
+    """A cross-grid transfer: p2p over the bridge, or the bridge's broadcast inside a grid."""
+    return call["kind"] in ("send", "recv", "batch_isend_irecv", "broadcast")
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("collectives")
+    [stock] = step_overhead.record("gpt", 2, 1, str(tmp / "gpt"), timeout=240)
+    mimo = step_overhead.record("mimo", 2, 1, str(tmp / "mimo"), timeout=240)
+    return {"stock": stock[0]["collectives"],
+            **{f"rank {r}": steps[0]["collectives"] for r, steps in enumerate(mimo)}}
+
+
+def test_world_wide_synchronisations(counts: dict[str, list[dict]]) -> None:
+    assert sum(c["world"] for c in counts["stock"]) == 1
+    for rank in ("rank 0", "rank 1"):
+        world = [c for c in counts[rank] if c["world"]]
+        assert len(world) == WORLD_WIDE_REACHED, world
+        assert all(c["kind"] == "all_reduce" and c["bytes"] <= 16 for c in world), world
+
+
+def test_module_collectives_within_stock_plus_two_per_encoder(
+        counts: dict[str, list[dict]]) -> None:
+    stock = len(counts["stock"])
+    for rank in ("rank 0", "rank 1"):
+        own = [c for c in counts[rank] if not _bridge_call(c)]
+        assert len(own) <= stock + 2 * ENCODERS, (len(own), stock)
+
+
+def test_no_shape_handshake_per_transfer(counts: dict[str, list[dict]]) -> None:
+    # Static shapes: after the first step a transfer is the tensor itself (>= 2 KiB here); an
+    # int64 shape message (<= 32 bytes) would be a handshake.
+    for rank in ("rank 0", "rank 1"):
+        p2p = [c for c in counts[rank] if c["kind"] in ("send", "recv", "batch_isend_irecv")]
+        assert len(p2p) == MICROBATCHES + 1, p2p
+        assert all(c["bytes"] >= 2048 for c in p2p), p2p

@@ -43,8 +43,6 @@ class MimoBuildConfig(ModelConfig):
 
     language: ModelConfig | None = None
     """Stock language-model config (``GPTModelConfig`` or ``HybridModelConfig``)."""
-    encoders: dict[str, str] = field(default_factory=dict)
-    """Encoder module name -> provider, in layout order."""
     special_token_ids: dict[str, int] = field(default_factory=dict)
     """Token id that marks each encoder's positions in the language input."""
     seed: int = 1234

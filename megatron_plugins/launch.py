@@ -286,7 +286,6 @@ def start(run: MimoRun) -> MimoSession:
     language = language_config_from_args(args)
     model = MimoBuildConfig(
         language=language,
-        encoders={m.name: m.provider for m in run.layout.encoders},
         special_token_ids=run.samples.special_token_ids,
         seed=args.seed,
         inference_rng_tracker=args.inference_rng_tracker,

@@ -40,7 +40,7 @@ _POSITIVE = re.compile(r"[0-9]+")
 _NAME_RULE = ("a module name starts with an ASCII letter and has only ASCII letters, digits "
               "and '_' (e.g. vision, audio_2)")
 _GRID_EXAMPLE = "--grid language:tp=2,pp=1,cp=1,dp=2"
-_ENCODER_EXAMPLE = "--encoder vision=vit or --encoder vision=my_pkg.encoders:build_vision"
+_ENCODER_EXAMPLE = "--encoder vision=vit or --encoder vision=my_pkg.encoders:VisionEncoder"
 
 # Upstream Megatron-LM examples/mimo spellings of a one-encoder layout: flag -> (module, grid key).
 _ALIAS_FLAGS = {

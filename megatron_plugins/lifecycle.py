@@ -88,8 +88,6 @@ def prepare_active_modules(
     wrap_with_ddp: bool = True,
     data_parallel_random_init: bool = False,
     overlap_param_gather_with_optimizer_step: bool = False,
-    use_megatron_fsdp: bool = False,
-    use_torch_fsdp2: bool = False,
 ) -> None:
     """Apply the stock lifecycle to every module in ``module_pgs`` (this rank's), in place.
 
@@ -109,7 +107,6 @@ def prepare_active_modules(
             [module], configs[name], pgc,
             ddp_config=dataclasses.replace(ddp_configs[name]) if wrap_with_ddp else None,
             overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
-            use_megatron_fsdp=use_megatron_fsdp, use_torch_fsdp2=use_torch_fsdp2,
             wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
             mixed_precision_wrapper=wrapper,
         )

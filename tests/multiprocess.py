@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,13 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from tools.functional_tests import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class WorkerFailure(RuntimeError):
     """A rank raised, died or ran past the deadline; the message names the rank and the cause."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],

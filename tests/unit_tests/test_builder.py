@@ -16,7 +16,7 @@ def _config() -> MimoBuildConfig:
                                       calculate_per_token_loss=True),
         vocab_size=128,
     )
-    return MimoBuildConfig(language=language, encoders={"vision": "vit"},
+    return MimoBuildConfig(language=language,
                            special_token_ids={"vision": 127}, seed=7,
                            freeze_encoders=["vision"], _topology=object(),
                            _plugins={"vision": object()})
@@ -31,7 +31,7 @@ def test_runtime_state_never_reaches_the_checkpointed_config():
     saved = _config().as_dict()
     assert not [key for key in saved if key.startswith("_") and key not in ("_target_", "_builder_")]
     assert saved["_target_"] == "megatron_plugins.builder.MimoBuildConfig"
-    assert saved["encoders"] == {"vision": "vit"} and saved["special_token_ids"] == {"vision": 127}
+    assert saved["special_token_ids"] == {"vision": 127} and saved["freeze_encoders"] == ["vision"]
     assert saved["language"]["vocab_size"] == 128
     text = json.dumps(saved, default=str)
     assert "object at 0x" not in text  # neither the topology nor a plugin object leaked

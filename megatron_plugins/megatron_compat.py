@@ -256,27 +256,30 @@ def with_local_hybrid_spec(model_config: Any) -> Any:
         return model_config
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import (
         MoETransformerLayer,
         TransformerLayer,
         TransformerLayerSubmodules,
     )
-    from megatron.core.ssm.mlp_layer import MLPLayer
 
     local = dict(qk_layernorm=transformer.qk_layernorm, normalization=transformer.normalization,
                  qk_l2_norm=transformer.qk_l2_norm)
     dense = get_gpt_layer_local_submodules(**local)
+    # The TE spec's layers fuse these norms into their first linear; keep its checkpoint keys.
+    attention_norm_key = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    mlp_norm_key = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     submodules = dataclasses.replace(
         hybrid_stack_spec.submodules,
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
             self_attn_bda=dense.self_attn_bda,
-            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
+            sharded_state_dict_keys_map=attention_norm_key,
         )),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
-            sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+            sharded_state_dict_keys_map=mlp_norm_key,
         )),
     )
     if transformer.num_moe_experts is not None:

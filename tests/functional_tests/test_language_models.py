@@ -68,8 +68,8 @@ def test_hybrid_moe_pattern_trains() -> None:
     scalars, results = cached_mimo_run(
         2, _layout("language:", "--hybrid-layer-pattern", "*E", *MOE))
     _assert_trains(scalars["lm loss"])
-    assert "module.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in _language_params(
-        results, dp_rank=0)
+    params = _language_params(results, dp_rank=0)
+    assert "module.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in params
 
 
 def test_hybrid_mamba_pattern_without_mamba_ssm_is_refused_in_one_line() -> None:

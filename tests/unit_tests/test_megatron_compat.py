@@ -252,7 +252,8 @@ def _spec_classes(spec) -> set[type]:
     if hasattr(spec, "module"):
         return _spec_classes(spec.module) | _spec_classes(getattr(spec, "submodules", None))
     if dataclasses.is_dataclass(spec):
-        return set().union(*(_spec_classes(getattr(spec, f.name)) for f in dataclasses.fields(spec)))
+        fields = dataclasses.fields(spec)
+        return set().union(*(_spec_classes(getattr(spec, field.name)) for field in fields))
     return set()
 
 

@@ -2,8 +2,9 @@
 
 Dense and MoE GPT come from ``gpt_config_from_args``; ``--hybrid-layer-pattern`` selects
 Megatron's hybrid (Mamba) model through ``hybrid_config_from_args``. Building goes through the
-stock model builder of that config, so the language model is exactly what stock
-``pretrain_gpt``/``pretrain_hybrid`` would build on the same groups.
+stock model builder of that config, so the language model is what stock
+``pretrain_gpt``/``pretrain_hybrid`` would build on the same groups, with the MoE and hybrid
+bridges of ``megatron_compat`` (Gaps 4-4c) applied.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ class StockLanguageModel:
                 pg_collection: ProcessGroupCollection, max_sequence_length: int) -> MegatronModule:
         # ``config`` and ``max_sequence_length`` are read from the spec by MimoModel itself.
         model_config = megatron_compat.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
-        return model_config.get_builder_cls()(model_config).build_model(pg_collection)
+        model_config = megatron_compat.with_local_hybrid_spec(model_config)
+        with megatron_compat.distinct_cpu_init_experts():
+            model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
+        megatron_compat.direct_single_rank_expert_output(model)
+        return model
 
 
 def language_model_spec(model_config: ModelConfig,

@@ -6,12 +6,17 @@ it, the test fails and the bridge is removed.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import megatron.core.datasets
+import pytest
+import torch
 from megatron.core import parallel_state
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.transformer.module import MegatronModule
@@ -178,3 +183,168 @@ def test_gap9_bridge_exchanges_shapes_on_every_transfer() -> None:
     assert _source_digest(BridgeCommunicator._communicate_shapes) == "522553b2bc0c597e"
     assert "config.variable_seq_lengths=True required for multi-module pipelines" in (
         inspect.getsource(schedules.forward_backward_pipelining_without_interleaving))
+
+
+def test_gap4_bridge_leaves_hybrid_configs_to_their_own_builder():
+    from megatron.training.models.hybrid import HybridModelConfig
+
+    config = HybridModelConfig(transformer=_moe_config(ep_size=1), hybrid_layer_pattern="*E")
+    assert not hasattr(config, "transformer_layer_spec")
+    assert megatron_compat.with_explicit_moe_spec(config, pp_rank=0) is config
+
+
+class _Group:
+    """A process group stand-in: the expert modules only ask it for rank and size."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _moe_config(ep_size: int) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=1,
+        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep_size,
+        use_cpu_initialization=True, add_bias_linear=True, gradient_accumulation_fusion=False)
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-rank gloo world: tensor-parallel mappings ignore their group without one."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def _experts(ep_rank: int, ep_size: int, seed: int = 1234):
+    """The local experts of one expert-parallel rank of a 4-expert layer, built after ``seed``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    torch.manual_seed(seed)
+    groups = SimpleNamespace(ep=_Group(ep_rank, ep_size), expt_tp=_Group(0, 1),
+                             expt_dp=_Group(0, 1))
+    experts = SequentialMLP(4 // ep_size, _moe_config(ep_size),
+                            MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                          linear_fc2=RowParallelLinear),
+                            pg_collection=groups)
+    return experts
+
+
+def _expert_weights(experts) -> list[torch.Tensor]:
+    return [torch.cat([p.detach().flatten() for p in expert.parameters()])
+            for expert in experts.local_experts]
+
+
+def _expert_forward(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output of local expert 0 for fixed tokens and routing probabilities, and its input grad."""
+    tokens = torch.linspace(-1, 1, 5 * 8).reshape(5, 8).requires_grad_()
+    probs = torch.linspace(0.1, 0.9, 5)
+    output, bias = experts.local_experts[0](tokens, probs)
+    assert bias is None
+    output.sum().backward()
+    return output.detach(), tokens.grad
+
+
+def test_gap4a_expert_bias_add_on_one_expert_rank_hits_the_identity_reduce_view(one_rank_world):
+    experts = _experts(ep_rank=0, ep_size=1)
+    assert not experts.local_experts[0].linear_fc2.explicit_expert_comm
+    with pytest.raises(RuntimeError, match="_ReduceFromModelParallelRegion is a view"):
+        _expert_forward(experts)
+
+
+def test_gap4a_bridge_skips_only_the_identity_reduce(one_rank_world):
+    experts = _experts(ep_rank=0, ep_size=1)
+    megatron_compat.direct_single_rank_expert_output(experts)
+    output, grad = _expert_forward(experts)
+    expert = experts.local_experts[0]
+    tokens = torch.linspace(-1, 1, 5 * 8).reshape(5, 8).requires_grad_()
+    probs = torch.linspace(0.1, 0.9, 5)
+    hidden = torch.nn.functional.gelu(tokens @ expert.linear_fc1.weight.T + expert.linear_fc1.bias)
+    expected = (hidden @ expert.linear_fc2.weight.T + expert.linear_fc2.bias) * probs[:, None]
+    expected.sum().backward()
+    torch.testing.assert_close(output, expected.detach())
+    torch.testing.assert_close(grad, tokens.grad)
+    # Expert layers with a real reduce (EP > 1) are left as stock built them.
+    assert _experts(ep_rank=0, ep_size=2).local_experts[0].linear_fc2.explicit_expert_comm
+
+
+def test_gap4b_stock_cpu_init_copies_the_experts_of_every_expert_rank():
+    first, second = _expert_weights(_experts(0, 2)), _expert_weights(_experts(1, 2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_gap4b_bridge_gives_every_expert_its_own_deterministic_weights():
+    from megatron.core.transformer.moe import experts as experts_module
+
+    stock_init, stock_mlp = experts_module.SequentialMLP.__init__, experts_module.MLP
+    with megatron_compat.distinct_cpu_init_experts():
+        ep0 = _experts(0, 2)
+        after_ep0 = torch.default_generator.get_state()
+        ep1 = _experts(1, 2)
+        after_ep1 = torch.default_generator.get_state()
+        again = _expert_weights(_experts(1, 2))
+        one_rank = _expert_weights(_experts(0, 1))
+        other_seed = _expert_weights(_experts(1, 2, seed=4321))
+    assert experts_module.SequentialMLP.__init__ is stock_init and experts_module.MLP is stock_mlp
+    weights = _expert_weights(ep0) + _expert_weights(ep1)
+    assert all(not torch.equal(weights[i], weights[j]) for i in range(4) for j in range(i))
+    # Deterministic for a seed, distinct for another, independent of the EP size.
+    assert all(torch.equal(a, b) for a, b in zip(_expert_weights(ep1), again))
+    assert not any(torch.equal(a, b) for a, b in zip(again, other_seed))
+    assert all(torch.equal(a, b) for a, b in zip(weights, one_rank))
+    # Every expert rank leaves the default generator in the same state (replicated weights next).
+    assert torch.equal(after_ep0, after_ep1)
+
+
+def test_gap4c_stock_hybrid_stack_is_transformer_engine_only():
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    attention = hybrid_stack_spec.submodules.attention_layer.submodules.self_attention
+    assert attention.submodules.linear_qkv is TELayerNormColumnParallelLinear
+    assert "self.final_norm = TENorm(" in inspect.getsource(HybridStack.__init__)
+
+
+def _spec_classes(spec) -> set[type]:
+    """Every class a spec tree names (modules, submodules, partial targets)."""
+    if isinstance(spec, functools.partial):
+        return {spec.func.__self__ if inspect.ismethod(spec.func) else spec.func} | _spec_classes(
+            spec.keywords.get("submodules"))
+    if isinstance(spec, type):
+        return {spec}
+    if hasattr(spec, "module"):
+        return _spec_classes(spec.module) | _spec_classes(getattr(spec, "submodules", None))
+    if dataclasses.is_dataclass(spec):
+        fields = dataclasses.fields(spec)
+        return set().union(*(_spec_classes(getattr(spec, field.name)) for field in fields))
+    return set()
+
+
+def test_gap4c_bridge_builds_attention_mlp_and_moe_layers_from_local_modules():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.training.models.hybrid import HybridModelConfig
+
+    transformer = _moe_config(ep_size=1)
+    transformer.transformer_impl = "local"
+    config = HybridModelConfig(transformer=transformer, hybrid_layer_pattern="*-E")
+    resolved = megatron_compat.with_local_hybrid_spec(config)
+    assert config.hybrid_stack_spec is None and resolved.hybrid_stack_spec is not None
+    layers = resolved.hybrid_stack_spec.submodules
+    used = set().union(*(_spec_classes(getattr(layers, name))
+                         for name in ("attention_layer", "mlp_layer", "moe_layer")))
+    assert SequentialMLP in used
+    assert not [c for c in used if c.__module__.endswith("transformer_engine")]
+    source = inspect.getsource(resolved.hybrid_stack_spec.module.__init__)
+    assert "TENorm" not in source
+    # Transformer Engine runs and explicit specs keep the stock stack.
+    transformer.transformer_impl = "transformer_engine"
+    assert megatron_compat.with_local_hybrid_spec(config) is config

@@ -34,13 +34,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_plugins.layout import LayoutError, ParallelLayout
+from megatron_plugins.errors import UsageError
+from megatron_plugins.layout import ParallelLayout
 
 LAYOUT_FILE = "mimo_layout.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 DONE_FILE = "metadata.json"
 """Written last by a torch_dist save (``dist_checkpointing.core.save_config``)."""
 _ITERATION = re.compile(r"iter_(\d{7})")
+
+
+class CheckpointError(UsageError):
+    """A --load / --save setting that would lose or corrupt training; one line names the folder."""
+
+
 FRESH = "to start fresh on purpose, give --load/--save a new folder (or remove this one)"
 
 
@@ -89,38 +96,38 @@ def _tracker(load: Path) -> str | None:
 
 
 def resume_point(load: Path, ckpt_step: int | None, auto_resume: bool) -> ResumePoint:
-    """Choose the iteration ``--load`` resumes from, or raise :class:`LayoutError` in one line."""
+    """Choose the iteration ``--load`` resumes from, or raise :class:`CheckpointError` in one line."""
     iterations = _iterations(load)
     if ckpt_step:
         folder = load / f"iter_{ckpt_step:07d}"
         if ckpt_step not in iterations:
-            raise LayoutError(f"--load {load} --ckpt-step {ckpt_step}: no checkpoint at {folder}")
+            raise CheckpointError(f"--load {load} --ckpt-step {ckpt_step}: no checkpoint at {folder}")
         if not iterations[ckpt_step]:
-            raise LayoutError(f"--load {load} --ckpt-step {ckpt_step}: {folder} is incomplete "
+            raise CheckpointError(f"--load {load} --ckpt-step {ckpt_step}: {folder} is incomplete "
                               f"(no {DONE_FILE}: an interrupted save); pick another --ckpt-step")
         return ResumePoint(ckpt_step)
     tracker = _tracker(load)
     if tracker == "release":
         if not is_complete(load / "release"):
-            raise LayoutError(f"--load {load}: {TRACKER_FILE} names release, but {load}/release "
+            raise CheckpointError(f"--load {load}: {TRACKER_FILE} names release, but {load}/release "
                               f"is not a complete checkpoint (no {DONE_FILE})")
         return ResumePoint(None)
     tracked = int(tracker) if tracker is not None and tracker.isdigit() else None
     complete = sorted(step for step, done in iterations.items() if done)
     if not complete:
         if iterations:
-            raise LayoutError(
+            raise CheckpointError(
                 f"--load {load}: no complete checkpoint to resume from ({_names(iterations)} "
                 f"lack {DONE_FILE}: an interrupted save; {TRACKER_FILE} is "
                 f"{'absent' if tracker is None else 'stale'}); {FRESH}")
         if tracker is not None:
-            raise LayoutError(f"--load {load}: {TRACKER_FILE} names iteration {tracker}, which is "
+            raise CheckpointError(f"--load {load}: {TRACKER_FILE} names iteration {tracker}, which is "
                               f"not in {load}; {FRESH}")
         if auto_resume:
             earlier = (load / LAYOUT_FILE).exists()
             return ResumePoint(None, f"--load {load}: a previous launch saved no checkpoint here "
                                      "yet; starting from iteration 1" if earlier else None)
-        raise LayoutError(
+        raise CheckpointError(
             f"--load {load}: no checkpoint at {load / TRACKER_FILE}; point --load at a checkpoint "
             "folder (or give --load and --save the same folder to start fresh and resume later)")
     newest = complete[-1]
@@ -150,7 +157,7 @@ def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> str | None:
     resume from. Returns the one-line notice to show when resuming is not the stock choice."""
     if (args.save is not None and layout.language.pp > 1
             and not args.untie_embeddings_and_output_weights):
-        raise LayoutError(
+        raise CheckpointError(
             f"--save with {layout.language.source}: pp={layout.language.pp} and tied embeddings "
             "cannot be checkpointed on disjoint grids with megatron-core 0.19.2; add "
             "--untie-embeddings-and-output-weights (or train without --save)"
@@ -167,11 +174,11 @@ def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> str | None:
     args.ckpt_step = point.step
     saved = load / LAYOUT_FILE
     if not saved.exists():
-        raise LayoutError(f"--load {args.load}: no {LAYOUT_FILE}; it was not written by a "
+        raise CheckpointError(f"--load {args.load}: no {LAYOUT_FILE}; it was not written by a "
                           "heterogeneous MiMo run, whose per-module state this run needs")
     weights_only = getattr(args, "no_load_optim", False) and getattr(args, "no_load_rng", False)
     if json.loads(saved.read_text()) != layout_record(layout) and not weights_only:
-        raise LayoutError(
+        raise CheckpointError(
             f"--load {args.load} was saved with layout {saved.read_text().strip()}, this run has "
             f"{json.dumps(layout_record(layout))}; resuming onto another --grid layout is not "
             "supported: use the saved --grid flags, or load only the weights (--no-load-optim "
@@ -187,7 +194,7 @@ def _check_writable(save: Path) -> None:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         what = "is not a directory" if not existing.is_dir() else "is not writable"
-        raise LayoutError(f"--save {save}: {existing} {what}; give --save a folder this user "
+        raise CheckpointError(f"--save {save}: {existing} {what}; give --save a folder this user "
                           "can create and write")
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from megatron_plugins.encoders import EncoderPlugin
-from megatron_plugins.layout import LANGUAGE, LayoutError, ParallelLayout, encoder_micro_batch_size
+from megatron_plugins.layout import LANGUAGE, LayoutError, encoder_micro_batch_size
 from megatron_plugins.topology import HeteroTopology
 
 SPLITS = ("train", "valid", "test")

@@ -20,9 +20,10 @@ from megatron.training.argument_utils import gpt_config_from_args, hybrid_config
 from megatron.training.models.base import ModelConfig
 
 from megatron_plugins import megatron_compat
+from megatron_plugins.errors import UsageError
 
 
-class LanguageModelError(ValueError):
+class LanguageModelError(UsageError):
     """A language model that cannot be built here; the message names the flag."""
 
 

@@ -32,16 +32,14 @@ from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.data import MockMultimodalSamples, data_provider
 from megatron_plugins.encoders import (
     EncoderPlugin,
-    EncoderPluginError,
     add_encoder_args,
     check_hooks,
     instantiate,
     resolve,
 )
-from megatron_plugins.language import LanguageModelError, language_config_from_args
+from megatron_plugins.language import language_config_from_args
 from megatron_plugins.layout import (
     ALIAS_ENCODER,
-    LayoutError,
     ParallelLayout,
     add_layout_args,
     apply_language_grid,
@@ -55,15 +53,11 @@ from megatron_plugins.preflight import (
     resolve_freeze,
 )
 from megatron_plugins.optimizer_config import (
-    OptimizerConfigError,
     add_optimizer_args,
     apply_optimizer_args,
 )
 from megatron_plugins.topology import HeteroTopology, build_topology, pipeline_communicator
 from megatron_plugins.training_step import forward_step
-
-USAGE_ERRORS = (LayoutError, EncoderPluginError, LanguageModelError, OptimizerConfigError)
-"""Errors that mean a bad flag: reported in one line, exit code 2, on every rank."""
 
 HELP_DESCRIPTION = (
     "Heterogeneous MiMo pretraining through stock Megatron pretrain(). MiMo flags come first, "
@@ -211,7 +205,7 @@ def _notice(args: argparse.Namespace, text: str) -> None:
 
 
 def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
-    """Parse and check every flag; raises one of :data:`USAGE_ERRORS` naming the flag to fix."""
+    """Parse and check every flag; raises a :class:`~megatron_plugins.errors.UsageError` naming the flag to fix."""
     argv = sys.argv[1:] if argv is None else list(argv)
     refuse_upstream_flags(argv)
     providers = _encoder_providers(argv)
@@ -240,7 +234,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
         try:
             validate_args(args)
         except AssertionError as error:
-            raise LayoutError(f"stock Megatron argument check failed: {error}") from None
+            raise FlagError(f"stock Megatron argument check failed: {error}") from None
     # The cross-grid schedule requires variable sequence lengths, which Megatron's allgather MoE
     # dispatcher (the stock default) does not support.
     args.variable_seq_lengths = True

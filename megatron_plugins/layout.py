@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_plugins.errors import UsageError
+
 LANGUAGE = "language"
 """Megatron's fixed MiMo key for the language module (``MIMO_LANGUAGE_MODULE_KEY``)."""
 
@@ -64,7 +66,7 @@ _STOCK_PARALLEL_FLAGS = (
 )
 
 
-class LayoutError(ValueError):
+class LayoutError(UsageError):
     """A layout that cannot run; the message names the offending flag and how to fix it."""
 
 

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import torch
 
+from megatron_plugins.errors import UsageError
+
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -80,7 +82,7 @@ _FUSED_ADAM_KWARGS = ("master_weight_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"
                       "use_decoupled_grad")
 
 
-class OptimizerConfigError(ValueError):
+class OptimizerConfigError(UsageError):
     """The requested optimizer settings contradict each other; the message names the flag."""
 
 

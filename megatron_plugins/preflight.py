@@ -14,8 +14,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import (
-    LayoutError,
     ParallelLayout,
     add_layout_args,
     encoder_micro_batch_size,
@@ -56,7 +56,7 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
 """Upstream Megatron-LM ``examples/mimo`` flags without an equivalent here, and what to use."""
 
 
-class FlagError(LayoutError):
+class FlagError(UsageError):
     """A flag that cannot be used (unknown, mistyped, or meaningless here); one line names it."""
 
 
@@ -192,7 +192,7 @@ def run(argv: Sequence[str], prog: str) -> int | None:
         return None
     try:
         check_run(argv, world_size_from_env())
-    except LayoutError as error:
+    except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
         return 2
     return None

@@ -26,14 +26,15 @@ if cpu_simulation.CLI_FLAG in sys.argv:
 from megatron.training import pretrain  # noqa: E402
 
 from megatron_plugins import megatron_compat  # noqa: E402
-from megatron_plugins.launch import USAGE_ERRORS, parse_mimo_args, pretrain_kwargs, start  # noqa: E402
+from megatron_plugins.errors import UsageError  # noqa: E402
+from megatron_plugins.launch import parse_mimo_args, pretrain_kwargs, start  # noqa: E402
 
 
 def main() -> int:
     """Parse and check, bring up the grids, run stock pretrain(), tear down."""
     try:
         run = parse_mimo_args()
-    except USAGE_ERRORS as error:
+    except UsageError as error:
         print(f"pretrain_mimo.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     megatron_compat.install()

@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import ModuleGrid
 
 NUMERICS = (
@@ -38,7 +39,7 @@ NUMERICS = (
 """TransformerConfig fields an encoder copies from the language model: numerics, not shape."""
 
 
-class EncoderPluginError(ValueError):
+class EncoderPluginError(UsageError):
     """An encoder plugin that cannot be used; the message names the flag to fix."""
 
 

@@ -103,7 +103,7 @@ def test_killed_during_saves_the_relaunch_resumes_from_the_last_complete_checkpo
 
     run = _relaunch(folder)
     assert run.returncode == 0, run.output[-4000:]
-    assert (f"resuming from iteration 2, the newest complete checkpoint; iter_0000004 incomplete"
+    assert ("resuming from iteration 2, the newest complete checkpoint; iter_0000004 incomplete"
             in run.output)
     assert not re.search(r"iteration\s+1/", run.output)
     assert re.search(r"iteration\s+6/", run.output)

@@ -82,11 +82,12 @@ def _parse_on_rank(flags: list[str]) -> str:
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
-    from megatron_plugins.launch import USAGE_ERRORS, parse_mimo_args
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.launch import parse_mimo_args
 
     try:
         parse_mimo_args([*TINY_MIMO, *flags])
-    except USAGE_ERRORS as error:
+    except UsageError as error:
         return str(error)
     return "no error"
 
@@ -156,14 +157,15 @@ def _verdicts(cases: list[list[str]]) -> list[str]:
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
-    from megatron_plugins.launch import USAGE_ERRORS, parse_mimo_args
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.launch import parse_mimo_args
 
     stripped = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "NullTokenizer")]
     verdicts = []
     for flags in [[], *cases]:
         try:
             run = parse_mimo_args([*stripped, *flags, "--grid", "language:dp=1"])
-        except USAGE_ERRORS as error:
+        except UsageError as error:
             verdicts.append(str(error))
         else:
             verdicts.append(f"{run.args.tokenizer_type} {run.args.eval_interval}")

@@ -10,7 +10,6 @@ fails here.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -14,7 +14,8 @@ from megatron_plugins.checkpoints import (
     layout_record,
     write_layout,
 )
-from megatron_plugins.layout import LayoutError, ModuleGrid, ParallelLayout
+from megatron_plugins.checkpoints import CheckpointError
+from megatron_plugins.layout import ModuleGrid, ParallelLayout
 
 LAYOUT = ParallelLayout((
     ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
@@ -60,10 +61,10 @@ def test_a_good_checkpoint_of_the_same_layout_passes(tmp_path):
 
 
 def test_missing_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
-    with pytest.raises(LayoutError, match=r"--load .*: no checkpoint at .*latest_checkpointed"):
+    with pytest.raises(CheckpointError, match=r"--load .*: no checkpoint at .*latest_checkpointed"):
         check_checkpoint_flags(_args(tmp_path / "typo"), LAYOUT)
     _checkpoint(tmp_path)
-    with pytest.raises(LayoutError, match="no checkpoint at .*iter_0000009"):
+    with pytest.raises(CheckpointError, match="no checkpoint at .*iter_0000009"):
         check_checkpoint_flags(_args(tmp_path, ckpt_step=9), LAYOUT)
 
 
@@ -87,7 +88,7 @@ def test_an_interrupted_first_save_is_refused_not_restarted(tmp_path, save):
     _iteration(tmp_path, 2, complete=False)
     write_layout(str(tmp_path), LAYOUT, rank=0)
     args = _args(tmp_path, save=tmp_path if save else None)
-    with pytest.raises(LayoutError) as error:
+    with pytest.raises(CheckpointError) as error:
         check_checkpoint_flags(args, LAYOUT)
     message = str(error.value)
     assert "\n" not in message
@@ -135,7 +136,7 @@ def test_the_tracked_newest_checkpoint_is_stocks_choice_and_silent(tmp_path):
 def test_an_explicit_ckpt_step_must_be_complete(tmp_path):
     _checkpoint(tmp_path, step=2)
     _iteration(tmp_path, 4, complete=False)
-    with pytest.raises(LayoutError, match="--ckpt-step 4: .*iter_0000004 is incomplete"):
+    with pytest.raises(CheckpointError, match="--ckpt-step 4: .*iter_0000004 is incomplete"):
         check_checkpoint_flags(_args(tmp_path, ckpt_step=4), LAYOUT)
 
 
@@ -144,25 +145,25 @@ def test_a_launch_killed_before_its_first_save_starts_fresh_with_a_notice(tmp_pa
     notice = check_checkpoint_flags(_args(tmp_path, save=tmp_path), LAYOUT)
     assert notice == f"--load {tmp_path}: a previous launch saved no checkpoint here yet; " \
                      "starting from iteration 1"
-    with pytest.raises(LayoutError, match="no checkpoint at"):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
         check_checkpoint_flags(_args(tmp_path), LAYOUT)
 
 
 def test_an_unwritable_save_folder_is_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(LayoutError, match=f"--save {blocker}/ckpt: {blocker} is not a directory"):
+    with pytest.raises(CheckpointError, match=f"--save {blocker}/ckpt: {blocker} is not a directory"):
         check_checkpoint_flags(_args(None, save=blocker / "ckpt"), LAYOUT)
     check_checkpoint_flags(_args(None, save=tmp_path / "new" / "ckpt"), LAYOUT)
 
 
 def test_another_layout_is_refused_with_both_layouts_named(tmp_path):
     _checkpoint(tmp_path, layout=OTHER)
-    with pytest.raises(LayoutError, match="resuming onto another --grid layout is not supported"):
+    with pytest.raises(CheckpointError, match="resuming onto another --grid layout is not supported"):
         check_checkpoint_flags(_args(tmp_path), LAYOUT)
     check_checkpoint_flags(_args(tmp_path, weights_only=True), LAYOUT)  # weights reshard
     (tmp_path / "mimo_layout.json").unlink()
-    with pytest.raises(LayoutError, match="no mimo_layout.json"):
+    with pytest.raises(CheckpointError, match="no mimo_layout.json"):
         check_checkpoint_flags(_args(tmp_path), LAYOUT)
 
 
@@ -179,7 +180,7 @@ def test_saving_a_pipelined_language_model_needs_untied_embeddings(tmp_path):
         ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
         ModuleGrid(name="language", tp=1, pp=2, cp=1, dp=1, rank_offset=1),
     ))
-    with pytest.raises(LayoutError, match="add --untie-embeddings-and-output-weights"):
+    with pytest.raises(CheckpointError, match="add --untie-embeddings-and-output-weights"):
         check_checkpoint_flags(_args(None, save=tmp_path), pipelined)
     check_checkpoint_flags(_args(None, save=tmp_path, untie=True), pipelined)
     check_checkpoint_flags(_args(None), pipelined)

@@ -185,7 +185,7 @@ def _plan(command: str, world_size: int, capsys) -> tuple[dict[int, dict], dict[
     ranks, modules = {}, {}
     for line in output.splitlines():
         pairs = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.split(":", 1)[-1])}
-        if match := re.match(r"rank (\d+) (\w+):", line):
+        if match := re.match(r"rank (\d+) node \d+ (\w+):", line):
             ranks[int(match[1])] = dict(pairs, module=match[2])
         elif match := re.match(r"module (\w+) ", line):
             modules[match[1]] = pairs

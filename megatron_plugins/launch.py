@@ -3,7 +3,8 @@
 :func:`parse_mimo_args` reads stock and plugin flags and checks the whole run before any process
 group exists (every rank computes the same verdict); :func:`start` brings up torch.distributed
 without Megatron's global model-parallel state, the topology, the cross-grid communicator, the
-data provider and the build config; :func:`pretrain_kwargs` is what stock ``pretrain()`` takes.
+data provider and the build config; :func:`pretrain_kwargs` is what stock ``pretrain()`` takes;
+:func:`train` is the whole sequence after parsing, which the entry point and the tests run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator,
 )
-from megatron.training import get_args
+from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
@@ -307,3 +308,16 @@ def pretrain_kwargs(session: MimoSession) -> dict[str, Any]:
         "pg_collection": session.topology.pg_collection,
         "skip_model_parallel_init": True,
     }
+
+
+def train(run: MimoRun, customize: Callable[[MimoSession], None] | None = None) -> None:
+    """Everything after parsing, as the entry point runs it: bridges, grids, stock ``pretrain()``,
+    teardown. ``customize`` sees the live session before training (tests observe the model)."""
+    megatron_compat.install()
+    session = start(run)
+    try:
+        if customize is not None:
+            customize(session)
+        pretrain(**pretrain_kwargs(session))
+    finally:
+        session.close()

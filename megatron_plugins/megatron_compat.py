@@ -150,7 +150,8 @@ def _use_prebuilt_dataset_helpers() -> None:
 
 
 def install() -> None:
-    """Apply every bridge. Idempotent; call before stock ``pretrain()``."""
+    """Apply Gap 1 (every entry point needs it; the MiMo bridges are applied where MiMo code
+    needs them). Idempotent; call before stock ``pretrain()``."""
     global _installed
     if _installed:
         return

@@ -40,24 +40,21 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
-    from megatron.training import pretrain
+    from megatron_plugins.launch import parse_mimo_args, train
 
-    from megatron_plugins import megatron_compat
-    from megatron_plugins.launch import parse_mimo_args, pretrain_kwargs, start
+    models: list[Any] = []
+    result: dict[str, Any] = {}
+
+    def observe(session: Any) -> None:
+        [module] = session.topology.active_modules
+        pgc = session.topology.module_pgs[module]
+        result.update(module=module, tp_rank=pgc.tp.rank(), dp_rank=pgc.dp.rank())
+        session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
 
     run = parse_mimo_args(argv)
-    megatron_compat.install()
-    session = start(run)
-    [module] = session.topology.active_modules
-    models: list[Any] = []
-    session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
     reductions = _count_grad_reductions() if count_reductions else None
-    try:
-        pretrain(**pretrain_kwargs(session))
-    finally:
-        session.topology.destroy()
-    pgc = session.topology.module_pgs[module]
-    result: dict[str, Any] = {"module": module, "tp_rank": pgc.tp.rank(), "dp_rank": pgc.dp.rank()}
+    train(run, observe)
+    module = result["module"]
     if observe_params:
         [mimo] = models
         part = mimo.language_model if module == "language" else mimo.modality_submodules[module]

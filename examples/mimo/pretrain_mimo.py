@@ -23,11 +23,8 @@ from megatron_plugins import cpu_simulation  # noqa: E402
 if cpu_simulation.CLI_FLAG in sys.argv:
     cpu_simulation.activate()
 
-from megatron.training import pretrain  # noqa: E402
-
-from megatron_plugins import megatron_compat  # noqa: E402
 from megatron_plugins.errors import UsageError  # noqa: E402
-from megatron_plugins.launch import parse_mimo_args, pretrain_kwargs, start  # noqa: E402
+from megatron_plugins.launch import parse_mimo_args, train  # noqa: E402
 
 
 def main() -> int:
@@ -37,12 +34,7 @@ def main() -> int:
     except UsageError as error:
         print(f"pretrain_mimo.py: error: {error}", file=sys.stderr, flush=True)
         return 2
-    megatron_compat.install()
-    session = start(run)
-    try:
-        pretrain(**pretrain_kwargs(session))
-    finally:
-        session.close()
+    train(run)
     return 0
 
 

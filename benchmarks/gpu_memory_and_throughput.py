@@ -94,7 +94,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron_plugins import megatron_compat  # noqa: E402
 from megatron_plugins.encoders.audio import AudioFrameEncoder  # noqa: E402
 from megatron_plugins.encoders.vit import ViTEncoder  # noqa: E402
-from megatron_plugins.layout import ModuleGrid  # noqa: E402
+from megatron_plugins.layout import ModulePlacement  # noqa: E402
 from megatron_plugins.lifecycle import EncoderPrecisionWrapper  # noqa: E402
 
 MiB = 2**20
@@ -318,7 +318,7 @@ def bench_encoder(name, plugin_cls, flags, batches, lang_hidden) -> dict:
     parser = argparse.ArgumentParser()
     plugin_cls.add_arguments(parser)
     args = parser.parse_args(flags)
-    grid = ModuleGrid(name=name, tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider=name)
+    grid = ModulePlacement(name=name, tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider=name)
     plugin = plugin_cls(name, args, grid)
     config = plugin.transformer_config(language)
     pgc = ProcessGroupCollection.use_mpu_process_groups()

@@ -88,7 +88,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModuleGrid:
+class ModulePlacement:
     """One module's rank range and its split; ``provider`` is None only for the language model."""
 
     name: str
@@ -169,7 +169,7 @@ class ModuleGrid:
 class ParallelLayout:
     """All modules of a run, tiling ranks ``0..world_size-1`` in order."""
 
-    modules: tuple[ModuleGrid, ...]
+    modules: tuple[ModulePlacement, ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modules", tuple(self.modules))
@@ -208,16 +208,16 @@ class ParallelLayout:
         return sum(m.size for m in self.modules)
 
     @property
-    def language(self) -> ModuleGrid:
+    def language(self) -> ModulePlacement:
         """The language module."""
         return self.module(LANGUAGE)
 
     @property
-    def encoders(self) -> tuple[ModuleGrid, ...]:
+    def encoders(self) -> tuple[ModulePlacement, ...]:
         """The encoder modules, in layout order."""
         return tuple(m for m in self.modules if m.name != LANGUAGE)
 
-    def module(self, name: str) -> ModuleGrid:
+    def module(self, name: str) -> ModulePlacement:
         """The module called ``name``."""
         for module in self.modules:
             if module.name == name:
@@ -225,7 +225,7 @@ class ParallelLayout:
         names = [m.name for m in self.modules]
         raise KeyError(f"no module {name!r} in the layout (modules: {names})")
 
-    def module_of_rank(self, rank: int) -> ModuleGrid:
+    def module_of_rank(self, rank: int) -> ModulePlacement:
         """The module that owns global ``rank``."""
         for module in self.modules:
             if rank in module.ranks:
@@ -381,7 +381,7 @@ def _grid_specs(args: Any) -> list[tuple[str, dict[str, int], str | None, str]]:
     return specs
 
 
-def _check_supported(module: ModuleGrid) -> None:
+def _check_supported(module: ModulePlacement) -> None:
     """Reject splits that build but cannot train correctly on disjoint grids yet."""
     if module.name == LANGUAGE:
         if module.cp > 1:
@@ -406,7 +406,7 @@ def _check_supported(module: ModuleGrid) -> None:
             )
 
 
-def _check_heads(module: ModuleGrid, heads: int, what: str) -> None:
+def _check_heads(module: ModulePlacement, heads: int, what: str) -> None:
     if heads % module.tp != 0:
         raise LayoutError(
             f"{module.source}: tp={module.tp} does not divide {what} {heads}; "
@@ -454,7 +454,7 @@ def _check_language_model(layout: ParallelLayout, args: Any) -> None:
             )
 
 
-def _check_encoder(encoder: ModuleGrid, language: ModuleGrid, heads: int | None) -> None:
+def _check_encoder(encoder: ModulePlacement, language: ModulePlacement, heads: int | None) -> None:
     if heads is not None:
         _check_heads(encoder, heads, f"the {encoder.name} encoder's attention heads")
     if encoder.dp % language.dp != 0 and language.dp % encoder.dp != 0:
@@ -510,7 +510,7 @@ def layout_from_args(
     modules = []
     offset = 0
     for name, sizes, provider, source in _grid_specs(args):
-        module = ModuleGrid(name=name, rank_offset=offset, provider=provider, source=source,
+        module = ModulePlacement(name=name, rank_offset=offset, provider=provider, source=source,
                             **{key: sizes.get(key, 1) for key in _GRID_KEYS})
         modules.append(module)
         offset += module.size

@@ -4,7 +4,7 @@ Takes the whole training command line (flags it does not need are ignored) plus 
 ``--nproc-per-node`` / ``--nnodes``, runs the launch's own checks (:func:`preflight.check_run`),
 and prints each module's ranks, nodes and group sizes, a warning for every TP/CP/EP group that
 spans nodes, and (on request or for small layouts) every rank's node and coordinates; or the
-error on one line with exit code 2. Coordinates come from :meth:`ModuleGrid.coordinates`, which
+error on one line with exit code 2. Coordinates come from :meth:`ModulePlacement.coordinates`, which
 follows ``HyperCommGrid``'s rank order, so they match the live topology.
 """
 
@@ -18,7 +18,7 @@ from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import (
     DENSE_DIMS,
     EXPERT_DIMS,
-    ModuleGrid,
+    ModulePlacement,
     ParallelLayout,
 )
 from megatron_plugins.preflight import FlagError, check_parser, check_run
@@ -53,7 +53,7 @@ def _dims(values: dict[str, int], dims: Sequence[str]) -> str:
     return " ".join(f"{dim}={values[dim]}" for dim in dims)
 
 
-def _sizes(module: ModuleGrid) -> dict[str, int]:
+def _sizes(module: ModulePlacement) -> dict[str, int]:
     return {dim: module.dim_size(dim) for dim in DENSE_DIMS + EXPERT_DIMS}
 
 
@@ -61,7 +61,7 @@ def _span(values: range | list[int]) -> str:
     return f"{min(values)}-{max(values)}"
 
 
-def cross_node_groups(module: ModuleGrid, nproc_per_node: int) -> dict[str, tuple[int, int]]:
+def cross_node_groups(module: ModulePlacement, nproc_per_node: int) -> dict[str, tuple[int, int]]:
     """Per dim of :data:`FAST_DIMS`: (groups spanning nodes, groups) of ``module``."""
     found = {}
     for dim in FAST_DIMS:

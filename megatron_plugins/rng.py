@@ -24,7 +24,7 @@ from typing import Protocol
 
 from megatron.training.initialize import _set_random_seed
 
-from megatron_plugins.layout import LANGUAGE, ModuleGrid, ParallelLayout
+from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from megatron_plugins.topology import HeteroTopology
 
 MODULE_SEED_STRIDE = 10_000_000
@@ -39,7 +39,7 @@ class SeedArgs(Protocol):
     cuda_graph_impl: str
 
 
-def _largest_stock_offset(module: ModuleGrid) -> int:
+def _largest_stock_offset(module: ModulePlacement) -> int:
     """Largest offset stock seeding adds to a module's seed, over all its ranks and streams."""
     default = 100 * (module.pp - 1) + 10 * (module.dp - 1)
     tracker = max(2718 + module.tp - 1, 1024 + 100 * (module.ep - 1) + module.etp - 1)

@@ -28,7 +28,7 @@ from megatron.core.process_groups_config import (
 )
 
 from megatron_plugins import megatron_compat
-from megatron_plugins.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModuleGrid, ParallelLayout
+from megatron_plugins.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModulePlacement, ParallelLayout
 
 EXPERT_VIEW = "expert"
 """Grid view name ``get_mimo_optimizer`` reads expert groups from."""
@@ -77,7 +77,7 @@ LANGUAGE_GROUPS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
 )
 
 
-def groups_of(module: ModuleGrid) -> tuple[tuple[str, str | None, tuple[str, ...]], ...]:
+def groups_of(module: ModulePlacement) -> tuple[tuple[str, str | None, tuple[str, ...]], ...]:
     """The (field, view, dims) groups built for ``module``."""
     return MODULE_GROUPS + (LANGUAGE_GROUPS if module.name == LANGUAGE else ())
 
@@ -121,7 +121,7 @@ def _destroy(grids: Mapping[str, HyperCommGrid], embedding_groups: list[dist.Pro
         grid.destroy()
 
 
-def _grid(module: ModuleGrid, backend: str) -> HyperCommGrid:
+def _grid(module: ModulePlacement, backend: str) -> HyperCommGrid:
     grid = HyperCommGrid(
         shape=[module.dim_size(d) for d in DENSE_DIMS], dim_names=list(DENSE_DIMS),
         rank_offset=module.rank_offset, backend=backend,
@@ -153,7 +153,7 @@ def _add_embedding_groups(
                 owned.append(group)
 
 
-def _collection(module: ModuleGrid, grid: HyperCommGrid) -> ProcessGroupCollection:
+def _collection(module: ModulePlacement, grid: HyperCommGrid) -> ProcessGroupCollection:
     pgc = ProcessGroupCollection()
     for name, view, dims in groups_of(module):
         setattr(pgc, name, grid.get_pg(list(dims), view=view))

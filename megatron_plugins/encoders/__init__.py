@@ -20,7 +20,7 @@ from megatron_plugins.encoders.base import (
     encoder_config,
     is_replicated,
 )
-from megatron_plugins.layout import ModuleGrid
+from megatron_plugins.layout import ModulePlacement
 
 BUILTIN = {
     "vit": "megatron_plugins.encoders.vit:ViTEncoder",
@@ -70,7 +70,7 @@ def _hook_error(flag: str, plugin: type, hook: str, error: Exception) -> Encoder
 
 
 def instantiate(provider: str, encoder: str, args: argparse.Namespace,
-                grid: ModuleGrid) -> EncoderPlugin:
+                grid: ModulePlacement) -> EncoderPlugin:
     """The plugin for ``--encoder ENCODER=PROVIDER``; an ``__init__`` or a shape property that
     raises is one line naming it."""
     plugin_class = resolve(provider, encoder)

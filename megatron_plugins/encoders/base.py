@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_plugins.errors import UsageError
-from megatron_plugins.layout import ModuleGrid
+from megatron_plugins.layout import ModulePlacement
 
 NUMERICS = (
     "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype", "use_cpu_initialization",
@@ -43,7 +43,8 @@ class EncoderPluginError(UsageError):
     """An encoder plugin that cannot be used; the message names the flag to fix."""
 
 
-def encoder_config(language: TransformerConfig, grid: ModuleGrid, **shape: object) -> TransformerConfig:
+def encoder_config(language: TransformerConfig, grid: ModulePlacement,
+                   **shape: object) -> TransformerConfig:
     """An encoder's TransformerConfig: its own shape (``shape`` fields) and TP, the LM's numerics.
 
     Copying precision, initialization and per-token-loss settings from the language model is what
@@ -118,7 +119,7 @@ class EncoderPlugin(abc.ABC):
     submodules_class: ClassVar[type[ModalitySubmodules]] = VisionModalitySubmodules
     """Megatron's container for this modality's encoder and projection."""
 
-    def __init__(self, name: str, args: argparse.Namespace, grid: ModuleGrid) -> None:
+    def __init__(self, name: str, args: argparse.Namespace, grid: ModulePlacement) -> None:
         self.name = name
         self.args = args
         self.grid = grid

@@ -15,15 +15,15 @@ from megatron_plugins.checkpoints import (
     write_layout,
 )
 from megatron_plugins.checkpoints import CheckpointError
-from megatron_plugins.layout import ModuleGrid, ParallelLayout
+from megatron_plugins.layout import ModulePlacement, ParallelLayout
 
 LAYOUT = ParallelLayout((
-    ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
-    ModuleGrid(name="language", tp=1, pp=1, cp=1, dp=1, rank_offset=2),
+    ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
+    ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=1, rank_offset=2),
 ))
 OTHER = ParallelLayout((
-    ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
-    ModuleGrid(name="language", tp=1, pp=1, cp=1, dp=2, rank_offset=1),
+    ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
+    ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=2, rank_offset=1),
 ))
 
 
@@ -177,8 +177,8 @@ def test_only_global_rank_zero_writes_the_layout(tmp_path):
 
 def test_saving_a_pipelined_language_model_needs_untied_embeddings(tmp_path):
     pipelined = ParallelLayout((
-        ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
-        ModuleGrid(name="language", tp=1, pp=2, cp=1, dp=1, rank_offset=1),
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
+        ModulePlacement(name="language", tp=1, pp=2, cp=1, dp=1, rank_offset=1),
     ))
     with pytest.raises(CheckpointError, match="add --untie-embeddings-and-output-weights"):
         check_checkpoint_flags(_args(None, save=tmp_path), pipelined)

@@ -11,15 +11,15 @@ import torch
 from megatron_plugins.data import MicrobatchStream, MockMultimodalSamples, encoder_micro_batch_size
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
-from megatron_plugins.layout import LANGUAGE, LayoutError, ModuleGrid, ParallelLayout
+from megatron_plugins.layout import LANGUAGE, LayoutError, ModulePlacement, ParallelLayout
 
 
 def _layout(encoder_dp: int, language_dp: int) -> ParallelLayout:
     return ParallelLayout((
-        ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=encoder_dp, rank_offset=0, provider="vit"),
-        ModuleGrid(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=encoder_dp,
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=encoder_dp, rank_offset=0, provider="vit"),
+        ModulePlacement(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=encoder_dp,
                    provider="audio"),
-        ModuleGrid(name=LANGUAGE, tp=1, pp=1, cp=1, dp=language_dp, rank_offset=encoder_dp + 1),
+        ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=language_dp, rank_offset=encoder_dp + 1),
     ))
 
 

@@ -10,14 +10,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders import EncoderPluginError, check_hooks, instantiate
 from megatron_plugins.encoders.base import TensorReplicated
-from megatron_plugins.layout import ModuleGrid
+from megatron_plugins.layout import ModulePlacement
 
 PATH = "tests.fixtures.plain_encoder"
 LANGUAGE = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
 
 
-def _grid(tp: int, provider: str) -> ModuleGrid:
-    return ModuleGrid(name="sensors", tp=tp, pp=1, cp=1, dp=1, rank_offset=0, provider=provider)
+def _grid(tp: int, provider: str) -> ModulePlacement:
+    return ModulePlacement(name="sensors", tp=tp, pp=1, cp=1, dp=1, rank_offset=0, provider=provider)
 
 
 def _plugin(cls: str, tp: int = 1):

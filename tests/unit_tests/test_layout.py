@@ -12,7 +12,7 @@ import pytest
 from megatron_plugins.layout import (
     LANGUAGE,
     LayoutError,
-    ModuleGrid,
+    ModulePlacement,
     ParallelLayout,
     add_layout_args,
     apply_language_grid,
@@ -187,14 +187,14 @@ def test_layout_is_immutable_and_checks_its_own_invariants():
         layout.language.tp = 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.modules = ()
-    language = ModuleGrid(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)
+    language = ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)
     with pytest.raises(LayoutError, match="starts at rank 1, expected 0"):
         ParallelLayout((language,))
     with pytest.raises(LayoutError, match="--grid language: tp=0 must be a positive integer"):
-        ModuleGrid(name=LANGUAGE, tp=0, pp=1, cp=1, dp=1, rank_offset=0)
+        ModulePlacement(name=LANGUAGE, tp=0, pp=1, cp=1, dp=1, rank_offset=0)
     with pytest.raises(LayoutError, match="needs a provider"):
-        ParallelLayout((ModuleGrid(name="v", tp=1, pp=1, cp=1, dp=1, rank_offset=0),
-                        ModuleGrid(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)))
+        ParallelLayout((ModulePlacement(name="v", tp=1, pp=1, cp=1, dp=1, rank_offset=0),
+                        ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)))
 
 
 @pytest.mark.parametrize("tp, cp, dp, pp, ep, etp", [
@@ -202,7 +202,7 @@ def test_layout_is_immutable_and_checks_its_own_invariants():
 ])
 def test_coordinates_follow_hyper_comm_grid_order(tp, cp, dp, pp, ep, etp):
     """Ranks count up with tp fastest, then cp, dp, pp (experts: expt_tp, ep, expt_dp, pp)."""
-    module = ModuleGrid(name=LANGUAGE, tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, rank_offset=3)
+    module = ModulePlacement(name=LANGUAGE, tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, rank_offset=3)
     rank = 3
     for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp)):
         coords = module.coordinates(rank)

@@ -149,18 +149,18 @@ def test_streams_equal_exactly_where_stock_makes_them_equal():
 
 
 def test_module_seeds_are_offset_per_module():
-    from megatron_plugins.layout import ModuleGrid, ParallelLayout
+    from megatron_plugins.layout import ModulePlacement, ParallelLayout
     from megatron_plugins.rng import MODULE_SEED_STRIDE, module_seed
 
     layout = ParallelLayout((
-        ModuleGrid(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
-        ModuleGrid(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=2, provider="audio"),
-        ModuleGrid(name="language", tp=2, pp=2, cp=1, dp=1, rank_offset=3),
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
+        ModulePlacement(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=2, provider="audio"),
+        ModulePlacement(name="language", tp=2, pp=2, cp=1, dp=1, rank_offset=3),
     ))
     assert module_seed(layout, "language", SEED) == SEED
     assert module_seed(layout, "vision", SEED) == SEED + MODULE_SEED_STRIDE
     assert module_seed(layout, "audio", SEED) == SEED + 2 * MODULE_SEED_STRIDE
-    huge = ParallelLayout((ModuleGrid(name="language", tp=1, pp=1, cp=1, dp=10**6,
+    huge = ParallelLayout((ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=10**6,
                                       rank_offset=0),))
     with pytest.raises(ValueError, match="too large for distinct per-module RNG streams"):
         module_seed(huge, "language", SEED)

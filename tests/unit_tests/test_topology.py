@@ -98,11 +98,11 @@ def _build_and_inspect(commands: list[str]) -> dict:
     from megatron.core.models.mimo.config.role import ModuleLayout, RankRole
     from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer
 
-    from megatron_plugins.layout import LayoutError, ModuleGrid, ParallelLayout, layout_from_args
+    from megatron_plugins.layout import LayoutError, ModulePlacement, ParallelLayout, layout_from_args
     from megatron_plugins.topology import build_topology
 
     registry = dist.distributed_c10d._world.pg_map
-    too_big = ModuleGrid(name="language", tp=1, pp=1, cp=1, dp=dist.get_world_size() + 1,
+    too_big = ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=dist.get_world_size() + 1,
                          rank_offset=0)
     try:
         build_topology(ParallelLayout((too_big,)))

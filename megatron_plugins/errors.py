@@ -7,6 +7,16 @@ and print the message as one line, exit code 2, on every rank.
 
 from __future__ import annotations
 
+import sys
+
 
 class UsageError(ValueError):
     """A flag or setting that cannot run; the message names it and what would fix it."""
+
+
+def report(prog: str, error: BaseException) -> int:
+    """Print ``prog: error: message`` in one write, so lines that several ranks print at once never
+    interleave; returns the exit code for a usage error, 2."""
+    sys.stderr.write(f"{prog}: error: {error}\n")
+    sys.stderr.flush()
+    return 2

@@ -36,7 +36,6 @@ from megatron_plugins.encoders import (
     add_encoder_args,
     check_hooks,
     instantiate,
-    resolve,
 )
 from megatron_plugins.language import language_config_from_args
 from megatron_plugins.layout import (
@@ -44,7 +43,6 @@ from megatron_plugins.layout import (
     ParallelLayout,
     add_layout_args,
     apply_language_grid,
-    layout_from_args,
 )
 from megatron_plugins.preflight import (
     FlagError,
@@ -206,20 +204,16 @@ def _notice(args: argparse.Namespace, text: str) -> None:
 
 
 def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
-    """Parse and check every flag; raises a :class:`~megatron_plugins.errors.UsageError` naming the flag to fix."""
+    """Parse and check every flag; raises a :class:`~megatron_plugins.errors.UsageError` naming
+    the flag to fix."""
     argv = sys.argv[1:] if argv is None else list(argv)
     refuse_upstream_flags(argv)
-    providers = _encoder_providers(argv)
-    for name, provider in providers.items():
-        resolve(provider, name)
-    args, parser = _parse_flags(argv, providers)
+    args, parser = _parse_flags(argv, _encoder_providers(argv))
+    # check_run is the launch's and mimo-plan's one layout check (encoder head counts included).
     layout = check_run(argv, args.world_size)
     resolve_freeze(args, layout)
     plugins = {module.name: instantiate(module.provider, module.name, args, module)
                for module in layout.encoders}
-    layout = layout_from_args(
-        args, args.world_size, {name: p.num_attention_heads for name, p in plugins.items()}
-    )
     resume_notice = checkpoints.check_checkpoint_flags(args, layout)
     if resume_notice:
         _notice(args, resume_notice)

@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megatron_plugins.errors import UsageError
+from megatron_plugins.errors import UsageError, report
 from megatron_plugins.layout import (
     DENSE_DIMS,
     EXPERT_DIMS,
@@ -122,8 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         own, _ = _parser().parse_known_args(argv)
         layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True)
     except UsageError as error:
-        print(f"mimo-plan: error: {error}", file=sys.stderr)
-        return 2
+        return report("mimo-plan", error)
     print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL))
     return 0
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Mapping, Sequence
 
-from megatron_plugins.errors import UsageError
+from megatron_plugins.errors import UsageError, report
 from megatron_plugins.layout import (
     ParallelLayout,
     add_layout_args,
@@ -193,6 +192,5 @@ def run(argv: Sequence[str], prog: str) -> int | None:
     try:
         check_run(argv, world_size_from_env())
     except UsageError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return report(prog, error)
     return None

@@ -23,7 +23,7 @@ from megatron_plugins import cpu_simulation  # noqa: E402
 if cpu_simulation.CLI_FLAG in sys.argv:
     cpu_simulation.activate()
 
-from megatron_plugins.errors import UsageError  # noqa: E402
+from megatron_plugins.errors import UsageError, report  # noqa: E402
 from megatron_plugins.launch import parse_mimo_args, train  # noqa: E402
 
 
@@ -32,8 +32,7 @@ def main() -> int:
     try:
         run = parse_mimo_args()
     except UsageError as error:
-        print(f"pretrain_mimo.py: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return report("pretrain_mimo.py", error)
     train(run)
     return 0
 

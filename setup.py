@@ -4,6 +4,15 @@ from setuptools import find_packages, setup
 
 MEGATRON_CORE = "megatron-core==0.19.2"
 TORCH = "torch==2.14.1"
+DATA = [
+    # Megatron's multimodal loader; WebDataset shards prepared by `energon prepare`.
+    "megatron-energon==7.4.1",
+    "pillow==13.0.0",
+    # HuggingFaceTokenizer (stock --tokenizer-type) and offline tokenizer training in tests.
+    "transformers==5.23.0",
+    "tokenizers==0.23.3",
+    "tqdm==4.70.1",
+]
 
 setup(
     name="megatron-plugins",
@@ -31,7 +40,8 @@ setup(
         # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.
         "te": ["transformer-engine[pytorch,core_cu13]==2.14.0"],
         "ssm": ["mamba-ssm==2.2.6.post3", "causal-conv1d==1.5.3.post1"],
-        "test": [
+        "data": DATA,
+        "test": DATA + [
             "pytest==8.4.2",
             "pytest-timeout==2.4.0",
             "tensorboard==2.20.0",

@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
 from megatron_plugins import megatron_compat
+from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
 from megatron_plugins.language import language_model_spec
@@ -55,6 +56,8 @@ class MimoBuildConfig(ModelConfig):
 
     _topology: HeteroTopology | None = None
     _plugins: dict[str, EncoderPlugin] = field(default_factory=dict)
+    _alignment: AlignmentGuard | None = None
+    """The training stream's data alignment guard, checked in the token-count all-reduce."""
 
     def encoder_configs(self) -> dict[str, TransformerConfig]:
         """Each encoder's TransformerConfig, derived from the language model's numerics."""
@@ -155,7 +158,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
             overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
         )
-        install_grad_sync(model, module_pgs)
+        install_grad_sync(model, module_pgs, cfg._alignment)
         [active] = topology.active_modules
         model.pg_collection = module_pgs[active]
         model.rng_state_key_prefix = rng_state_key_prefix(active)

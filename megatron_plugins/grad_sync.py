@@ -7,6 +7,10 @@ divides its gradients by the same global token count. That count has one source,
 model's last pipeline stage (tensor rank 0 of each DP x CP replica), and is summed world-wide, so
 encoder gradients are normalized exactly like language gradients whatever the encoder DP, the
 language DP, TP or PP are. A per-module normalizer is the silent encoder_dp / llm_dp bug.
+
+The same all-reduce carries the data alignment guard's per-step sums
+(:class:`~megatron_plugins.data.addressing.AlignmentGuard`), so checking that encoders embedded
+the language model's samples costs no extra collective.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
+from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.layout import LANGUAGE
 
 
@@ -44,9 +49,11 @@ class CrossGridGradSync:
     stale window first, so DDP hooks are never left disabled.
     """
 
-    def __init__(self, model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection]) -> None:
+    def __init__(self, model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],
+                 guard: AlignmentGuard | None = None) -> None:
         self._model = model
         self._module_pgs = dict(module_pgs)
+        self._guard = guard
         self._counts_tokens = counts_tokens(module_pgs)
         self._open: contextlib.ExitStack | None = None
 
@@ -69,16 +76,23 @@ class CrossGridGradSync:
             self._close()
 
     def global_token_count(self, num_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Tokens of the whole global batch, identical on every rank (one world all-reduce)."""
+        """Tokens of the whole global batch, identical on every rank (one world all-reduce, which
+        also checks the step's data alignment)."""
         if num_tokens is None:
             raise RuntimeError(
                 "MiMo gradient finalization needs per-token loss: the language config must have "
                 "calculate_per_token_loss=True (the MiMo entry point sets it)"
             )
         local = num_tokens if self._counts_tokens else torch.zeros_like(num_tokens)
-        total = local.detach().clone()
-        dist.all_reduce(total)
-        return total
+        if self._guard is None:
+            total = local.detach().clone()
+            dist.all_reduce(total)
+            return total
+        packed = torch.cat([local.detach().reshape(1).to(torch.int64),
+                            self._guard.contribution().to(local.device)])
+        dist.all_reduce(packed)
+        self._guard.check(packed[1:].cpu())
+        return packed[0].to(num_tokens.dtype).reshape(num_tokens.shape)
 
     def finalize(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None,
                  pg_collection: object = None, force_all_reduce: bool = False) -> None:
@@ -101,7 +115,7 @@ def install_grad_sync(model: MimoModel,
     Stock ``train()`` keeps a finalize function already set on the config; its own no-sync
     function is only installed for DDP-wrapped chunks, which a MimoModel is not.
     """
-    sync = CrossGridGradSync(model, module_pgs)
+    sync = CrossGridGradSync(model, module_pgs, guard)
     model.config.finalize_model_grads_func = sync.finalize
     model.config.no_sync_func = sync.no_sync
     return sync

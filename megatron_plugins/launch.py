@@ -30,7 +30,14 @@ from megatron.training.global_vars import set_global_variables
 
 from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
-from megatron_plugins.data import MockMultimodalSamples, data_provider
+from megatron_plugins.data import (
+    AlignmentGuard,
+    DataSource,
+    add_data_args,
+    alignment_guard,
+    build_source,
+    data_provider,
+)
 from megatron_plugins.encoders import (
     EncoderPlugin,
     add_encoder_args,
@@ -107,7 +114,7 @@ class MimoRun:
     args: argparse.Namespace
     layout: ParallelLayout
     plugins: dict[str, EncoderPlugin]
-    samples: MockMultimodalSamples
+    source: DataSource
 
 
 def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
@@ -132,7 +139,7 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
 
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         stock_groups = len(parser._action_groups)
-        for add in (add_layout_args, add_mimo_args, add_optimizer_args,
+        for add in (add_layout_args, add_mimo_args, add_data_args, add_optimizer_args,
                     cpu_simulation.add_cli_flag):
             add(parser)
         add_encoder_args(parser, providers)
@@ -220,8 +227,10 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     chosen = apply_run_defaults(args, argv, parser)
     if chosen:
         _notice(args, f"defaults set (give the flags to silence this): {', '.join(chosen)}")
-    samples = MockMultimodalSamples(seed=args.seed, seq_length=args.seq_length,
-                                    vocab_size=args.vocab_size, plugins=plugins)
+    source = build_source(args, plugins, args.micro_batch_size * layout.language.dp)
+    if args.data_path:
+        # Energon loader states go into each checkpoint (megatron_compat Gap 10).
+        args.dataloader_save = args.save
     apply_optimizer_args(args, argv)
     args.calculate_per_token_loss = True
     args.dataloader_type = "external"
@@ -240,7 +249,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
         notice = check_hooks(plugin, language)
         if notice:
             _notice(args, notice)
-    return MimoRun(args, layout, plugins, samples)
+    return MimoRun(args, layout, plugins, source)
 
 
 @dataclass
@@ -251,6 +260,7 @@ class MimoSession:
     topology: HeteroTopology
     communicator: MultiModulePipelineCommunicator
     config: Any
+    guard: AlignmentGuard | None
 
     def close(self) -> None:
         """Destroy every process group of the run (topology, bridges, the default group)."""
@@ -273,9 +283,11 @@ def start(run: MimoRun) -> MimoSession:
     checkpoints.write_layout(args.save, run.layout, dist.get_rank())
     megatron_compat.ensure_global_memory_buffer()
     language = language_config_from_args(args)
+    guard = (alignment_guard(topology, args.micro_batch_size) if args.data_alignment_check
+             else None)
     model = MimoBuildConfig(
         language=language,
-        special_token_ids=run.samples.special_token_ids,
+        special_token_ids=run.source.special_token_ids,
         seed=args.seed,
         inference_rng_tracker=args.inference_rng_tracker,
         freeze_language_model=args.freeze_language_model,
@@ -284,15 +296,17 @@ def start(run: MimoRun) -> MimoSession:
         encoder_overlap_grad_reduce=args.encoder_overlap_grad_reduce,
         _topology=topology,
         _plugins=run.plugins,
+        _alignment=guard,
     )
     communicator = pipeline_communicator(topology, language.transformer)
     config = pretrain_cfg_container_from_args(args, model)
-    return MimoSession(run, topology, communicator, config)
+    return MimoSession(run, topology, communicator, config, guard)
 
 
 def pretrain_kwargs(session: MimoSession) -> dict[str, Any]:
     """Arguments of stock ``pretrain()`` for this session."""
-    provider: Callable = data_provider(session.run.samples, session.topology, get_args)
+    provider: Callable = data_provider(session.run.source, session.topology, session.guard,
+                                       get_args)
     return {
         "cfg_container": session.config,
         "train_valid_test_dataset_provider": provider,

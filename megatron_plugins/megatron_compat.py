@@ -109,6 +109,16 @@ refuses multi-module pipelines without ``variable_seq_lengths`` (schedules.py:21
 transfer shapes are fixed by ``--seq-length``, the micro-batch sizes and each encoder's
 ``tokens_per_sample``. Bridge (:func:`exchange_bridge_shapes_once`): each bridge exchanges each
 direction's shapes on its first transfer and reuses them; a transfer of another shape raises.
+
+Gap 10 (data loader state on disjoint grids): stock ``save_checkpoint`` hands the training
+iterator to ``maybe_save_dataloader_state`` (training/checkpointing.py:1218-1293), which writes
+``train_dataloader_dprank{dp}.pt`` from tensor rank 0 of the first pipeline stage of every DP
+replica, named by the DP rank alone. On disjoint grids every module has a DP rank 0, so encoder
+and language replicas write the same file and the last writer wins. Bridge
+(:func:`install_checkpoint_bridges`): an iterator that knows its module
+(``MicrobatchStream.save_data_state``) writes ``dataloader/<module>_dp<rank>.pt`` inside the
+iteration folder, before the folder's ``metadata.json``; any other iterator gets stock's
+function.
 """
 
 from __future__ import annotations
@@ -449,14 +459,31 @@ def _install_distributed_optimizer_resume() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
+def _install_module_data_state() -> None:
+    from megatron.training import checkpointing
+
+    stock = checkpointing.maybe_save_dataloader_state
+
+    def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path, **groups):
+        save = getattr(getattr(train_iterator, "iterable", None), "save_data_state", None)
+        if save is None or not dataloader_save_path:
+            return stock(train_iterator, iteration, dataloader_save_path, **groups)
+        save(checkpointing.get_checkpoint_name(dataloader_save_path, iteration,
+                                               return_base_dir=True))
+
+    maybe_save_dataloader_state.__doc__ = stock.__doc__
+    checkpointing.maybe_save_dataloader_state = maybe_save_dataloader_state
+
+
 def install_checkpoint_bridges() -> None:
-    """Apply Gaps 5 and 6. Idempotent; the MiMo builder calls it before stock ``pretrain()`` builds
-    the optimizer (MiMo processes only: stock callers keep stock checkpoint behaviour)."""
+    """Apply Gaps 5, 6 and 10. Idempotent; the MiMo builder calls it before stock ``pretrain()``
+    builds the optimizer (MiMo processes only: stock callers keep stock checkpoint behaviour)."""
     global _checkpoint_bridges_installed
     if _checkpoint_bridges_installed:
         return
     _install_mimo_module_common_state()
     _install_distributed_optimizer_resume()
+    _install_module_data_state()
     _checkpoint_bridges_installed = True
 
 

@@ -35,7 +35,29 @@ def _count_grad_reductions() -> dict[str, int]:
     return counts
 
 
-def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool) -> dict[str, Any]:
+def _misalign_encoder_batches() -> None:
+    """Reverse every encoder microbatch and its keys, as a source with a per-rank order bug
+    would: the guard must catch it."""
+    from megatron_plugins.data import streams
+
+    stock_next = streams.MicrobatchStream.__next__
+
+    def reversed_next(self):
+        keys, batch = next(self._source)
+        [inputs] = batch["modality_inputs"].values()
+        [fields] = inputs.values()
+        for name, value in fields.items():
+            fields[name] = value.flip(0)
+        if self._guard is not None:
+            self._guard.record(keys[::-1])
+        return batch
+
+    streams.MicrobatchStream.__next__ = reversed_next
+    del stock_next
+
+
+def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool,
+                    observe_keys: bool = False, misalign: bool = False) -> dict[str, Any]:
     """One rank of a MiMo run; returns its module name and what was asked to observe."""
     from megatron_plugins import cpu_simulation
 
@@ -50,6 +72,13 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
         pgc = session.topology.module_pgs[module]
         result.update(module=module, tp_rank=pgc.tp.rank(), dp_rank=pgc.dp.rank())
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
+        if misalign and module != "language":
+            _misalign_encoder_batches()
+        if observe_keys:
+            keys = result.setdefault("keys", [])
+            record = session.guard.record
+            session.guard.record = lambda batch_keys: keys.append(list(batch_keys)) or record(
+                batch_keys)
 
     run = parse_mimo_args(argv)
     reductions = _count_grad_reductions() if count_reductions else None
@@ -70,7 +99,8 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
 
 def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (),
                observe_params: bool = False, count_reductions: bool = False,
-               timeout: float = 150.0) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
+               observe_keys: bool = False, misalign: bool = False, timeout: float = 150.0
+               ) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
     """Train the tiny MiMo model on ``nproc`` ranks.
 
     Returns the logged ``lm loss`` and ``grad-norm`` per iteration and the per-rank results.
@@ -78,7 +108,8 @@ def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (
     logdir = tempfile.mkdtemp(prefix="mimo-")
     argv = [*TINY_MIMO, *extra, *flags, "--tensorboard-dir", logdir]
     results = run_in_processes(train_mimo_rank, nproc, timeout=timeout,
-                               args=(argv, observe_params, count_reductions))
+                               args=(argv, observe_params, count_reductions, observe_keys,
+                                     misalign))
     return {tag: read_scalars(logdir, tag) for tag in ("lm loss", "grad-norm")}, results
 
 

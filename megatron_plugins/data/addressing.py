@@ -1,0 +1,154 @@
+"""Which samples a rank holds, and the runtime check that encoder and language ranks agree.
+
+Every data source reads one global sample stream, identical on every rank. Global microbatch
+``k`` holds ``M = micro_batch_size x language dp`` consecutive samples of it; DP replica ``r`` of
+a module whose replicas hold ``b`` samples each takes positions ``r*b .. r*b + b - 1``. That is
+the order Megatron's bridge communicator concatenates encoder DP replicas in and splits them over
+language DP replicas, for encoder DP equal to, larger or smaller than language DP, so the samples
+an encoder replica embeds are by construction those of the language positions it fills.
+
+:class:`AlignmentGuard` checks it anyway, at no extra collective: each step, every module's
+witness rank (tensor rank 0 of the first pipeline stage) turns the keys of the samples it held
+into per-position hashes, encoders adding and the language model subtracting them per
+(encoder, language replica); the sums ride in the global token-count all-reduce and must be zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_plugins.layout import LANGUAGE, ParallelLayout, encoder_micro_batch_size
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """The positions of every global microbatch that one DP replica of one module holds."""
+
+    module: str
+    dp_rank: int
+    batch: int
+    """Samples this replica holds per microbatch."""
+    language_batch: int
+    """Samples one language DP replica holds per microbatch (``--micro-batch-size``)."""
+    global_batch: int
+    """Samples per global microbatch, ``micro_batch_size x language dp``."""
+
+    @classmethod
+    def of(cls, layout: ParallelLayout, module: str, dp_rank: int,
+           micro_batch_size: int) -> RankSlice:
+        """The slice of DP replica ``dp_rank`` of ``module``."""
+        batch = (micro_batch_size if module == LANGUAGE
+                 else encoder_micro_batch_size(layout, module, micro_batch_size))
+        return cls(module, dp_rank, batch, micro_batch_size,
+                   micro_batch_size * layout.language.dp)
+
+    @property
+    def positions(self) -> range:
+        """Positions within a global microbatch, in the order the bridge sends them."""
+        return range(self.dp_rank * self.batch, (self.dp_rank + 1) * self.batch)
+
+    def language_replica(self, position: int) -> int:
+        """The language DP replica that holds ``position``."""
+        return position // self.language_batch
+
+
+class DataMisalignmentError(RuntimeError):
+    """An encoder replica embedded samples that are not the ones its language replica holds."""
+
+
+def _position_hash(microbatch: int, position: int, key: str) -> int:
+    digest = hashlib.blake2b(f"{microbatch}|{position}|{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _as_int64(value: int) -> int:
+    value &= _MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class AlignmentGuard:
+    """Per-step witness of the sample keys each module consumed (see the module docstring).
+
+    :meth:`record` is called by the training stream for every microbatch; :meth:`contribution`
+    is this rank's share of the step's all-reduce and :meth:`check` reads the reduced sums.
+    """
+
+    def __init__(self, layout: ParallelLayout, module: str, rank_slice: RankSlice,
+                 witness: bool) -> None:
+        self._encoders = [m.name for m in layout.encoders]
+        self._language_dp = layout.language.dp
+        self._module = module
+        self._slice = rank_slice
+        self._witness = witness
+        self._held: list[tuple[int, int, str]] = []
+        self._step_held: list[tuple[int, int, str]] = []
+        self._microbatch = 0
+
+    @property
+    def size(self) -> int:
+        """Entries this guard adds to the all-reduce: one per (encoder, language replica)."""
+        return len(self._encoders) * self._language_dp
+
+    def record(self, keys: Sequence[str]) -> None:
+        """The keys of one training microbatch, in this rank's position order."""
+        if self._witness:
+            self._held += [(self._microbatch, position, key)
+                           for position, key in zip(self._slice.positions, keys)]
+        self._microbatch += 1
+
+    def contribution(self) -> torch.Tensor:
+        """This rank's signed hash sums for the step (zeros off witnesses); starts a new step."""
+        sums = [0] * self.size
+        for microbatch, position, key in self._held:
+            value = _position_hash(microbatch, position, key)
+            replica = self._slice.language_replica(position)
+            if self._module == LANGUAGE:
+                for encoder in range(len(self._encoders)):
+                    sums[encoder * self._language_dp + replica] -= value
+            else:
+                sums[self._encoders.index(self._module) * self._language_dp + replica] += value
+        self._step_held, self._held, self._microbatch = self._held, [], 0
+        return torch.tensor([_as_int64(value) for value in sums], dtype=torch.int64)
+
+    def check(self, reduced: torch.Tensor) -> None:
+        """Raise on every rank, naming both ranks and the first differing sample, if the step's
+        encoder and language keys differ anywhere. Only a failing step gathers keys."""
+        if not bool(reduced.ne(0).any()):
+            return
+        mine = (dist.get_rank(), self._module, self._slice.dp_rank,
+                self._step_held if self._witness else None)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        raise DataMisalignmentError(_first_difference(everyone, reduced, self._encoders,
+                                                      self._language_dp))
+
+
+def _first_difference(witnesses: list, reduced: torch.Tensor, encoders: list[str],
+                      language_dp: int) -> str:
+    """The first (microbatch, position) whose key differs between an encoder and the language."""
+    held = {(module, dp): (rank, dict(((k, p), key) for k, p, key in records))
+            for rank, module, dp, records in witnesses if records is not None}
+    language = {}
+    for (module, dp), (rank, keys) in held.items():
+        if module == LANGUAGE:
+            language.update({slot: (rank, key) for slot, key in keys.items()})
+    for (module, dp), (rank, keys) in sorted(held.items()):
+        if module == LANGUAGE:
+            continue
+        for slot in sorted(keys):
+            other_rank, other_key = language.get(slot, (None, None))
+            if other_key != keys[slot]:
+                return (f"data misalignment at microbatch {slot[0]} of this step: encoder "
+                        f"{module!r} dp rank {dp} (global rank {rank}) embedded sample "
+                        f"{keys[slot]!r} at position {slot[1]}, but language global rank "
+                        f"{other_rank} holds {other_key!r} there")
+    bad = [(encoders[i // language_dp], i % language_dp)
+           for i in range(reduced.numel()) if reduced[i] != 0]
+    return f"data misalignment between (encoder, language replica) pairs {bad}"

@@ -1,0 +1,278 @@
+"""Energon datasets (stock ``--data-path``): image-caption, VQA, audio-transcript samples.
+
+Every rank opens the same global stream: Energon with one data rank, the run's ``--seed`` and
+``--num-workers``, batched into global microbatches of ``micro_batch_size x language dp``
+samples, so sample order never depends on the layout. Energon's decoder is off; in the loader
+workers each rank keeps only its positions of the microbatch (:class:`RankSlice`) and does only
+its own work on them: language ranks tokenize text and never decode media, an encoder rank
+decodes and preprocesses only its own modality. Errors are never skipped (Energon would skip a
+failing sample on one rank only, which is silent misalignment): a sample that cannot be used
+stops training with its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from megatron.energon import (
+    DefaultTaskEncoder,
+    WorkerConfig,
+    get_loader,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+    reraise_exception,
+    stateless,
+)
+
+from megatron_plugins.data.addressing import RankSlice
+from megatron_plugins.data.media import BadSampleError, decode_audio, decode_image
+from megatron_plugins.data.streams import Microbatch, collate, data_state_path
+from megatron_plugins.data.text import PromptTokenizer, SampleText, special_tokens_flag
+from megatron_plugins.encoders import EncoderPlugin
+from megatron_plugins.errors import UsageError
+from megatron_plugins.layout import LANGUAGE
+
+SHUFFLE_BUFFER = 100
+MAX_SAMPLES_PER_SEQUENCE = 100
+"""Energon's recommended shuffle settings: a 100-sample buffer over 100-sample shard reads."""
+
+ENERGON_SPLITS = {"train": "train", "valid": "val", "test": "test"}
+"""Stock split name -> Energon split part."""
+
+SAMPLE_KINDS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "CaptioningSample": (("image",), lambda s: SampleText("", s.caption)),
+    "VQASample": (("image",), lambda s: SampleText(
+        s.context, s.answers[0] if isinstance(s.answers, (list, tuple)) else s.answers)),
+    "AudioTranscriptSample": (("audio",), lambda s: SampleText("", s.transcript)),
+    "ImageAudioCaptionSample": (("image", "audio"), lambda s: SampleText("", s.caption)),
+}
+"""Sample types read here: the media each carries and how its text is laid out."""
+
+DECODERS = {"image": decode_image, "audio": decode_audio}
+
+
+class DataPathError(UsageError):
+    """A ``--data-path`` that cannot be trained on; the message says what to fix."""
+
+
+def _sample_text(sample: Any) -> SampleText:
+    return SAMPLE_KINDS[type(sample).__name__][1](sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextInputs:
+    """Language ranks: a sample's text, tokenized and laid out after the encoders' blocks."""
+
+    tokenizer: PromptTokenizer
+    blocks: tuple[tuple[str, int], ...]
+    seq_length: int
+
+    def __call__(self, sample: Any) -> dict[str, torch.Tensor]:
+        return self.tokenizer.encode(_sample_text(sample), self.blocks,
+                                     self.seq_length).fields()
+
+
+@dataclasses.dataclass(frozen=True)
+class _EncoderInputs:
+    """Encoder ranks: the one media field this encoder reads, decoded and preprocessed."""
+
+    preprocessor: Any
+
+    def __call__(self, sample: Any) -> dict[str, torch.Tensor]:
+        kind = self.preprocessor.media
+        data = getattr(sample, kind, None)
+        if not data:
+            raise BadSampleError(f"sample {sample.__key__!r}: no {kind!r} media")
+        media = DECODERS[kind](data, sample.__key__, kind)
+        try:
+            return self.preprocessor(media)
+        except ValueError as error:
+            raise BadSampleError(f"sample {sample.__key__!r}: field {kind!r}: {error}") from None
+
+
+class RankSliceEncoder(DefaultTaskEncoder):
+    """Keeps this rank's positions of each global microbatch and prepares only those."""
+
+    decoder = None
+
+    def __init__(self, rank_slice: RankSlice, inputs: Any) -> None:
+        super().__init__()
+        self._slice = rank_slice
+        self._inputs = inputs
+
+    @stateless
+    def batch(self, samples: list) -> list:
+        return samples
+
+    @stateless
+    def encode_batch(self, samples: list) -> Microbatch:
+        first = self._slice.positions.start
+        mine = samples[first:first + self._slice.batch]
+        return ([s.__key__ for s in mine],
+                collate(self._slice.module, [self._inputs(s) for s in mine]))
+
+
+class _Cycled(Iterator[Microbatch]):
+    """A finite split (val, test) read round and round, starting ``skip`` microbatches in."""
+
+    def __init__(self, loader: Any, skip: int) -> None:
+        self._loader = loader
+        self._iterator = iter(loader)
+        for _ in range(skip % max(len(loader), 1)):
+            next(self._iterator)
+
+    def __next__(self) -> Microbatch:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self._loader)
+            return next(self._iterator)
+
+
+class _Resumable(Iterator[Microbatch]):
+    """The training split: endless, its position saved into and restored from checkpoints."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._iterator: Iterator[Microbatch] | None = None
+
+    def __next__(self) -> Microbatch:
+        if self._iterator is None:
+            self._iterator = iter(self._loader)
+        return next(self._iterator)
+
+    def state_dict(self) -> Any:
+        return self._loader.save_state_rank()
+
+
+def dataset_sample_type(path: Path) -> str:
+    """The sample class a prepared dataset folder declares in ``.nv-meta/dataset.yaml``."""
+    spec = yaml.safe_load((path / ".nv-meta" / "dataset.yaml").read_text())
+    sample_type = spec.get("sample_type") or {}
+    return sample_type.get("__class__") or spec.get("__class__", "").replace("Webdataset",
+                                                                               "Sample")
+
+
+def split_sizes(path: Path) -> dict[str, int]:
+    """Samples per Energon split part of a prepared dataset folder, from its metadata."""
+    meta = path / ".nv-meta"
+    info = yaml.safe_load((meta / ".info.yaml").read_text())
+    counts = info.get("shard_counts", {})
+    parts = yaml.safe_load((meta / "split.yaml").read_text()).get("split_parts", {})
+    return {part: sum(counts.get(shard, 0) for shard in shards)
+            for part, shards in parts.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnergonSource:
+    """An Energon dataset read by every rank of a MiMo run (see the module docstring)."""
+
+    path: Path
+    seed: int
+    num_workers: int
+    seq_length: int
+    tokenizer: PromptTokenizer
+    plugins: dict[str, EncoderPlugin]
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        return dict(self.tokenizer.placeholder_ids)
+
+    def _inputs(self, module: str) -> Any:
+        if module == LANGUAGE:
+            blocks = tuple((name, p.tokens_per_sample) for name, p in self.plugins.items())
+            return _TextInputs(self.tokenizer, blocks, self.seq_length)
+        return _EncoderInputs(self.plugins[module].preprocessor())
+
+    def open(self, split: str, rank_slice: RankSlice, start: int,
+             resume: Path | None) -> Iterator[Microbatch] | None:
+        part = ENERGON_SPLITS[split]
+        if self.path.is_dir() and split_sizes(self.path).get(part, 0) == 0:
+            return None
+        worker_config = WorkerConfig(rank=0, world_size=1, num_workers=self.num_workers,
+                                     seed_offset=self.seed,
+                                     global_error_handler=reraise_exception)
+        encoder = RankSliceEncoder(rank_slice, self._inputs(rank_slice.module))
+        if split != "train":
+            dataset = get_val_dataset(str(self.path), split_part=part,
+                                      worker_config=worker_config,
+                                      batch_size=rank_slice.global_batch, batch_drop_last=True,
+                                      task_encoder=encoder)
+            return _Cycled(get_loader(dataset), start // rank_slice.global_batch)
+        dataset = get_train_dataset(str(self.path), split_part=part, worker_config=worker_config,
+                                    batch_size=rank_slice.global_batch, batch_drop_last=True,
+                                    shuffle_buffer_size=SHUFFLE_BUFFER,
+                                    max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
+                                    task_encoder=encoder)
+        loader = get_savable_loader(dataset)
+        if resume is not None:
+            state_file = data_state_path(resume, rank_slice.module, rank_slice.dp_rank)
+            if not state_file.is_file():
+                raise DataPathError(
+                    f"--load {resume.parent}: iteration folder {resume.name} has no data loader "
+                    f"state {state_file.relative_to(resume)} for this --data-path run; it was "
+                    "saved by a mock-data run or another layout. Load weights only "
+                    "(--no-load-optim --no-load-rng --finetune) to start the data afresh"
+                )
+            loader.restore_state_rank(torch.load(state_file, weights_only=False))
+        return _Resumable(loader)
+
+
+def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], global_batch: int,
+                   args: Any) -> None:
+    """Refuse, in one line, a dataset folder this run cannot read (before any process group)."""
+    flag = f"--data-path {path}"
+    if not path.exists():
+        raise DataPathError(f"{flag} does not exist; give a folder prepared with `energon "
+                            "prepare` (or tools.make_energon_dataset) or a metadataset YAML")
+    if path.is_file():
+        return  # A metadataset: Energon resolves and checks the datasets it blends.
+    if not (path / ".nv-meta" / "dataset.yaml").is_file():
+        raise DataPathError(
+            f"{flag} is not a prepared Energon dataset (no .nv-meta/dataset.yaml); prepare it "
+            f"with `energon prepare {path}` or `python -m tools.make_energon_dataset`")
+    sample_type = dataset_sample_type(path)
+    if sample_type not in SAMPLE_KINDS:
+        raise DataPathError(f"{flag} holds {sample_type or 'unknown'} samples; supported: "
+                            f"{', '.join(SAMPLE_KINDS)}")
+    carried = SAMPLE_KINDS[sample_type][0]
+    for name, plugin in plugins.items():
+        media = plugin.preprocessor().media
+        if media not in carried:
+            raise DataPathError(
+                f"{flag} holds {sample_type} samples, which carry no {media!r} media for "
+                f"--encoder {name}={plugin.grid.provider}; use a dataset with "
+                f"{media} or drop that encoder")
+    sizes = split_sizes(path)
+    if sizes.get("train", 0) < global_batch:
+        raise DataPathError(
+            f"{flag}: its train split holds {sizes.get('train', 0)} samples, fewer than one "
+            f"global microbatch ({global_batch} = --micro-batch-size x language dp)")
+    if args.eval_iters and args.eval_interval and sizes.get("val", 0) < global_batch:
+        raise DataPathError(
+            f"{flag}: its val split holds {sizes.get('val', 0)} samples, fewer than one global "
+            f"microbatch ({global_batch}); add validation samples or set --eval-iters 0")
+
+
+def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin],
+                global_batch: int) -> EnergonSource:
+    """The Energon source of a run, every configuration problem raised as one line first."""
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
+        raise DataPathError(
+            "--data-path needs a real tokenizer: add --tokenizer-type HuggingFaceTokenizer "
+            "--tokenizer-model <local tokenizer folder>")
+    _check_dataset(path, plugins, global_batch, args)
+    encoder_tokens = sum(p.tokens_per_sample for p in plugins.values())
+    if encoder_tokens + 2 > args.seq_length:
+        raise DataPathError(
+            f"--seq-length {args.seq_length} leaves no room for text: the encoders fill "
+            f"{encoder_tokens} positions per sample; raise --seq-length above {encoder_tokens + 1}")
+    args.special_tokens = special_tokens_flag(args.special_tokens, list(plugins))
+    tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins), args)
+    return EnergonSource(path, args.seed, args.num_workers, args.seq_length, tokenizer, plugins)

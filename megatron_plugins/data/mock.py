@@ -1,0 +1,164 @@
+"""The built-in mock source: deterministic multimodal samples, for tests and the first minutes.
+
+Every sample is a pure function of ``(seed, split, global sample index)``: its class, its text (a
+class-dependent arithmetic progression the model can learn), where each encoder's token block
+sits, and each encoder's media, drawn from its own seeded stream so a rank that builds only part
+of a sample still builds the same part. Media are what a real dataset decodes to (an RGB image, a
+waveform) with the class in them (a bright band's row, a tone's pitch) and go through each
+encoder's own preprocessing, exactly as Energon samples do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_plugins.data.addressing import RankSlice
+from megatron_plugins.data.media import Waveform
+from megatron_plugins.data.streams import SPLITS, Microbatch, collate
+from megatron_plugins.encoders import EncoderPlugin
+from megatron_plugins.layout import LANGUAGE, LayoutError
+
+NUM_CLASSES = 8
+"""Mock samples belong to one of these classes; encoders see it, text depends on it."""
+
+IMAGE_SIZE = 32
+"""Mock images are square RGB of this size; encoders resize them as they would a real image."""
+
+AUDIO_RATE = 16000
+AUDIO_SAMPLES = 1600
+"""Mock audio: 0.1 s at 16 kHz, a tone of ``400 x (class + 1)`` Hz in noise."""
+
+
+def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:
+    """Each encoder's placeholder id: the top ids of the vocabulary, never used by mock text."""
+    return {name: vocab_size - 1 - index for index, name in enumerate(encoders)}
+
+
+def _generator(seed: int, split: str, index: int, stream: int) -> torch.Generator:
+    entropy = np.random.SeedSequence([seed, SPLITS.index(split), index, stream])
+    return torch.Generator().manual_seed(int(entropy.generate_state(1, np.uint64)[0] >> 1))
+
+
+def mock_image(generator: torch.Generator, label: int) -> np.ndarray:
+    """A dim noisy RGB image with a bright horizontal band whose row is the class."""
+    pixels = 40 + 20 * torch.rand(IMAGE_SIZE, IMAGE_SIZE, 3, generator=generator)
+    band = (label % NUM_CLASSES) * (IMAGE_SIZE // NUM_CLASSES)
+    pixels[band:band + IMAGE_SIZE // NUM_CLASSES] += 180
+    return pixels.clamp(0, 255).to(torch.uint8).numpy()
+
+
+def mock_audio(generator: torch.Generator, label: int) -> Waveform:
+    """A tone whose pitch is the class, in noise."""
+    t = torch.arange(AUDIO_SAMPLES, dtype=torch.float64) / AUDIO_RATE
+    tone = 0.5 * torch.sin(2 * torch.pi * 400 * (label + 1) * t)
+    noise = 0.05 * torch.randn(AUDIO_SAMPLES, generator=generator, dtype=torch.float64)
+    return Waveform((tone + noise).float().numpy(), AUDIO_RATE)
+
+
+MOCK_MEDIA = {"image": mock_image, "audio": mock_audio}
+"""Decoded media the mock can make, by the kind an encoder's preprocessor reads."""
+
+
+@dataclass(frozen=True)
+class MockSource:
+    """Deterministic samples: text with each encoder's token block inside it, and media.
+
+    Text follows a per-class arithmetic progression, so the language model can learn to continue
+    it and must read the encoders to know the class (its first token and step).
+    """
+
+    seed: int
+    seq_length: int
+    vocab_size: int
+    plugins: dict[str, EncoderPlugin]
+
+    def __post_init__(self) -> None:
+        encoder_tokens = sum(p.tokens_per_sample for p in self.plugins.values())
+        if encoder_tokens + 2 > self.seq_length:
+            raise LayoutError(
+                f"--seq-length {self.seq_length} leaves no room for text: the encoders fill "
+                f"{encoder_tokens} positions per sample; raise --seq-length above "
+                f"{encoder_tokens + 1}"
+            )
+        if self.text_vocab_size < NUM_CLASSES:
+            raise LayoutError(
+                f"--vocab-size {self.vocab_size} is too small: {len(self.plugins)} ids are "
+                f"reserved for encoder tokens and text needs at least {NUM_CLASSES}"
+            )
+        for name, plugin in self.plugins.items():
+            media = plugin.preprocessor().media
+            if media not in MOCK_MEDIA:
+                raise LayoutError(
+                    f"--encoder {name}={plugin.grid.provider}: its preprocessor reads {media!r} "
+                    f"media, which the mock data cannot make ({', '.join(MOCK_MEDIA)}); train it "
+                    "on a dataset with --data-path"
+                )
+
+    @property
+    def text_vocab_size(self) -> int:
+        """Ids below this are text; the ones above are the encoders' special tokens."""
+        return self.vocab_size - len(self.plugins)
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        return special_token_ids(self.vocab_size, list(self.plugins))
+
+    def label(self, split: str, index: int) -> int:
+        """The sample's class."""
+        return int(torch.randint(NUM_CLASSES, (1,), generator=_generator(self.seed, split, index, 0)))
+
+    def text(self, split: str, index: int) -> dict[str, torch.Tensor]:
+        """Tokens, labels, loss mask and position ids of one sample (language ranks)."""
+        label = self.label(split, index)
+        generator = _generator(self.seed, split, index, 1)
+        text_vocab = self.text_vocab_size
+        step = 1 + label % 3
+        first = label * (text_vocab // NUM_CLASSES) + int(torch.randint(2, (1,), generator=generator))
+        blocks = [(self.special_token_ids[name], plugin.tokens_per_sample)
+                  for name, plugin in self.plugins.items()]
+        text_length = self.seq_length - sum(count for _, count in blocks)
+        cuts = sorted(torch.randperm(text_length + 1, generator=generator)[:len(blocks)].tolist())
+        progression = [(first + step * k) % text_vocab for k in range(text_length)]
+        tokens: list[int] = []
+        previous = 0
+        for cut, (token_id, count) in zip(cuts, blocks):
+            tokens += progression[previous:cut] + [token_id] * count
+            previous = cut
+        tokens += progression[previous:]
+        tokens_t = torch.tensor(tokens, dtype=torch.long)
+        following = torch.cat([tokens_t[1:], torch.tensor([-1])])
+        is_text = (following >= 0) & (following < text_vocab)
+        return {
+            "tokens": tokens_t,
+            "labels": torch.where(is_text, following, torch.zeros_like(following)),
+            "loss_mask": is_text.float(),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+        }
+
+    def media(self, name: str, split: str, index: int) -> object:
+        """One encoder's decoded media for one sample (encoder ranks)."""
+        stream = 2 + list(self.plugins).index(name)
+        kind = MOCK_MEDIA[self.plugins[name].preprocessor().media]
+        return kind(_generator(self.seed, split, index, stream), self.label(split, index))
+
+    def open(self, split: str, rank_slice: RankSlice, start: int,
+             resume: Path | None = None) -> Iterator[Microbatch]:
+        """This rank's microbatches from global sample ``start`` on (the mock needs no saved
+        state: a sample is a function of its index)."""
+        module = rank_slice.module
+        preprocess = None if module == LANGUAGE else self.plugins[module].preprocessor()
+        first = start
+        while True:
+            indices = [first + position for position in rank_slice.positions]
+            first += rank_slice.global_batch
+            keys = [f"{split}/{index}" for index in indices]
+            if preprocess is None:
+                yield keys, collate(module, [self.text(split, index) for index in indices])
+            else:
+                yield keys, collate(module, [preprocess(self.media(module, split, index))
+                                             for index in indices])

@@ -1,0 +1,129 @@
+"""What every data source shares: batching, the per-rank microbatch stream, stock's provider.
+
+A source (:mod:`~megatron_plugins.data.mock`, :mod:`~megatron_plugins.data.energon`) yields, per
+microbatch, this rank's sample keys and its batch (built by :func:`collate`, in a loader worker
+where there is one). :class:`MicrobatchStream` hands batches to the forward step, reports the
+keys of training microbatches to the :class:`~megatron_plugins.data.addressing.AlignmentGuard`,
+and saves the source's position into checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
+from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.topology import HeteroTopology
+
+SPLITS = ("train", "valid", "test")
+
+Microbatch = tuple[list[str], dict[str, Any]]
+"""A rank's sample keys and the batch its forward step reads."""
+
+
+class DataSource(Protocol):
+    """Where samples come from; every rank opens the same global stream (see addressing)."""
+
+    special_token_ids: dict[str, int]
+
+    def open(self, split: str, rank_slice: RankSlice, start: int,
+             resume: Path | None) -> Iterator[Microbatch] | None:
+        """This rank's microbatches of ``split`` (None if the dataset has no such split), from
+        global sample ``start`` or from the loader state saved in ``resume``."""
+
+
+def collate(module: str, samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Stack one microbatch: language fields with a causal mask, or one encoder's inputs."""
+    batch = {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+    if module != LANGUAGE:
+        return {"modality_inputs": {module: {module: batch}}}
+    length = batch["tokens"].shape[1]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    batch["attention_mask"] = causal.expand(len(samples), 1, length, length)
+    return batch
+
+
+def data_state_path(iteration_dir: Path, module: str, dp_rank: int) -> Path:
+    """Where one module replica's loader state lives inside a checkpoint iteration folder."""
+    return Path(iteration_dir) / "dataloader" / f"{module}_dp{dp_rank:03d}.pt"
+
+
+class MicrobatchStream(Iterator[dict[str, Any]]):
+    """One split's batches on this rank, as stock ``pretrain()`` iterates them."""
+
+    def __init__(self, source: Iterator[Microbatch], rank_slice: RankSlice,
+                 guard: AlignmentGuard | None, writes_state: bool) -> None:
+        self._source = source
+        self._slice = rank_slice
+        self._guard = guard
+        self._writes_state = writes_state
+
+    def __next__(self) -> dict[str, Any]:
+        keys, batch = next(self._source)
+        if self._guard is not None:
+            self._guard.record(keys)
+        return batch
+
+    def save_data_state(self, iteration_dir: Path) -> None:
+        """Write the source's position (one file per module DP replica) if it has one."""
+        state = getattr(self._source, "state_dict", None)
+        if state is None or not self._writes_state:
+            return
+        path = data_state_path(iteration_dir, self._slice.module, self._slice.dp_rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state(), path)
+
+
+def rank_slice(topology: HeteroTopology, micro_batch_size: int) -> RankSlice:
+    """This rank's slice of every global microbatch."""
+    [module] = topology.active_modules
+    return RankSlice.of(topology.layout, module, topology.module_pgs[module].dp.rank(),
+                        micro_batch_size)
+
+
+def is_witness(topology: HeteroTopology) -> bool:
+    """Tensor rank 0 of the first pipeline stage: the one rank per replica that speaks for it."""
+    [module] = topology.active_modules
+    pgc = topology.module_pgs[module]
+    return pgc.tp.rank() == 0 and pgc.pp.rank() == 0
+
+
+def alignment_guard(topology: HeteroTopology, micro_batch_size: int) -> AlignmentGuard:
+    """The guard of this rank's training stream."""
+    [module] = topology.active_modules
+    return AlignmentGuard(topology.layout, module, rank_slice(topology, micro_batch_size),
+                          is_witness(topology))
+
+
+def data_provider(source: DataSource, topology: HeteroTopology, guard: AlignmentGuard | None,
+                  get_args: Callable[[], Any]) -> Callable[..., tuple]:
+    """The ``train_valid_test_dataset_provider`` for stock ``pretrain()``.
+
+    Run with ``--dataloader-type external``: stock passes the returned iterators through. It is
+    called on every rank (``is_distributed``); a resumed run starts where the checkpoint's
+    consumed-sample counters (mock) or saved loader states (Energon) say.
+    """
+
+    def provider(train_valid_test_num_samples: Any, vp_stage: int | None = None) -> tuple:
+        args = get_args()
+        this = rank_slice(topology, args.micro_batch_size)
+        resume = None
+        if args.load and args.iteration:
+            from megatron.training.checkpointing import get_checkpoint_name
+
+            resume = Path(get_checkpoint_name(args.load, args.iteration, return_base_dir=True))
+        starts = (args.consumed_train_samples, args.consumed_valid_samples, 0)
+        streams = []
+        for split, start in zip(SPLITS, starts):
+            opened = source.open(split, this, start, resume if split == "train" else None)
+            streams.append(None if opened is None else MicrobatchStream(
+                opened, this, guard if split == "train" else None,
+                writes_state=is_witness(topology)))
+        return tuple(streams)
+
+    provider.is_distributed = True
+    return provider

@@ -1,0 +1,181 @@
+"""One sample's text as the language model's fixed-length inputs, with a real HuggingFace tokenizer.
+
+Each encoder's output fills a block of positions marked by its placeholder token (``<vision>``),
+a special token added to the tokenizer exactly as stock Megatron's ``HuggingFaceTokenizer`` adds
+``--tokenizer-special-tokens`` (``additional_special_tokens``, appended in order after the
+tokenizer's own tokens). The launch puts the placeholders into that flag
+(:func:`special_tokens_flag`), so stock's tokenizer, its padded vocabulary and the embedding rows
+agree with the ids used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_plugins.preflight import FlagError
+
+_EXPECTED_FILES = "tokenizer.json and/or tokenizer_config.json (as save_pretrained writes them)"
+
+
+@dataclass(frozen=True)
+class SampleText:
+    """A sample's text: ``prompt`` is context only, the loss covers ``target`` (and the end token).
+
+    Caption and transcript: prompt ``""``; VQA: prompt the question, target the answer.
+    """
+
+    prompt: str
+    target: str
+
+
+@dataclass(frozen=True)
+class EncodedText:
+    """One sample's language inputs, all ``[seq_length]``; ``truncated`` when target or end was cut."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    truncated: bool
+
+    def as_batch_fields(self) -> dict[str, torch.Tensor]:
+        """The per-sample fields a batch stacks (``truncated`` is counted, not stacked)."""
+        return {"tokens": self.tokens, "labels": self.labels, "loss_mask": self.loss_mask,
+                "position_ids": self.position_ids}
+
+
+def placeholder_token(encoder: str) -> str:
+    """The special token whose positions the encoder's output fills."""
+    return f"<{encoder}>"
+
+
+def special_tokens_flag(existing: Sequence[str] | None, encoders: Sequence[str]) -> list[str]:
+    """The value for stock ``args.special_tokens`` (``--tokenizer-special-tokens``): the user's
+    tokens kept in order, each missing placeholder appended, so stock builds our tokenizer.
+
+    Idempotent: applying it to its own result changes nothing.
+    """
+    tokens = list(existing or [])
+    return tokens + [placeholder_token(name) for name in encoders
+                     if placeholder_token(name) not in tokens]
+
+
+def _load_hf(folder: str, special_tokens: Sequence[str]) -> Any:
+    """The HuggingFace tokenizer of ``folder`` with ``special_tokens`` added as stock adds them."""
+    if not Path(folder).is_dir():
+        raise FlagError(f"--tokenizer-model {folder}: no such folder; give a folder holding a "
+                        f"HuggingFace tokenizer ({_EXPECTED_FILES})")
+    # Imported here: transformers takes seconds to import, and only tokenizing ranks need it.
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - any failure means the folder holds no tokenizer
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise FlagError(f"--tokenizer-model {folder} is not a HuggingFace tokenizer folder "
+                        f"(expected {_EXPECTED_FILES}): {reason}") from None
+    hf.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    return hf
+
+
+class PromptTokenizer:
+    """Lays out one sample's tokens: ``[bos] + placeholder blocks + prompt + target + eos + pad``.
+
+    Pickles without the HuggingFace object and reloads it from ``folder``, so Energon worker
+    processes get a working copy.
+    """
+
+    def __init__(self, folder: str, special_tokens: Sequence[str], encoders: Sequence[str],
+                 hf: Any) -> None:
+        self.folder = folder
+        self.special_tokens = tuple(special_tokens)
+        self._hf = hf
+        self.placeholder_ids = {name: int(hf.convert_tokens_to_ids(placeholder_token(name)))
+                                for name in encoders}
+        self.eos_id: int = hf.eos_token_id
+        self.pad_id: int = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
+        self.bos_id: int | None = hf.bos_token_id
+
+    @classmethod
+    def load(cls, folder: str, encoders: Sequence[str], padded_vocab_size: int,
+             special_tokens: Sequence[str] | None = None) -> PromptTokenizer:
+        """Load ``folder`` (``--tokenizer-model``) with ``special_tokens_flag(special_tokens,
+        encoders)`` added; a :class:`FlagError` when it cannot serve the run.
+
+        ``special_tokens`` is stock's ``args.special_tokens`` (before or after the launch
+        appended the placeholders); ``padded_vocab_size`` the model's embedding rows.
+        """
+        tokens = special_tokens_flag(special_tokens, encoders)
+        hf = _load_hf(folder, tokens)
+        if hf.eos_token_id is None:
+            raise FlagError(f"--tokenizer-model {folder} has no end-of-sequence token (eos_token); "
+                            "the loss trains the model to end its answer, so use a tokenizer "
+                            "with one")
+        tokenizer = cls(folder, tokens, encoders, hf)
+        tokenizer._check_room(padded_vocab_size)
+        return tokenizer
+
+    def _check_room(self, padded_vocab_size: int) -> None:
+        """Every id needs an embedding row; stock pads ``len(tokenizer)`` (placeholders included
+        when they are in ``--tokenizer-special-tokens``), so only a smaller explicit or
+        checkpoint-restored ``--padded-vocab-size`` leaves none."""
+        size = len(self._hf)
+        if size <= padded_vocab_size:
+            return
+        name, token_id = max(self.placeholder_ids.items(), key=lambda item: item[1],
+                             default=("", -1))
+        what = (f"placeholder token {placeholder_token(name)} (id {token_id})"
+                if token_id >= padded_vocab_size else f"token id {size - 1}")
+        raise FlagError(
+            f"--padded-vocab-size {padded_vocab_size} leaves no embedding row for {what}: the "
+            f"tokenizer in --tokenizer-model {self.folder} has {size} tokens with the encoders' "
+            f"placeholders; leave --padded-vocab-size unset (stock pads to a multiple of "
+            f"--make-vocab-size-divisible-by) or set it to at least {size}, and do not take it "
+            f"from a checkpoint trained without these tokens (--use-checkpoint-args)")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_hf": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._hf = _load_hf(self.folder, self.special_tokens)
+
+    def _ids(self, text: str) -> list[int]:
+        """Plain text ids: no tokenizer-added specials, and a literal ``<vision>`` in the text is
+        text, so it never claims an encoder's position."""
+        return self._hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def encode(self, text: SampleText, encoder_blocks: Sequence[tuple[str, int]],
+               seq_length: int) -> EncodedText:
+        """``encoder_blocks``: ``(encoder, tokens_per_sample)`` in ``--encoder`` order.
+
+        Too-long text never raises: the prompt, then the target and end token are cut to fit and
+        ``truncated`` is set; with no target token left the loss mask is all zero. Raises
+        ValueError only when the placeholder blocks alone exceed ``seq_length`` (a caller bug: the
+        launch checks ``--seq-length``) or name an encoder the tokenizer was not loaded for.
+        """
+        unknown = [name for name, _ in encoder_blocks if name not in self.placeholder_ids]
+        if unknown:
+            raise ValueError(f"encoders {unknown} have no placeholder token in this tokenizer")
+        prefix = [] if self.bos_id is None else [self.bos_id]
+        prefix += [self.placeholder_ids[name] for name, count in encoder_blocks for _ in range(count)]
+        if len(prefix) > seq_length:
+            raise ValueError(f"{len(prefix)} encoder positions do not fit in {seq_length} tokens")
+        context = prefix + self._ids(text.prompt)[: seq_length - len(prefix)]
+        answer = self._ids(text.target) + [self.eos_id]
+        kept = answer[: seq_length - len(context)]
+        ids = context + kept
+        tokens = torch.full((seq_length,), self.pad_id, dtype=torch.int64)
+        tokens[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        labels = torch.full_like(tokens, self.pad_id)
+        labels[:-1] = tokens[1:]
+        loss_mask = torch.zeros(seq_length, dtype=torch.float32)
+        loss_mask[max(len(context) - 1, 0): len(ids) - 1] = 1.0
+        return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
+                           position_ids=torch.arange(seq_length, dtype=torch.int64),
+                           truncated=len(kept) < len(answer))

@@ -13,6 +13,7 @@ stops training with its key.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ class _TextInputs:
 
     def __call__(self, sample: Any) -> dict[str, torch.Tensor]:
         return self.tokenizer.encode(_sample_text(sample), self.blocks,
-                                     self.seq_length).fields()
+                                     self.seq_length).as_batch_fields()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,5 +275,9 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin],
             f"--seq-length {args.seq_length} leaves no room for text: the encoders fill "
             f"{encoder_tokens} positions per sample; raise --seq-length above {encoder_tokens + 1}")
     args.special_tokens = special_tokens_flag(args.special_tokens, list(plugins))
-    tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins), args)
+    # Without an explicit (or checkpoint-restored) --padded-vocab-size stock pads the vocabulary
+    # to hold the placeholders, so only an explicit size can be too small.
+    tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins),
+                                     getattr(args, "padded_vocab_size", None) or sys.maxsize,
+                                     args.special_tokens)
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length, tokenizer, plugins)

@@ -132,11 +132,10 @@ class PromptTokenizer:
         what = (f"placeholder token {placeholder_token(name)} (id {token_id})"
                 if token_id >= padded_vocab_size else f"token id {size - 1}")
         raise FlagError(
-            f"--padded-vocab-size {padded_vocab_size} leaves no embedding row for {what}: the "
-            f"tokenizer in --tokenizer-model {self.folder} has {size} tokens with the encoders' "
-            f"placeholders; leave --padded-vocab-size unset (stock pads to a multiple of "
-            f"--make-vocab-size-divisible-by) or set it to at least {size}, and do not take it "
-            f"from a checkpoint trained without these tokens (--use-checkpoint-args)")
+            f"the padded vocabulary ({padded_vocab_size} rows, restored from a checkpoint by "
+            f"--use-checkpoint-args) leaves no embedding row for {what}: the tokenizer in "
+            f"--tokenizer-model {self.folder} has {size} tokens with the encoders' placeholders; "
+            f"drop --use-checkpoint-args or start from a checkpoint trained with these tokens")
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_hf": None}

@@ -91,7 +91,7 @@ def test_without_the_special_tokens_flag_stock_pads_too_few_rows(folder):
 
     args = _stock_args(folder, None)
     build_tokenizer(args)
-    with pytest.raises(FlagError, match=r"--padded-vocab-size .*placeholder token <audio>"):
+    with pytest.raises(FlagError, match=r"padded vocabulary .*placeholder token <audio>"):
         PromptTokenizer.load(folder, ENCODERS, args.padded_vocab_size)
 
 
@@ -203,8 +203,7 @@ def test_no_room_names_the_placeholder_its_id_and_the_flags(folder, tokenizer):
     with pytest.raises(FlagError) as error:
         PromptTokenizer.load(folder, ENCODERS, size - 1)
     message = str(error.value)
-    for part in ("--padded-vocab-size", f"<audio> (id {size - 1})",
-                 "--make-vocab-size-divisible-by", f"at least {size}"):
+    for part in ("--use-checkpoint-args", f"<audio> (id {size - 1})", f"{size} tokens"):
         assert part in message
 
 

@@ -343,7 +343,7 @@ def bench_encoder(name, plugin_cls, flags, batches, lang_hidden) -> dict:
     result["param_MiB"] = round((mem() - m0) / MiB, 1)
     p_mm = matmul_params(wrapped)
     device = "cpu" if ARGS.smoke else "cuda"
-    sample = plugin.sample_inputs(torch.Generator().manual_seed(0), 0)
+    sample = plugin.preprocessor().example_inputs()
     runs = []
     for batch in batches:
         run = {"batch": batch}

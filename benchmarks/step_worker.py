@@ -75,9 +75,8 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     submodule = spec.module.from_spec(spec, is_first_stage=True, is_last_stage=True)
     batch = encoder_micro_batch_size(run.layout, module.name, args.micro_batch_size)
     microbatches = args.global_batch_size // (args.micro_batch_size * run.layout.language.dp)
-    generator = torch.Generator().manual_seed(args.seed)
-    samples = [plugin.sample_inputs(generator, 0) for _ in range(batch)]
-    inputs = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    sample = plugin.preprocessor().example_inputs()
+    inputs = {key: value.expand(batch, *value.shape).clone() for key, value in sample.items()}
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()

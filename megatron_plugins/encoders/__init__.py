@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import pickle
 from collections.abc import Mapping
 
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -17,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_plugins.encoders.base import (
     EncoderPlugin,
     EncoderPluginError,
+    MediaPreprocessor,
     encoder_config,
     is_replicated,
 )
@@ -28,8 +30,8 @@ BUILTIN = {
 }
 """Built-in provider names and the classes they stand for."""
 
-__all__ = ["BUILTIN", "EncoderPlugin", "EncoderPluginError", "add_encoder_args", "check_hooks",
-           "encoder_config", "instantiate", "resolve"]
+__all__ = ["BUILTIN", "EncoderPlugin", "EncoderPluginError", "MediaPreprocessor",
+           "add_encoder_args", "check_hooks", "encoder_config", "instantiate", "resolve"]
 
 
 def resolve(provider: str, encoder: str) -> type[EncoderPlugin]:
@@ -96,15 +98,39 @@ def check_hooks(plugin: EncoderPlugin, language: TransformerConfig) -> str | Non
         config = plugin.transformer_config(language)
         hook = "encoder_spec"
         spec = plugin.encoder_spec(config, None)
+        hook = "preprocessor"
+        preprocessor = plugin.preprocessor()
     except EncoderPluginError:
         raise
     except Exception as error:  # noqa: BLE001 - a user's plugin may raise anything
         raise _hook_error(flag, type(plugin), hook, error) from None
+    _check_preprocessor(flag, type(plugin), preprocessor)
     if not is_replicated(spec, plugin.grid.tp):
         return None
     return (f"{flag}: {spec.module.__name__} is a plain torch.nn.Module (no sharded_state_dict), "
             f"so each of its {plugin.grid.tp} tp ranks trains a full replica; make it a "
             "MegatronModule with tensor-parallel layers to shard it")
+
+
+def _check_preprocessor(flag: str, plugin: type, preprocessor: object) -> None:
+    """What the loader workers rely on: a MediaPreprocessor of a known media kind that pickles."""
+    # Imported here: the data package imports the encoders, not the other way round.
+    from megatron_plugins.data.media import MEDIA_KINDS
+
+    where = f"{flag}: {plugin.__name__}.preprocessor()"
+    if not isinstance(preprocessor, MediaPreprocessor):
+        raise EncoderPluginError(f"{where} returned {type(preprocessor).__name__}, not a "
+                                 "megatron_plugins.encoders.MediaPreprocessor")
+    media = getattr(preprocessor, "media", None)
+    if media not in MEDIA_KINDS:
+        raise EncoderPluginError(f"{where}: media {media!r} is not one of "
+                                 f"{', '.join(MEDIA_KINDS)}; set the class attribute media")
+    try:
+        pickle.dumps(preprocessor)
+    except Exception as error:  # noqa: BLE001 - pickling raises several types
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise EncoderPluginError(f"{where} cannot be pickled for the loader workers ({message}); "
+                                 "keep plain attributes (numbers, strings, tuples)") from None
 
 
 def add_encoder_args(parser: argparse.ArgumentParser,

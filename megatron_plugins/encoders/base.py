@@ -2,15 +2,16 @@
 
 A plugin declares its flags, builds its Megatron module spec (the encoder network, then a
 projection to the language model's hidden size), says how many language-model positions one
-sample's encoder output fills, and makes one sample's inputs for the mock data. The MiMo builder,
-the data module and the layout checks only talk to this interface.
+sample's encoder output fills, and gives the :class:`MediaPreprocessor` that turns one decoded
+sample's image or audio into the encoder's inputs. The MiMo builder, the data module and the
+layout checks only talk to this interface.
 """
 
 from __future__ import annotations
 
 import abc
 import argparse
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from megatron.core.models.mimo.submodules.base import ModalitySubmodules
@@ -108,6 +109,33 @@ class TensorReplicated(torch.nn.Module):
                                           tp_group=self._tp_group)
 
 
+class MediaPreprocessor(abc.ABC):
+    """Turns one decoded sample's media into the encoder's keyword inputs (data side, runs in
+    loader workers, so it must pickle: keep plain attributes, no tensors or open handles)."""
+
+    media: ClassVar[str]
+    """Which decoded media of a sample it reads: ``"image"`` or ``"audio"``."""
+
+    sample_rate: int | None = None
+    """Audio only: the rate waveforms must have (None: any); synthetic audio is made at it."""
+
+    @abc.abstractmethod
+    def __call__(self, media: Any) -> dict[str, torch.Tensor]:
+        """Keyword inputs of the encoder for one sample, without a batch dimension.
+
+        ``media`` is a uint8 ``[H, W, 3]`` RGB ``numpy.ndarray`` for ``"image"`` and a
+        :class:`megatron_plugins.data.media.Waveform` for ``"audio"``. Raise ``ValueError`` for
+        media it cannot use; the data source reports it with the sample's key.
+        """
+
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        """Its output for noise media of its kind: input shapes without a dataset (benchmarks)."""
+        # Imported here: the data package imports the encoders, not the other way round.
+        from megatron_plugins.data.media import synthetic_media
+
+        return self(synthetic_media(self.media, self.sample_rate))
+
+
 class EncoderPlugin(abc.ABC):
     """One encoder modality of a MiMo model.
 
@@ -145,7 +173,7 @@ class EncoderPlugin(abc.ABC):
     @abc.abstractmethod
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        """The encoder network; called with the inputs of :meth:`sample_inputs`, batched.
+        """The encoder network; called with the inputs of :meth:`preprocessor`, batched.
 
         It returns ``[batch, tokens_per_sample, config.hidden_size]`` (or that flattened to
         ``[batch * tokens_per_sample, hidden]``). ``pg_collection`` is None on ranks that never
@@ -153,11 +181,11 @@ class EncoderPlugin(abc.ABC):
         """
 
     @abc.abstractmethod
-    def sample_inputs(self, generator: torch.Generator, label: int) -> dict[str, torch.Tensor]:
-        """Keyword inputs of the encoder for one mock sample of class ``label``.
+    def preprocessor(self) -> MediaPreprocessor:
+        """What turns one sample's decoded media into this encoder's keyword inputs.
 
-        Draw only from ``generator``: it is seeded from the sample's global index, which is what
-        keeps encoder and language ranks on the same sample under any DP layout.
+        The data stacks its outputs over the encoder's microbatch and calls the encoder's
+        ``forward(**inputs)`` with the same keywords, each tensor gaining a batch dimension.
         """
 
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,

@@ -1,15 +1,20 @@
 """Built-in vision encoder (``--encoder NAME=vit``): Megatron's CLIP-style ViT on images.
 
 Runs on the local spec (CPU simulation, no Transformer Engine) and on the TE spec
-(``--transformer-impl transformer_engine``). Each image of ``--vit-img-size`` pixels is cut into
-``--vit-patch-size`` patches; every patch becomes one language-model position.
+(``--transformer-impl transformer_engine``). Each image is resized and center-cropped to
+``--vit-img-size`` pixels (:class:`ImagePreprocessor`) and cut into ``--vit-patch-size`` patches;
+every patch becomes one language-model position.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
+from PIL import Image
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -18,10 +23,50 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_plugins.encoders.base import (
     EncoderPlugin,
     EncoderPluginError,
+    MediaPreprocessor,
     encoder_config,
     encoder_layer_spec,
     encoder_norm,
 )
+
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+"""CLIP's per-channel pixel statistics (RGB, on [0, 1]): the defaults of the normalization flags."""
+
+
+@dataclass(frozen=True)
+class ImagePreprocessor(MediaPreprocessor):
+    """Resize the shorter side to ``size`` (bicubic), center-crop ``size`` x ``size``, scale to
+    [0, 1] and normalize per channel: CLIP's recipe, so a square crop keeps the aspect ratio."""
+
+    media: ClassVar[str] = "image"
+    size: int
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+
+    def __call__(self, media: np.ndarray) -> dict[str, torch.Tensor]:
+        """uint8 ``[H, W, 3]`` -> ``{"x": float32 [3, size, size]}``."""
+        height, width = media.shape[:2]
+        scale = self.size / min(height, width)
+        new_width = max(self.size, round(width * scale))
+        new_height = max(self.size, round(height * scale))
+        image = Image.fromarray(media).resize((new_width, new_height), Image.Resampling.BICUBIC)
+        left, top = (new_width - self.size) // 2, (new_height - self.size) // 2
+        image = image.crop((left, top, left + self.size, top + self.size))
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+        mean = torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1)
+        return {"x": ((pixels - mean) / std).contiguous()}
+
+
+def _check_channels(flag: str, values: object, positive: bool) -> tuple[float, float, float]:
+    values = tuple(values)
+    if len(values) != 3 or (positive and min(values) <= 0):
+        need = "3 positive values" if positive else "3 values"
+        raise EncoderPluginError(f"{flag} {' '.join(map(str, values))}: give {need}, one per "
+                                 "RGB channel")
+    return values
 
 
 class ViTEncoder(EncoderPlugin):
@@ -36,6 +81,13 @@ class ViTEncoder(EncoderPlugin):
         group.add_argument("--vit-img-size", type=int, default=16,
                            help="Image height and width in pixels.")
         group.add_argument("--vit-patch-size", type=int, default=8)
+        group.add_argument("--vit-image-mean", type=float, nargs=3, default=CLIP_MEAN,
+                           metavar=("R", "G", "B"),
+                           help="Per-channel pixel mean (on [0, 1]) subtracted before the ViT; "
+                                "default CLIP's.")
+        group.add_argument("--vit-image-std", type=float, nargs=3, default=CLIP_STD,
+                           metavar=("R", "G", "B"),
+                           help="Per-channel pixel std (on [0, 1]) divided by; default CLIP's.")
 
     def __init__(self, name, args, grid) -> None:
         super().__init__(name, args, grid)
@@ -44,6 +96,8 @@ class ViTEncoder(EncoderPlugin):
                 f"--vit-patch-size {args.vit_patch_size} does not divide --vit-img-size "
                 f"{args.vit_img_size}; choose a patch size that tiles the image"
             )
+        self.image_mean = _check_channels("--vit-image-mean", args.vit_image_mean, positive=False)
+        self.image_std = _check_channels("--vit-image-std", args.vit_image_std, positive=True)
 
     @property
     def num_attention_heads(self) -> int:
@@ -72,9 +126,5 @@ class ViTEncoder(EncoderPlugin):
             },
         )
 
-    def sample_inputs(self, generator: torch.Generator, label: int) -> dict[str, torch.Tensor]:
-        """A class-dependent pattern (a bright band whose row is the label) plus pixel noise."""
-        size = self.args.vit_img_size
-        image = 0.1 * torch.randn(3, size, size, generator=generator)
-        image[:, label % size, :] += 1.0
-        return {"x": image}
+    def preprocessor(self) -> ImagePreprocessor:
+        return ImagePreprocessor(self.args.vit_img_size, self.image_mean, self.image_std)

@@ -27,7 +27,7 @@ def _plugin(cls: str, tp: int = 1):
 
 @pytest.mark.parametrize("cls, message", [
     ("LeftAbstract", f"--encoder sensors={PATH}:LeftAbstract: {PATH}:LeftAbstract is abstract; "
-                     "implement encoder_spec, sample_inputs"),
+                     "implement encoder_spec, preprocessor"),
     ("RaisesInInit", f"--encoder sensors={PATH}:RaisesInInit: RaisesInInit.__init__ raised "
                      "KeyError: 'sensor_calibration'"),
 ])
@@ -42,6 +42,30 @@ def test_a_hook_raising_at_build_time_is_one_line():
         check_hooks(_plugin("RaisesInSpec"), LANGUAGE)
     assert str(error.value) == (f"--encoder sensors={PATH}:RaisesInSpec: RaisesInSpec.encoder_spec "
                                 "raised RuntimeError: weights file /data/enc.pt not found")
+
+
+@pytest.mark.parametrize("cls, problem", [
+    ("RaisesInPreprocessor", "RaisesInPreprocessor.preprocessor raised FileNotFoundError: "
+                             "tokenizer.json"),
+    ("ReturnsAFunction", "ReturnsAFunction.preprocessor() returned function, not a "
+                         "megatron_plugins.encoders.MediaPreprocessor"),
+    ("ReadsVideo", "ReadsVideo.preprocessor(): media 'video' is not one of image, audio; set the "
+                   "class attribute media"),
+])
+def test_an_unusable_preprocessor_is_one_line(cls, problem):
+    with pytest.raises(EncoderPluginError) as error:
+        check_hooks(_plugin(cls), LANGUAGE)
+    assert str(error.value) == f"--encoder sensors={PATH}:{cls}: {problem}"
+
+
+def test_a_preprocessor_the_loader_workers_cannot_receive_is_one_line():
+    with pytest.raises(EncoderPluginError) as error:
+        check_hooks(_plugin("HoldsALambda"), LANGUAGE)
+    message = str(error.value)
+    assert message.startswith(f"--encoder sensors={PATH}:HoldsALambda: HoldsALambda.preprocessor() "
+                              "cannot be pickled for the loader workers (")
+    assert message.endswith("keep plain attributes (numbers, strings, tuples)")
+    assert "\n" not in message
 
 
 def test_a_plain_module_is_replicated_only_at_tp_above_one():

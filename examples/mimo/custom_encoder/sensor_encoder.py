@@ -1,6 +1,8 @@
 """A user-defined encoder in its own file: sensor readings -> one LM token per window.
 
-Nothing in megatron_plugins changes to use it. Put this folder on PYTHONPATH and launch with
+A sensor trace is a 1-D signal, so it is stored as a sample's audio (a WAV) and read as a
+``Waveform``. Nothing in megatron_plugins changes to use it. Put this folder on PYTHONPATH and
+launch with
 
     PYTHONPATH=examples/mimo/custom_encoder torchrun --nproc-per-node 3 \\
         examples/mimo/pretrain_mimo.py --cpu-simulation \\
@@ -11,6 +13,8 @@ Nothing in megatron_plugins changes to use it. Put this folder on PYTHONPATH and
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -18,7 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.encoders import EncoderPlugin, encoder_config
+from megatron_plugins.data.media import Waveform
+from megatron_plugins.encoders import EncoderPlugin, MediaPreprocessor, encoder_config
 
 
 class WindowMLP(MegatronModule):
@@ -33,6 +38,21 @@ class WindowMLP(MegatronModule):
 
     def forward(self, readings: torch.Tensor) -> torch.Tensor:
         return self.mlp(readings)
+
+
+@dataclass(frozen=True)
+class SensorWindows(MediaPreprocessor):
+    """The first ``windows * width`` readings (zeros after the end), as ``[windows, width]``."""
+
+    media: ClassVar[str] = "audio"
+    windows: int
+    width: int
+
+    def __call__(self, media: Waveform) -> dict[str, torch.Tensor]:
+        readings = torch.zeros(self.windows * self.width)
+        trace = torch.as_tensor(media.samples[:readings.numel()], dtype=torch.float32)
+        readings[:trace.numel()] = trace
+        return {"readings": readings.view(self.windows, self.width)}
 
 
 class SensorEncoder(EncoderPlugin):
@@ -63,9 +83,5 @@ class SensorEncoder(EncoderPlugin):
         return ModuleSpec(module=WindowMLP,
                           params={"config": config, "width": self.args.sensor_window_width})
 
-    def sample_inputs(self, generator: torch.Generator, label: int) -> dict[str, torch.Tensor]:
-        """A sine whose frequency is the class, sampled with noise."""
-        steps = self.args.sensor_windows * self.args.sensor_window_width
-        t = torch.arange(steps, dtype=torch.float32) / steps
-        signal = torch.sin(2 * torch.pi * (label + 1) * t) + 0.1 * torch.randn(steps, generator=generator)
-        return {"readings": signal.view(self.args.sensor_windows, self.args.sensor_window_width)}
+    def preprocessor(self) -> SensorWindows:
+        return SensorWindows(self.args.sensor_windows, self.args.sensor_window_width)

@@ -1,0 +1,119 @@
+"""Media bytes <-> decoded media: the one place that reads and writes images and WAV audio.
+
+Decoded kinds (the contract with the data sources and the encoders' preprocessors): ``"image"`` is
+a ``numpy.ndarray`` uint8 ``[H, W, 3]`` RGB; ``"audio"`` is a :class:`Waveform`. The dataset tools
+write with the same module that the loader reads with, so a round trip is exact by construction.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+MEDIA_KINDS = ("image", "audio")
+"""The decoded media kinds a sample can carry and a preprocessor can read."""
+
+
+class BadSampleError(RuntimeError):
+    """A sample that cannot be used mid-run; the message names the sample key and the field."""
+
+    def __init__(self, key: str, field: str, problem: str) -> None:
+        super().__init__(f"sample {key!r}: field {field!r} {problem}")
+        self.key = key
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Waveform:
+    """Mono audio: ``samples`` float32 ``[T]`` in [-1, 1] at ``sample_rate`` Hz."""
+
+    samples: np.ndarray
+    sample_rate: int
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def decode_image(data: bytes, key: str, field: str = "image") -> np.ndarray:
+    """Any image PIL reads -> uint8 ``[H, W, 3]`` RGB (grey, palette and alpha images converted)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except Exception as error:  # noqa: BLE001 - PIL raises many types for corrupt files
+        raise BadSampleError(key, field,
+                             f"does not decode as an image ({_first_line(error)})") from error
+
+
+_PCM_DTYPES = {1: (np.uint8, 128.0, 128.0), 2: (np.dtype("<i2"), 0.0, 32768.0),
+               4: (np.dtype("<i4"), 0.0, 2147483648.0)}
+"""WAV sample width in bytes -> (stored dtype, offset, scale): 8-bit PCM is unsigned."""
+
+
+def decode_audio(data: bytes, key: str, field: str = "audio") -> Waveform:
+    """8/16/32-bit PCM WAV -> mono :class:`Waveform`; channels are averaged."""
+    try:
+        with wave.open(io.BytesIO(data), "rb") as reader:
+            width, channels = reader.getsampwidth(), reader.getnchannels()
+            rate, frames = reader.getframerate(), reader.readframes(reader.getnframes())
+    except Exception as error:  # noqa: BLE001 - wave raises wave.Error, EOFError, struct.error
+        raise BadSampleError(key, field,
+                             f"does not decode as WAV audio ({_first_line(error)})") from error
+    if width not in _PCM_DTYPES:
+        raise BadSampleError(key, field, f"is {8 * width}-bit WAV; only 8, 16 and 32-bit PCM "
+                                         "are read")
+    if len(frames) % (width * channels):
+        raise BadSampleError(key, field, "is truncated WAV audio (it ends inside a frame)")
+    dtype, offset, scale = _PCM_DTYPES[width]
+    pcm = np.frombuffer(frames, dtype=dtype)
+    samples = ((pcm.astype(np.float64) - offset) / scale).reshape(-1, channels).mean(axis=1)
+    return Waveform(samples.astype(np.float32), rate)
+
+
+def _encode_image(image: np.ndarray, **save: object) -> bytes:
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"expected a uint8 [H, W, 3] RGB image, got {image.dtype} "
+                         f"{list(image.shape)}")
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, **save)
+    return buffer.getvalue()
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """uint8 ``[H, W, 3]`` RGB -> PNG bytes (lossless)."""
+    return _encode_image(image, format="PNG")
+
+
+def encode_jpeg(image: np.ndarray, quality: int = 90) -> bytes:
+    """uint8 ``[H, W, 3]`` RGB -> JPEG bytes (lossy; smaller shards for photos)."""
+    return _encode_image(image, format="JPEG", quality=quality)
+
+
+def encode_wav(waveform: Waveform) -> bytes:
+    """Mono :class:`Waveform` -> 16-bit PCM WAV bytes (full scale 32768, as :func:`decode_audio`
+    reads it; 1.0 clips to 32767)."""
+    pcm = np.clip(np.round(waveform.samples * 32768.0), -32768, 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(waveform.sample_rate)
+        writer.writeframes(pcm.tobytes())
+    return buffer.getvalue()
+
+
+def synthetic_media(kind: str, sample_rate: int | None = None,
+                    seed: int = 0) -> np.ndarray | Waveform:
+    """Noise media of ``kind``: a 96 x 128 image or one second of audio (16 kHz unless
+    ``sample_rate`` says), for shape-only uses (benchmarks) where no dataset is at hand."""
+    rng = np.random.default_rng(seed)
+    sample_rate = sample_rate or 16000
+    if kind == "image":
+        return rng.integers(0, 256, size=(96, 128, 3), dtype=np.uint8)
+    if kind == "audio":
+        return Waveform(rng.uniform(-0.5, 0.5, sample_rate).astype(np.float32), sample_rate)
+    raise ValueError(f"unknown media kind {kind!r}; expected one of {', '.join(MEDIA_KINDS)}")

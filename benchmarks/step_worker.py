@@ -51,7 +51,7 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     from megatron.training.global_vars import set_global_variables
 
     from megatron_plugins import megatron_compat
-    from megatron_plugins.data import encoder_micro_batch_size
+    from megatron_plugins.layout import encoder_micro_batch_size
     from megatron_plugins.language import language_config_from_args
     from megatron_plugins.launch import parse_mimo_args
     from megatron_plugins.topology import _collection, _grid, groups_of

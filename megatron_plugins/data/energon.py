@@ -89,12 +89,12 @@ class _EncoderInputs:
         kind = self.preprocessor.media
         data = getattr(sample, kind, None)
         if not data:
-            raise BadSampleError(f"sample {sample.__key__!r}: no {kind!r} media")
+            raise BadSampleError(sample.__key__, kind, "is missing or empty")
         media = DECODERS[kind](data, sample.__key__, kind)
         try:
             return self.preprocessor(media)
         except ValueError as error:
-            raise BadSampleError(f"sample {sample.__key__!r}: field {kind!r}: {error}") from None
+            raise BadSampleError(sample.__key__, kind, f"cannot be preprocessed: {error}") from None
 
 
 class RankSliceEncoder(DefaultTaskEncoder):

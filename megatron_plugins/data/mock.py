@@ -31,7 +31,7 @@ IMAGE_SIZE = 32
 
 AUDIO_RATE = 16000
 AUDIO_SAMPLES = 1600
-"""Mock audio: 0.1 s at 16 kHz, a tone of ``400 x (class + 1)`` Hz in noise."""
+"""Mock audio: 1600 samples (0.1 s at 16 kHz), a tone of ``400 x (class + 1)`` Hz in noise."""
 
 
 def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:
@@ -44,7 +44,7 @@ def _generator(seed: int, split: str, index: int, stream: int) -> torch.Generato
     return torch.Generator().manual_seed(int(entropy.generate_state(1, np.uint64)[0] >> 1))
 
 
-def mock_image(generator: torch.Generator, label: int) -> np.ndarray:
+def mock_image(generator: torch.Generator, label: int, rate: int | None = None) -> np.ndarray:
     """A dim noisy RGB image with a bright horizontal band whose row is the class."""
     pixels = 40 + 20 * torch.rand(IMAGE_SIZE, IMAGE_SIZE, 3, generator=generator)
     band = (label % NUM_CLASSES) * (IMAGE_SIZE // NUM_CLASSES)
@@ -52,12 +52,13 @@ def mock_image(generator: torch.Generator, label: int) -> np.ndarray:
     return pixels.clamp(0, 255).to(torch.uint8).numpy()
 
 
-def mock_audio(generator: torch.Generator, label: int) -> Waveform:
-    """A tone whose pitch is the class, in noise."""
-    t = torch.arange(AUDIO_SAMPLES, dtype=torch.float64) / AUDIO_RATE
+def mock_audio(generator: torch.Generator, label: int, rate: int | None = None) -> Waveform:
+    """A tone whose pitch is the class, in noise, at the rate the encoder expects."""
+    rate = rate or AUDIO_RATE
+    t = torch.arange(AUDIO_SAMPLES, dtype=torch.float64) / rate
     tone = 0.5 * torch.sin(2 * torch.pi * 400 * (label + 1) * t)
     noise = 0.05 * torch.randn(AUDIO_SAMPLES, generator=generator, dtype=torch.float64)
-    return Waveform((tone + noise).float().numpy(), AUDIO_RATE)
+    return Waveform((tone + noise).float().numpy(), rate)
 
 
 MOCK_MEDIA = {"image": mock_image, "audio": mock_audio}
@@ -143,8 +144,9 @@ class MockSource:
     def media(self, name: str, split: str, index: int) -> object:
         """One encoder's decoded media for one sample (encoder ranks)."""
         stream = 2 + list(self.plugins).index(name)
-        kind = MOCK_MEDIA[self.plugins[name].preprocessor().media]
-        return kind(_generator(self.seed, split, index, stream), self.label(split, index))
+        preprocessor = self.plugins[name].preprocessor()
+        return MOCK_MEDIA[preprocessor.media](_generator(self.seed, split, index, stream),
+                                              self.label(split, index), preprocessor.sample_rate)
 
     def open(self, split: str, rank_slice: RankSlice, start: int,
              resume: Path | None = None) -> Iterator[Microbatch]:

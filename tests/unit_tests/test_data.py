@@ -130,8 +130,8 @@ def test_guard_sums_vanish_when_aligned_and_not_when_a_sample_moves(encoder_dp, 
     keys_of = {rank: [next(stream)[0] for _ in range(3)] for rank, stream in streams.items()}
     total, _ = _guard_sums(layout, keys_of)
     assert total.shape == (2 * language_dp,) and not total.any()
-    swapped = {**keys_of, ("vision", 0): [list(reversed(k)) for k in keys_of[("vision", 0)]]}
-    total, _ = _guard_sums(layout, swapped)
+    late = keys_of[("vision", 0)]  # one microbatch late: every key lands in the wrong step slot
+    total, _ = _guard_sums(layout, {**keys_of, ("vision", 0): late[1:] + late[:1]})
     assert total[:language_dp].any() and not total[language_dp:].any()  # vision only
 
 

@@ -1,0 +1,1 @@
+"""Data sources (lead's package)."""

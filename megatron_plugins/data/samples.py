@@ -1,0 +1,87 @@
+"""Energon sample types and sample loaders for the datasets ``tools.make_energon_dataset`` writes.
+
+Training reads these datasets with Energon's decoder off, so media parts stay raw bytes until the
+rank that needs them decodes them; the loaders here turn the text parts (``txt`` / ``json``) into
+``str`` themselves, which Energon's ``field_map`` cannot do for undecoded parts. A dataset's
+``.nv-meta/sample_loader.py`` imports one of them (see ``LOADERS``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from megatron.energon import Sample
+from megatron.energon.edataclass import edataclass
+
+#: Tar part extensions an image may be stored under (the source file's own encoding is kept).
+IMAGE_PARTS = ("jpg", "png")
+#: Tar part extension of audio.
+AUDIO_PART = "wav"
+
+
+@edataclass
+class AudioTranscriptSample(Sample):
+    """Speech (or any sound) and the text it should be transcribed to."""
+
+    #: The WAV file's bytes, undecoded.
+    audio: bytes
+    #: The transcript.
+    transcript: str
+
+
+@edataclass
+class ImageAudioCaptionSample(Sample):
+    """An image and a sound described together by one caption."""
+
+    #: The image file's bytes (PNG or JPEG), undecoded.
+    image: bytes
+    #: The WAV file's bytes, undecoded.
+    audio: bytes
+    #: The caption naming what is seen and heard.
+    caption: str
+
+
+def _text(part: bytes | str) -> str:
+    """A ``txt`` part as ``str``, whether Energon's decoder already decoded it or not."""
+    return part.decode("utf-8") if isinstance(part, bytes) else part
+
+
+def _json(part: bytes | dict) -> dict:
+    """A ``json`` part as a dict, whether Energon's decoder already parsed it or not."""
+    return json.loads(part) if isinstance(part, bytes) else part
+
+
+def _image(raw: dict[str, Any]) -> Any:
+    """The sample's image part, whichever of the image extensions it was stored under."""
+    return next(raw[part] for part in IMAGE_PARTS if part in raw)
+
+
+def load_caption(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fields of Energon's ``CaptioningSample`` from an image part and a ``txt`` caption."""
+    return dict(image=_image(raw), caption=_text(raw["txt"]))
+
+
+def load_vqa(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fields of Energon's ``VQASample`` from an image part and a ``json`` {question, answer}."""
+    qa = _json(raw["json"])
+    return dict(image=_image(raw), context=qa["question"], answers=[qa["answer"]])
+
+
+def load_transcript(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fields of ``AudioTranscriptSample`` from a ``wav`` part and a ``txt`` transcript."""
+    return dict(audio=raw[AUDIO_PART], transcript=_text(raw["txt"]))
+
+
+def load_image_audio_caption(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fields of ``ImageAudioCaptionSample`` from image, ``wav`` and ``txt`` parts."""
+    return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw["txt"]))
+
+
+#: The loader for each dataset kind of ``tools.make_energon_dataset``.
+LOADERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "caption": load_caption,
+    "vqa": load_vqa,
+    "transcript": load_transcript,
+    "image_audio_caption": load_image_audio_caption,
+}

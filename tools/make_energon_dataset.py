@@ -1,0 +1,360 @@
+"""Turn media files on disk plus an annotation file into a prepared Energon dataset.
+
+    python -m tools.make_energon_dataset --input DIR --annotations FILE.jsonl|FILE.csv \\
+        --kind caption|vqa|transcript|image_audio_caption --output DIR \\
+        [--samples-per-shard N] [--split 90,5,5] [--seed S] [--quiet]
+
+One annotation record per sample; media paths are relative to ``--input``:
+
+* caption: ``image``, ``caption``        * vqa: ``image``, ``question``, ``answer``
+* transcript: ``audio``, ``transcript``  * image_audio_caption: ``image``, ``audio``, ``caption``
+
+A record's ``key`` field names the sample (else its zero-padded index). Samples are split into
+train/val/test by ``--split`` (seeded shuffle, so every split gets its share however few shards
+there are) and written as WebDataset shards ``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png``
+(the source bytes), ``<key>.wav``, and the text as ``<key>.txt`` (one text field) or ``<key>.json``
+(VQA's question and answer). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then
+written as ``energon prepare`` writes it. Everything is checked (annotations, media files, that each
+image and WAV decodes) before the output folder appears: a problem is one line naming the record's
+line and the field or file, exit code 2, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import megatron.energon
+import yaml
+from megatron.energon import CaptioningSample, Sample, VQASample
+from megatron.energon.flavors import BaseWebdatasetFactory
+from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
+from PIL import Image
+from tqdm import tqdm
+from webdataset import ShardWriter
+
+from megatron_plugins.data.samples import (
+    AUDIO_PART,
+    LOADERS,
+    AudioTranscriptSample,
+    ImageAudioCaptionSample,
+)
+from megatron_plugins.errors import UsageError, report
+
+PROG = "make_energon_dataset"
+SPLITS = ("train", "val", "test")
+MEDIA_SUFFIXES: dict[str, dict[str, str]] = {
+    "image": {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"},
+    "audio": {".wav": AUDIO_PART},
+}
+"""Media files accepted per column, and the tar part each is stored as (bytes kept as they are)."""
+KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+"""Sample keys WebDataset can split from the part name (no dots, no slashes)."""
+
+
+class DatasetError(UsageError):
+    """An input the dataset cannot be made from; one line names the flag, record or file."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What one kind of dataset reads from each annotation record, and its sample type."""
+
+    media: tuple[str, ...]
+    """Columns holding a media path: ``image`` and/or ``audio``."""
+    text: tuple[str, ...]
+    """Columns holding text: one is stored as ``txt``, several as one ``json`` object."""
+    sample_type: type[Sample]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.media + self.text
+
+    @property
+    def text_part(self) -> str:
+        return "txt" if len(self.text) == 1 else "json"
+
+    @property
+    def parts(self) -> list[str]:
+        """Every tar part this kind's samples may hold (Energon's part filter)."""
+        media = [dict.fromkeys(MEDIA_SUFFIXES[column].values()) for column in self.media]
+        return [part for parts in media for part in parts] + [self.text_part]
+
+
+KINDS: dict[str, Kind] = {
+    "caption": Kind(("image",), ("caption",), CaptioningSample),
+    "vqa": Kind(("image",), ("question", "answer"), VQASample),
+    "transcript": Kind(("audio",), ("transcript",), AudioTranscriptSample),
+    "image_audio_caption": Kind(("image", "audio"), ("caption",), ImageAudioCaptionSample),
+}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One annotation record, resolved: where it was (file and line, for messages), its key,
+    media paths and text."""
+
+    where: str
+    key: str
+    media: dict[str, Path]
+    text: dict[str, str]
+
+
+def _read_rows(annotations: Path, kind: Kind) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of every record in a .jsonl or .csv file, all columns present."""
+    if not annotations.is_file():
+        raise DatasetError(f"--annotations {annotations}: no such file")
+    need = ", ".join(kind.columns)
+    rows: list[tuple[int, dict[str, Any]]] = []
+    if annotations.suffix == ".jsonl":
+        with annotations.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    where = f"{annotations} line {line_no}"
+                    raise DatasetError(f"{where}: not JSON ({error})") from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{annotations} line {line_no}: not a JSON object")
+                rows.append((line_no, row))
+    elif annotations.suffix == ".csv":
+        with annotations.open(encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in kind.columns if c not in (reader.fieldnames or [])]
+            if missing:
+                raise DatasetError(
+                    f"{annotations} line 1: no {missing[0]!r} column; the header needs {need}"
+                )
+            rows = [(reader.line_num, row) for row in reader]
+    else:
+        raise DatasetError(f"--annotations {annotations}: must end in .jsonl or .csv")
+    if not rows:
+        raise DatasetError(f"--annotations {annotations}: no records")
+    for line_no, row in rows:
+        for column in kind.columns:
+            value = row.get(column)
+            if not isinstance(value, str) or not value:
+                problem = "no" if value is None else "an empty or non-text"
+                raise DatasetError(
+                    f"{annotations} line {line_no}: {problem} {column!r} field; "
+                    f"each record needs {need}"
+                )
+    return rows
+
+
+def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]:
+    """The annotation records with keys and media paths checked (media not yet decoded)."""
+    if not input_dir.is_dir():
+        raise DatasetError(f"--input {input_dir}: no such folder")
+    rows = _read_rows(annotations, kind)
+    width = max(6, len(str(len(rows) - 1)))
+    records: list[Record] = []
+    seen: dict[str, int] = {}
+    for index, (line_no, row) in enumerate(rows):
+        where = f"{annotations} line {line_no}"
+        key = str(row["key"]) if row.get("key") not in (None, "") else f"{index:0{width}d}"
+        if not KEY_RE.fullmatch(key):
+            raise DatasetError(f"{where}: key {key!r} may hold only letters, digits, _ and -")
+        if key in seen:
+            raise DatasetError(f"{where}: key {key!r} is already used on line {seen[key]}")
+        seen[key] = line_no
+        media: dict[str, Path] = {}
+        for column in kind.media:
+            path = input_dir / row[column]
+            suffixes = MEDIA_SUFFIXES[column]
+            if path.suffix.lower() not in suffixes:
+                raise DatasetError(
+                    f"{where}: {column} {path} must be a {', '.join(suffixes)} file"
+                )
+            if not path.is_file():
+                raise DatasetError(f"{where}: {column} file {path} does not exist")
+            media[column] = path
+        records.append(Record(where, key, media, {c: row[c] for c in kind.text}))
+    return records
+
+
+def _check_media(data: bytes, column: str, where: str) -> None:
+    """Decode one media file as training will, so a broken file fails here and not mid-run."""
+    try:
+        if column == "image":
+            with Image.open(io.BytesIO(data)) as image:
+                image.convert("RGB")
+        else:
+            with wave.open(io.BytesIO(data)) as audio:
+                audio.readframes(audio.getnframes())
+    except (OSError, EOFError, wave.Error) as error:
+        raise DatasetError(f"{where} does not decode as {column}: {error}") from None
+
+
+def _parts(record: Record, kind: Kind) -> dict[str, bytes | str]:
+    """The tar parts of one sample: media bytes as they are on disk (checked), and the text."""
+    parts: dict[str, bytes | str] = {"__key__": record.key}
+    for column, path in record.media.items():
+        data = path.read_bytes()
+        _check_media(data, column, f"{record.where}: {column} file {path}")
+        parts[MEDIA_SUFFIXES[column][path.suffix.lower()]] = data
+    text = (
+        record.text[kind.text[0]] if kind.text_part == "txt"
+        else json.dumps(record.text, ensure_ascii=False)
+    )
+    parts[kind.text_part] = text.encode("utf-8")
+    return parts
+
+
+def split_records(
+    records: Sequence[Record], split: Sequence[float], seed: int
+) -> dict[str, list[Record]]:
+    """Assign records to train/val/test in the ``split`` ratio by a seeded shuffle (each split in
+    annotation order); a split with a share must get at least one record."""
+    label = ",".join(f"{share:g}" for share in split)
+    if len(split) != 3 or any(share < 0 for share in split) or split[0] <= 0:
+        raise DatasetError(
+            f"--split {label}: give three shares train,val,test with train > 0, e.g. 90,5,5"
+        )
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    total = sum(split)
+    counts = [int(len(records) * share / total) for share in split[1:]]
+    bounds = {"val": (0, counts[0]), "test": (counts[0], counts[0] + counts[1]),
+              "train": (counts[0] + counts[1], len(records))}
+    assigned: dict[str, list[Record]] = {}
+    for name, share in zip(SPLITS, split):
+        start, end = bounds[name]
+        if share > 0 and end == start:
+            raise DatasetError(
+                f"--split {label} leaves the {name} split empty with {len(records)} samples; "
+                f"give it a larger share or add samples"
+            )
+        if end > start:
+            assigned[name] = [records[i] for i in sorted(order[start:end])]
+    return assigned
+
+
+def _dataset_yaml(kind_name: str) -> dict[str, Any]:
+    """``.nv-meta/dataset.yaml``: the sample type, loaded by ``sample_loader.py`` (text as str,
+    media as raw bytes whether Energon's decoder is on or off) from this kind's parts."""
+    sample_type = KINDS[kind_name].sample_type
+    exported = getattr(megatron.energon, sample_type.__name__, None) is sample_type
+    module = "megatron.energon" if exported else sample_type.__module__
+    return {
+        "sample_type": {"__module__": module, "__class__": sample_type.__name__},
+        "sample_loader": "sample_loader.py:sample_loader",
+        "part_filter": KINDS[kind_name].parts,
+    }
+
+
+def _write_meta(root: Path, kind_name: str, splits: dict[str, list[Record]]) -> None:
+    """Index the shards and write split.yaml as ``energon prepare`` does, then dataset.yaml and
+    the sample loader it names."""
+    tars = sorted(str(p.relative_to(root)) for p in root.glob("*/*.tar"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        BaseWebdatasetFactory.prepare_dataset(
+            root,
+            tars,
+            split_parts_patterns=[(name, rf"{name}/.*\.tar") for name in splits],
+            workers=min(len(tars), os.cpu_count() or 1),
+        )
+    meta = root / MAIN_FOLDER_NAME
+    (meta / "dataset.yaml").write_text(yaml.safe_dump(_dataset_yaml(kind_name), sort_keys=False))
+    loader = LOADERS[kind_name]
+    (meta / "sample_loader.py").write_text(
+        f'"""Written by tools.make_energon_dataset: text parts as str, media as raw bytes."""\n'
+        f"from {loader.__module__} import {loader.__name__} as sample_loader  # noqa: F401\n"
+    )
+
+
+def make_dataset(
+    input_dir: Path,
+    annotations: Path,
+    kind: str,
+    output: Path,
+    *,
+    samples_per_shard: int = 1000,
+    split: Sequence[float] = (90, 5, 5),
+    seed: int = 0,
+    quiet: bool = False,
+) -> Path:
+    """Write the prepared Energon dataset to ``output`` (which must not exist) and return it."""
+    input_dir, annotations, output = Path(input_dir), Path(annotations), Path(output)
+    if kind not in KINDS:
+        raise DatasetError(f"--kind {kind}: choose one of {', '.join(KINDS)}")
+    if samples_per_shard < 1:
+        raise DatasetError(f"--samples-per-shard {samples_per_shard}: must be at least 1")
+    if output.exists():
+        raise DatasetError(f"--output {output} already exists; give a new folder")
+    records = read_records(input_dir, annotations, KINDS[kind])
+    splits = split_records(records, split, seed)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        bar = tqdm(total=len(records), unit="sample", desc=PROG,
+                   disable=quiet or not sys.stderr.isatty())
+        with bar:
+            for name, members in splits.items():
+                (staging / name).mkdir()
+                pattern = str(staging / name / "shard-%06d.tar")
+                writer = ShardWriter(pattern, maxcount=samples_per_shard, verbose=0, encoder=False)
+                with writer as sink:
+                    for record in members:
+                        sink.write(_parts(record, KINDS[kind]))
+                        bar.update()
+        _write_meta(staging, kind, splits)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _split_flag(value: str) -> list[float]:
+    try:
+        return [float(share) for share in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give three shares train,val,test, e.g. 90,5,5"
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry; a usage problem is one ``make_energon_dataset: error:`` line, exit 2."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--input", type=Path, required=True,
+                        help="folder the media paths are relative to")
+    parser.add_argument("--annotations", type=Path, required=True,
+                        help=".jsonl or .csv, one record per sample")
+    parser.add_argument("--kind", required=True, choices=list(KINDS))
+    parser.add_argument("--output", type=Path, required=True, help="new folder for the dataset")
+    parser.add_argument("--samples-per-shard", type=int, default=1000)
+    parser.add_argument("--split", type=_split_flag, default=[90.0, 5.0, 5.0],
+                        help="train,val,test shares")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val/test assignment")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        path = make_dataset(args.input, args.annotations, args.kind, args.output,
+                            samples_per_shard=args.samples_per_shard, split=args.split,
+                            seed=args.seed, quiet=args.quiet)
+    except UsageError as error:
+        return report(PROG, error)
+    if not args.quiet:
+        print(f"{PROG}: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

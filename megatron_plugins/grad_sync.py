@@ -108,8 +108,8 @@ class CrossGridGradSync:
             module.scale_gradients(scaling)
 
 
-def install_grad_sync(model: MimoModel,
-                      module_pgs: Mapping[str, ProcessGroupCollection]) -> CrossGridGradSync:
+def install_grad_sync(model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],
+                      guard: AlignmentGuard | None = None) -> CrossGridGradSync:
     """Point the model config's finalize/no-sync hooks at a :class:`CrossGridGradSync`.
 
     Stock ``train()`` keeps a finalize function already set on the config; its own no-sync

@@ -23,6 +23,7 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator,
 )
+from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args, validate_args
@@ -239,6 +240,11 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
             validate_args(args)
         except AssertionError as error:
             raise FlagError(f"stock Megatron argument check failed: {error}") from None
+    if args.data_path and args.padded_vocab_size is None:
+        # Stock pads the tokenizer's vocabulary only when it builds it, after the language
+        # config below is first needed; the same function gives the same size now.
+        args.padded_vocab_size = vocab_size_with_padding(source.tokenizer.vocab_size, args,
+                                                         logging_enabled=False)
     # The cross-grid schedule requires variable sequence lengths, which Megatron's allgather MoE
     # dispatcher (the stock default) does not support.
     args.variable_seq_lengths = True

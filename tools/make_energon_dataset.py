@@ -32,7 +32,6 @@ import re
 import shutil
 import sys
 import tempfile
-import wave
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,10 +41,10 @@ import yaml
 from megatron.energon import CaptioningSample, Sample, VQASample
 from megatron.energon.flavors import BaseWebdatasetFactory
 from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
-from PIL import Image
 from tqdm import tqdm
 from webdataset import ShardWriter
 
+from megatron_plugins.data.media import DECODERS, BadSampleError
 from megatron_plugins.data.samples import (
     AUDIO_PART,
     LOADERS,
@@ -189,15 +188,10 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
 
 
 def _check_media(data: bytes, column: str, where: str) -> None:
-    """Decode one media file as training will, so a broken file fails here and not mid-run."""
+    """Decode one media file exactly as training will, so a broken file fails here, not mid-run."""
     try:
-        if column == "image":
-            with Image.open(io.BytesIO(data)) as image:
-                image.convert("RGB")
-        else:
-            with wave.open(io.BytesIO(data)) as audio:
-                audio.readframes(audio.getnframes())
-    except (OSError, EOFError, wave.Error) as error:
+        DECODERS[column](data, where, column)
+    except BadSampleError as error:
         raise DatasetError(f"{where} does not decode as {column}: {error}") from None
 
 

@@ -16,16 +16,14 @@ trains a tokenizer on the texts into ``DIR/tokenizer``.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
-import wave
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
+from megatron_plugins.data.media import Waveform, encode_png, encode_wav
 from megatron_plugins.errors import UsageError, report
 from tools.make_energon_dataset import KINDS, DatasetError, make_dataset
 
@@ -45,24 +43,6 @@ TONE_SECONDS = 0.25
 QUESTIONS = {"colour": "what colour is the shape ?", "shape": "what shape is it ?"}
 ANNOTATIONS = "annotations.jsonl"
 FOLDERS = {"image": "images", "audio": "audio"}
-
-
-def _png_bytes(pixels: np.ndarray) -> bytes:
-    """PNG file bytes of a uint8 [H, W, 3] RGB image."""
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
-    """16-bit mono WAV file bytes of float samples in [-1, 1]."""
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(sample_rate)
-        wav.writeframes((np.clip(samples, -1.0, 1.0) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 def draw_shape(colour: str, shape: str, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -98,12 +78,12 @@ def _sample(index: int, kind: str, image_size: int, rng: np.random.Generator,
         colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
         record["image"] = f"{FOLDERS['image']}/{name}.png"
         pixels = draw_shape(colour, shape, image_size, rng)
-        (output / record["image"]).write_bytes(_png_bytes(pixels))
+        (output / record["image"]).write_bytes(encode_png(pixels))
         seen = f"a {colour} {shape}"
     if "audio" in KINDS[kind].media:
         pitch = str(rng.choice(list(TONES)))
         record["audio"] = f"{FOLDERS['audio']}/{name}.wav"
-        (output / record["audio"]).write_bytes(_wav_bytes(play_tone(pitch, rng), SAMPLE_RATE))
+        (output / record["audio"]).write_bytes(encode_wav(Waveform(play_tone(pitch, rng), SAMPLE_RATE)))
         heard = f"a {pitch} tone"
     if kind == "caption":
         record["caption"] = f"{seen} on a black background"

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import yaml
+from braceexpand import braceexpand
 from megatron.energon import (
     DefaultTaskEncoder,
     WorkerConfig,
@@ -32,7 +33,7 @@ from megatron.energon import (
 )
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.media import BadSampleError, decode_audio, decode_image
+from megatron_plugins.data.media import DECODERS, BadSampleError
 from megatron_plugins.data.streams import Microbatch, collate, data_state_path
 from megatron_plugins.data.text import PromptTokenizer, SampleText, special_tokens_flag
 from megatron_plugins.encoders import EncoderPlugin
@@ -54,8 +55,6 @@ SAMPLE_KINDS: dict[str, tuple[tuple[str, ...], Any]] = {
     "ImageAudioCaptionSample": (("image", "audio"), lambda s: SampleText("", s.caption)),
 }
 """Sample types read here: the media each carries and how its text is laid out."""
-
-DECODERS = {"image": decode_image, "audio": decode_audio}
 
 
 class DataPathError(UsageError):
@@ -160,14 +159,20 @@ def dataset_sample_type(path: Path) -> str:
                                                                                "Sample")
 
 
-def split_sizes(path: Path) -> dict[str, int]:
-    """Samples per Energon split part of a prepared dataset folder, from its metadata."""
+def split_sizes(path: Path) -> dict[str, int | None]:
+    """Samples per Energon split part of a prepared dataset folder, from its metadata (None where
+    a part names shards the metadata does not count)."""
     meta = path / ".nv-meta"
-    info = yaml.safe_load((meta / ".info.yaml").read_text())
-    counts = info.get("shard_counts", {})
+    info_file = next((meta / name for name in (".info.json", ".info.yaml")
+                      if (meta / name).is_file()), None)
+    counts = yaml.safe_load(info_file.read_text()).get("shard_counts", {}) if info_file else {}
     parts = yaml.safe_load((meta / "split.yaml").read_text()).get("split_parts", {})
-    return {part: sum(counts.get(shard, 0) for shard in shards)
-            for part, shards in parts.items()}
+    sizes: dict[str, int | None] = {}
+    for part, patterns in parts.items():
+        shards = [shard for pattern in patterns or [] for shard in braceexpand(pattern)]
+        known = all(shard in counts for shard in shards)
+        sizes[part] = sum(counts[shard] for shard in shards) if known else None
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +200,7 @@ class EnergonSource:
              resume: Path | None) -> Iterator[Microbatch] | None:
         part = ENERGON_SPLITS[split]
         if self.path.is_dir() and split_sizes(self.path).get(part, 0) == 0:
-            return None
+            return None  # Stock then skips that split (no validation or no test run).
         worker_config = WorkerConfig(rank=0, world_size=1, num_workers=self.num_workers,
                                      seed_offset=self.seed,
                                      global_error_handler=reraise_exception)
@@ -251,14 +256,15 @@ def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], global_batch: 
                 f"--encoder {name}={plugin.grid.provider}; use a dataset with "
                 f"{media} or drop that encoder")
     sizes = split_sizes(path)
-    if sizes.get("train", 0) < global_batch:
-        raise DataPathError(
-            f"{flag}: its train split holds {sizes.get('train', 0)} samples, fewer than one "
-            f"global microbatch ({global_batch} = --micro-batch-size x language dp)")
-    if args.eval_iters and args.eval_interval and sizes.get("val", 0) < global_batch:
-        raise DataPathError(
-            f"{flag}: its val split holds {sizes.get('val', 0)} samples, fewer than one global "
-            f"microbatch ({global_batch}); add validation samples or set --eval-iters 0")
+    needed = {"train": "--micro-batch-size x language dp"}
+    if args.eval_iters and args.eval_interval:
+        needed["val"] = "or set --eval-iters 0"
+    for part, fix in needed.items():
+        size = sizes.get(part, 0)
+        if size is not None and size < global_batch:
+            raise DataPathError(
+                f"{flag}: its {part} split holds {size} samples, fewer than one global "
+                f"microbatch ({global_batch}); add samples to it ({fix})")
 
 
 def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin],

@@ -117,3 +117,7 @@ def synthetic_media(kind: str, sample_rate: int | None = None,
     if kind == "audio":
         return Waveform(rng.uniform(-0.5, 0.5, sample_rate).astype(np.float32), sample_rate)
     raise ValueError(f"unknown media kind {kind!r}; expected one of {', '.join(MEDIA_KINDS)}")
+
+
+DECODERS = {"image": decode_image, "audio": decode_audio}
+"""The decoder of each media kind a sample can carry."""

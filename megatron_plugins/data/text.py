@@ -137,6 +137,11 @@ class PromptTokenizer:
             f"--tokenizer-model {self.folder} has {size} tokens with the encoders' placeholders; "
             f"drop --use-checkpoint-args or start from a checkpoint trained with these tokens")
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, placeholders included (stock pads from this)."""
+        return len(self._hf)
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_hf": None}
 

@@ -228,7 +228,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     chosen = apply_run_defaults(args, argv, parser)
     if chosen:
         _notice(args, f"defaults set (give the flags to silence this): {', '.join(chosen)}")
-    source = build_source(args, plugins, args.micro_batch_size * layout.language.dp)
+    source = build_source(args, plugins)
     if args.data_path:
         # Energon loader states go into each checkpoint (megatron_compat Gap 10).
         args.dataloader_save = args.save

@@ -39,8 +39,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                             "collective).")
 
 
-def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin],
-                 global_batch: int) -> DataSource:
+def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
     if not args.data_path:
@@ -52,4 +51,4 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin],
             f"that blends several); got {len(args.data_path)} values")
     from megatron_plugins.data.energon import open_source
 
-    return open_source(Path(args.data_path[0]), args, dict(plugins), global_batch)
+    return open_source(Path(args.data_path[0]), args, dict(plugins))

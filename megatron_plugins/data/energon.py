@@ -34,7 +34,7 @@ from megatron.energon import (
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.media import DECODERS, BadSampleError
-from megatron_plugins.data.streams import Microbatch, collate, data_state_path
+from megatron_plugins.data.streams import TRUNCATED, Microbatch, collate, data_state_path
 from megatron_plugins.data.text import PromptTokenizer, SampleText, special_tokens_flag
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
@@ -73,9 +73,9 @@ class _TextInputs:
     blocks: tuple[tuple[str, int], ...]
     seq_length: int
 
-    def __call__(self, sample: Any) -> dict[str, torch.Tensor]:
-        return self.tokenizer.encode(_sample_text(sample), self.blocks,
-                                     self.seq_length).as_batch_fields()
+    def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], bool]:
+        encoded = self.tokenizer.encode(_sample_text(sample), self.blocks, self.seq_length)
+        return encoded.as_batch_fields(), encoded.truncated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,20 +84,21 @@ class _EncoderInputs:
 
     preprocessor: Any
 
-    def __call__(self, sample: Any) -> dict[str, torch.Tensor]:
+    def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], bool]:
         kind = self.preprocessor.media
         data = getattr(sample, kind, None)
         if not data:
             raise BadSampleError(sample.__key__, kind, "is missing or empty")
         media = DECODERS[kind](data, sample.__key__, kind)
         try:
-            return self.preprocessor(media)
+            return self.preprocessor(media), False
         except ValueError as error:
             raise BadSampleError(sample.__key__, kind, f"cannot be preprocessed: {error}") from None
 
 
 class RankSliceEncoder(DefaultTaskEncoder):
-    """Keeps this rank's positions of each global microbatch and prepares only those."""
+    """Cuts each global batch into microbatches and keeps, prepares and collates only this rank's
+    positions of each (in a loader worker when there are workers)."""
 
     decoder = None
 
@@ -111,43 +112,47 @@ class RankSliceEncoder(DefaultTaskEncoder):
         return samples
 
     @stateless
-    def encode_batch(self, samples: list) -> Microbatch:
-        first = self._slice.positions.start
-        mine = samples[first:first + self._slice.batch]
-        return ([s.__key__ for s in mine],
-                collate(self._slice.module, [self._inputs(s) for s in mine]))
+    def encode_batch(self, samples: list) -> list[Microbatch]:
+        microbatches = []
+        for first in range(0, len(samples), self._slice.global_batch):
+            mine = [samples[first + position] for position in self._slice.positions]
+            prepared = [self._inputs(sample) for sample in mine]
+            batch = collate(self._slice.module, [fields for fields, _ in prepared])
+            truncated = [s.__key__ for s, (_, cut) in zip(mine, prepared) if cut]
+            if truncated:
+                batch[TRUNCATED] = truncated
+            microbatches.append(([s.__key__ for s in mine], batch))
+        return microbatches
 
 
-class _Cycled(Iterator[Microbatch]):
-    """A finite split (val, test) read round and round, starting ``skip`` microbatches in."""
+class _GlobalBatches(Iterator[Microbatch]):
+    """The microbatches of successive global batches. A finite split (val, test) starts over when
+    it ends; the training split's position is its loader's saved state."""
 
-    def __init__(self, loader: Any, skip: int) -> None:
+    def __init__(self, loader: Any, skip: int = 0) -> None:
         self._loader = loader
         self._iterator = iter(loader)
-        for _ in range(skip % max(len(loader), 1)):
-            next(self._iterator)
+        self._pending: list[Microbatch] = []
+        for _ in range(skip):
+            self._next_global_batch()
 
-    def __next__(self) -> Microbatch:
+    def _next_global_batch(self) -> list[Microbatch]:
         try:
-            return next(self._iterator)
+            return list(next(self._iterator))
         except StopIteration:
             self._iterator = iter(self._loader)
-            return next(self._iterator)
-
-
-class _Resumable(Iterator[Microbatch]):
-    """The training split: endless, its position saved into and restored from checkpoints."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-        self._iterator: Iterator[Microbatch] | None = None
+            return list(next(self._iterator))
 
     def __next__(self) -> Microbatch:
-        if self._iterator is None:
-            self._iterator = iter(self._loader)
-        return next(self._iterator)
+        if not self._pending:
+            self._pending = self._next_global_batch()
+        return self._pending.pop(0)
 
     def state_dict(self) -> Any:
+        """The loader's position; stock saves between steps, so no microbatch is pending."""
+        if self._pending:
+            raise RuntimeError(f"data state saved with {len(self._pending)} microbatches of a "
+                               "global batch still pending")
         return self._loader.save_state_rank()
 
 
@@ -183,6 +188,9 @@ class EnergonSource:
     seed: int
     num_workers: int
     seq_length: int
+    global_batch_size: int
+    """Samples per Energon batch: one training step, so sample order is the same whatever the
+    layout (micro-batch size, DP sizes) and the number of loader workers."""
     tokenizer: PromptTokenizer
     plugins: dict[str, EncoderPlugin]
 
@@ -208,11 +216,12 @@ class EnergonSource:
         if split != "train":
             dataset = get_val_dataset(str(self.path), split_part=part,
                                       worker_config=worker_config,
-                                      batch_size=rank_slice.global_batch, batch_drop_last=True,
+                                      batch_size=self.global_batch_size, batch_drop_last=True,
                                       task_encoder=encoder)
-            return _Cycled(get_loader(dataset), start // rank_slice.global_batch)
+            loader = get_loader(dataset)
+            return _GlobalBatches(loader, (start // self.global_batch_size) % max(len(loader), 1))
         dataset = get_train_dataset(str(self.path), split_part=part, worker_config=worker_config,
-                                    batch_size=rank_slice.global_batch, batch_drop_last=True,
+                                    batch_size=self.global_batch_size, batch_drop_last=True,
                                     shuffle_buffer_size=SHUFFLE_BUFFER,
                                     max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
                                     task_encoder=encoder)
@@ -227,11 +236,10 @@ class EnergonSource:
                     "(--no-load-optim --no-load-rng --finetune) to start the data afresh"
                 )
             loader.restore_state_rank(torch.load(state_file, weights_only=False))
-        return _Resumable(loader)
+        return _GlobalBatches(loader)
 
 
-def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], global_batch: int,
-                   args: Any) -> None:
+def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> None:
     """Refuse, in one line, a dataset folder this run cannot read (before any process group)."""
     flag = f"--data-path {path}"
     if not path.exists():
@@ -256,25 +264,27 @@ def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], global_batch: 
                 f"--encoder {name}={plugin.grid.provider}; use a dataset with "
                 f"{media} or drop that encoder")
     sizes = split_sizes(path)
-    needed = {"train": "--micro-batch-size x language dp"}
+    needed = {"train": "or lower --global-batch-size"}
     if args.eval_iters and args.eval_interval:
         needed["val"] = "or set --eval-iters 0"
     for part, fix in needed.items():
         size = sizes.get(part, 0)
-        if size is not None and size < global_batch:
+        if size is not None and size < args.global_batch_size:
             raise DataPathError(
-                f"{flag}: its {part} split holds {size} samples, fewer than one global "
-                f"microbatch ({global_batch}); add samples to it ({fix})")
+                f"{flag}: its {part} split holds {size} samples, fewer than one global batch "
+                f"(--global-batch-size {args.global_batch_size}); add samples to it {fix}")
 
 
-def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin],
-                global_batch: int) -> EnergonSource:
+def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> EnergonSource:
     """The Energon source of a run, every configuration problem raised as one line first."""
     if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
         raise DataPathError(
             "--data-path needs a real tokenizer: add --tokenizer-type HuggingFaceTokenizer "
             "--tokenizer-model <local tokenizer folder>")
-    _check_dataset(path, plugins, global_batch, args)
+    if args.rampup_batch_size:
+        raise DataPathError("--rampup-batch-size cannot be used with --data-path: an Energon "
+                            "batch is one global batch of fixed size")
+    _check_dataset(path, plugins, args)
     encoder_tokens = sum(p.tokens_per_sample for p in plugins.values())
     if encoder_tokens + 2 > args.seq_length:
         raise DataPathError(
@@ -286,4 +296,5 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin],
     tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins),
                                      getattr(args, "padded_vocab_size", None) or sys.maxsize,
                                      args.special_tokens)
-    return EnergonSource(path, args.seed, args.num_workers, args.seq_length, tokenizer, plugins)
+    return EnergonSource(path, args.seed, args.num_workers, args.seq_length,
+                         args.global_batch_size, tokenizer, plugins)

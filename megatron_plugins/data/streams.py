@@ -9,6 +9,7 @@ and saves the source's position into checkpoints.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -23,6 +24,9 @@ SPLITS = ("train", "valid", "test")
 
 Microbatch = tuple[list[str], dict[str, Any]]
 """A rank's sample keys and the batch its forward step reads."""
+
+TRUNCATED = "truncated_keys"
+"""Batch entry (language ranks) naming samples whose text was cut to ``--seq-length``."""
 
 
 class DataSource(Protocol):
@@ -61,11 +65,19 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
         self._slice = rank_slice
         self._guard = guard
         self._writes_state = writes_state
+        self._noticed_truncation = False
 
     def __next__(self) -> dict[str, Any]:
         keys, batch = next(self._source)
         if self._guard is not None:
             self._guard.record(keys)
+        truncated = batch.pop(TRUNCATED, [])
+        if truncated and self._writes_state and not self._noticed_truncation:
+            self._noticed_truncation = True
+            print(f"pretrain_mimo.py: notice: sample {truncated[0]!r} is longer than "
+                  "--seq-length; its text is cut to fit and the loss covers what is left (a "
+                  "sample with no answer token left adds nothing to the loss); later cut "
+                  "samples are not reported", file=sys.stderr, flush=True)
         return batch
 
     def save_data_state(self, iteration_dir: Path) -> None:

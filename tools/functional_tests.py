@@ -141,6 +141,13 @@ class Case:
         known, _ = parser.parse_known_args(self.argv(_placeholder_paths()))
         return required_world_size(known)
 
+    @property
+    def reads_data(self) -> bool:
+        """Whether ``MODEL_ARGS`` name files under ``${DATA_PATH}`` (the generated dataset)."""
+        return any("${DATA_PATH}" in str(value)
+                   for args in (self.model_args, self.resume_model_args)
+                   for value in args.values())
+
     def int_arg(self, flag: str) -> int:
         """An integer flag of ``MODEL_ARGS``, required by the runner."""
         if flag not in self.model_args:
@@ -288,6 +295,20 @@ def read_metrics(logdir: Path, metrics: list[str]) -> dict[str, dict[int, float]
     return {metric: dict(sorted(values.items())) for metric, values in found.items()}
 
 
+CASE_DATA = ("image_audio_caption", 300, 0)
+"""The dataset ``${DATA_PATH}`` holds: the README's generated set (kind, samples, seed), as an
+Energon dataset in ``energon/`` and its tokenizer in ``tokenizer/``."""
+
+
+def make_case_data(root: Path) -> None:
+    """Generate ``${DATA_PATH}`` (deterministic, a few seconds) with the README's tools."""
+    from tools.make_synthetic_dataset import make_synthetic, prepare
+
+    kind, samples, seed = CASE_DATA
+    make_synthetic(root, samples, kind, seed=seed)
+    prepare(root, kind, seed=seed, quiet=True)
+
+
 def run_case(case: Case, workdir: Path, extra_env: dict[str, str] | None = None,
              timeout: float = 240.0) -> dict[str, dict[int, float]]:
     """Run ``case`` in ``workdir``; returns run 1's metrics (checked against run 2 on resume)."""
@@ -295,6 +316,8 @@ def run_case(case: Case, workdir: Path, extra_env: dict[str, str] | None = None,
     checkpoints = workdir / "checkpoints"
     paths = {"CHECKPOINT_SAVE_PATH": str(checkpoints), "DATA_PATH": str(workdir / "data"),
              "OUTPUT_PATH": str(workdir)}
+    if case.reads_data:
+        make_case_data(workdir / "data")
 
     def train(run: int) -> dict[str, dict[int, float]]:
         # Run 1 loads from its own save folder, empty on the first launch (the auto-resume idiom):

@@ -50,7 +50,7 @@ def _dataset(root: Path) -> Path:
 
 def _sources(root: Path, workers: int) -> tuple[Any, Any, Any]:
     """The mock and Energon sources of the benchmark model, and its layout."""
-    from megatron_plugins.data import build_source
+    from megatron_plugins.data.sources import build_source
     from megatron_plugins.encoders.audio import AudioFrameEncoder
     from megatron_plugins.encoders.vit import ViTEncoder
     from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
@@ -79,7 +79,7 @@ def _sources(root: Path, workers: int) -> tuple[Any, Any, Any]:
 
 def loader_rates(root: Path, workers: int, microbatches: int) -> dict[str, dict[str, float]]:
     """Samples/s of each source's stream on each rank kind (first microbatch excluded)."""
-    from megatron_plugins.data import RankSlice
+    from megatron_plugins.data.addressing import RankSlice
 
     mock, energon, layout = _sources(root, workers)
     rates: dict[str, dict[str, float]] = {}

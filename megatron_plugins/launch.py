@@ -31,14 +31,9 @@ from megatron.training.global_vars import set_global_variables
 
 from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
-from megatron_plugins.data import (
-    AlignmentGuard,
-    DataSource,
-    add_data_args,
-    alignment_guard,
-    build_source,
-    data_provider,
-)
+from megatron_plugins.data.addressing import AlignmentGuard
+from megatron_plugins.data.sources import add_data_args, build_source
+from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
 from megatron_plugins.encoders import (
     EncoderPlugin,
     add_encoder_args,

@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from megatron_plugins.data import AlignmentGuard, MockSource, RankSlice
-from megatron_plugins.data.addressing import _first_difference
+from megatron_plugins.data.addressing import AlignmentGuard, RankSlice, _first_difference
+from megatron_plugins.data.mock import MockSource
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.layout import (

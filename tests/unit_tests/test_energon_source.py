@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_plugins.data import RankSlice, build_source
+from megatron_plugins.data.addressing import RankSlice
+from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.energon import DataPathError
 from megatron_plugins.data.media import BadSampleError
 from megatron_plugins.encoders.audio import AudioFrameEncoder

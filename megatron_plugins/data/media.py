@@ -14,9 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-MEDIA_KINDS = ("image", "audio")
-"""The decoded media kinds a sample can carry and a preprocessor can read."""
-
 
 class BadSampleError(RuntimeError):
     """A sample that cannot be used mid-run; the message names the sample key and the field."""
@@ -106,18 +103,8 @@ def encode_wav(waveform: Waveform) -> bytes:
     return buffer.getvalue()
 
 
-def synthetic_media(kind: str, sample_rate: int | None = None,
-                    seed: int = 0) -> np.ndarray | Waveform:
-    """Noise media of ``kind``: a 96 x 128 image or one second of audio (16 kHz unless
-    ``sample_rate`` says), for shape-only uses (benchmarks) where no dataset is at hand."""
-    rng = np.random.default_rng(seed)
-    sample_rate = sample_rate or 16000
-    if kind == "image":
-        return rng.integers(0, 256, size=(96, 128, 3), dtype=np.uint8)
-    if kind == "audio":
-        return Waveform(rng.uniform(-0.5, 0.5, sample_rate).astype(np.float32), sample_rate)
-    raise ValueError(f"unknown media kind {kind!r}; expected one of {', '.join(MEDIA_KINDS)}")
-
-
 DECODERS = {"image": decode_image, "audio": decode_audio}
 """The decoder of each media kind a sample can carry."""
+
+MEDIA_KINDS = tuple(DECODERS)
+"""The media kinds a sample can carry and a preprocessor can read."""

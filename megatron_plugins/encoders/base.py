@@ -129,11 +129,12 @@ class MediaPreprocessor(abc.ABC):
         """
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
-        """Its output for noise media of its kind: input shapes without a dataset (benchmarks)."""
+        """Its output for one mock sample's media: input shapes without a dataset (benchmarks)."""
         # Imported here: the data package imports the encoders, not the other way round.
-        from megatron_plugins.data.media import synthetic_media
+        from megatron_plugins.data.mock import MOCK_MEDIA
 
-        return self(synthetic_media(self.media, self.sample_rate))
+        return self(MOCK_MEDIA[self.media](torch.Generator().manual_seed(0), 0,
+                                           self.sample_rate))
 
 
 class EncoderPlugin(abc.ABC):

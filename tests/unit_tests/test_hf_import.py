@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_models import hf_logits, rel_diff, save_tiny, stock_gpt_rank
+from tests.hf_models import hf_logits, mimo_logits, rel_diff, save_tiny, stock_gpt_rank
 from tests.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
@@ -20,3 +20,18 @@ def test_one_rank_import_reproduces_transformers_logits(family, tmp_path):
     got = result["logits"]
     assert abs(got[..., 100:]).max() == 0  # padded rows are zero
     assert rel_diff(got[..., :100], want) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
+    return folder, hf_logits(folder)
+
+
+@pytest.mark.parametrize("grid", ["language:tp=2", "language:pp=2"])
+def test_mimo_language_at_tp2_and_pp2_reproduces_transformers_logits(llama, grid):
+    folder, want = llama
+    logits = mimo_logits(3, str(folder), grid)
+    assert len(logits) == (2 if "tp" in grid else 1)  # every TP rank of the last stage
+    for got in logits:
+        assert rel_diff(got[..., :100], want) < TOLERANCE

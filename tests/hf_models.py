@@ -150,13 +150,6 @@ MIMO_FLAGS = [*BASE_FLAGS, "--global-batch-size", "4", "--train-iters", "4", "--
 """A ViT on rank 0, the language model (``--grid language:...``) after it; no shape flags."""
 
 
-def unwrap(module: Any) -> Any:
-    """The module inside DDP / precision wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
     """Build one rank of a MiMo model through the entry point's code path (HF weights loaded by
     the builder) and return the language model's logits on its last stage."""
@@ -165,6 +158,8 @@ def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
     cpu_simulation.activate()
     from megatron_plugins import megatron_compat
     from megatron_plugins.launch import parse_mimo_args, start
+    from megatron_plugins.weights.language_families import FAMILIES
+    from megatron_plugins.weights.local_view import unwrap
 
     megatron_compat.install()
     session = start(parse_mimo_args(argv))
@@ -175,17 +170,51 @@ def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
         if module != "language":
             return {"module": module}
         pgc = session.topology.module_pgs[module]
-        logits = forward_logits(unwrap(mimo.language_model), pgc, TOKENS)
-        return {"module": module, "logits": logits}
+        language = unwrap(mimo.language_model)
+        [family] = [f for f in FAMILIES if f.name == session.run.args.language_hf_family]
+        return {"module": module, "logits": forward_logits(language, pgc, TOKENS),
+                "pieces": streamed(language, family, pgc, session.run.args.vocab_size)}
     finally:
         session.close()
 
 
-def mimo_logits(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
-                ) -> list[np.ndarray]:
-    """Logits of every language last-stage rank of a MiMo run built from ``folder``."""
+def streamed(module: Any, family: Any, pgc: Any, vocab_size: int) -> bytes:
+    """This rank's streamed pieces, serialized (torch's shared-memory pickling of tensors does
+    not outlive the worker)."""
+    import io
+
+    from megatron_plugins.weights.streaming import iter_hf_weights
+
+    buffer = io.BytesIO()
+    torch.save(list(iter_hf_weights(module, family, pgc, vocab_size)), buffer)
+    return buffer.getvalue()
+
+
+def pieces_from(data: bytes) -> list[Any]:
+    """The pieces :func:`streamed` serialized."""
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def mimo_import(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
+                ) -> tuple[list[np.ndarray], list[list[Any]]]:
+    """A MiMo model built from ``folder``: the logits of every language last-stage rank and the
+    streamed pieces of every language rank."""
     from tests.multiprocess import run_in_processes
 
     argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
     results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120)
-    return [r["logits"] for r in results if r.get("logits") is not None]
+    language = [r for r in results if r["module"] == "language"]
+    return ([r["logits"] for r in language if r["logits"] is not None],
+            [pieces_from(r["pieces"]) for r in language])
+
+
+def safetensors_of(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

@@ -94,3 +94,10 @@ def names_text(names: set[str] | list[str], limit: int = 6) -> str:
     """A bounded, sorted list of names for a one-line message."""
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / precision wrappers (each keeps it as ``.module``)."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module

@@ -218,3 +218,46 @@ def safetensors_of(folder: str | Path) -> dict[str, torch.Tensor]:
     for file in sorted(Path(folder).glob("*.safetensors")):
         tensors.update(load_file(file))
     return tensors
+
+
+def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of a MiMo training run (stock ``pretrain()``) started from HF weights; language
+    ranks return their streamed pieces of the trained model."""
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.weights.language_families import FAMILIES
+    from megatron_plugins.weights.local_view import unwrap
+
+    result: dict[str, Any] = {}
+
+    def observe(session: Any) -> None:
+        [module] = session.topology.active_modules
+        result["module"] = module
+        models: list[Any] = []
+        session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
+        close = session.close
+
+        def stream_then_close() -> None:
+            if module == "language":
+                args = session.run.args
+                [family] = [f for f in FAMILIES if f.name == args.language_hf_family]
+                result["pieces"] = streamed(unwrap(models[0].language_model), family,
+                                            session.topology.module_pgs[module], args.vocab_size)
+            close()
+
+        session.close = stream_then_close
+
+    train(parse_mimo_args(argv), observe)
+    return result
+
+
+def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
+                  ) -> list[list[Any]]:
+    """Train a MiMo model started from ``folder``; the streamed pieces of every language rank."""
+    from tests.multiprocess import run_in_processes
+
+    argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
+    results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=150)
+    return [pieces_from(r["pieces"]) for r in results if r["module"] == "language"]

@@ -3,7 +3,8 @@
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
 simulation builds); the Transformer Engine spec fuses the pre-attention / pre-MLP RMSNorm into
-``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``), named here too.
+``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``), named here too: those are also the names
+stock checkpoints save the local spec's norms under.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _attention(bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
         Rule(f"{LAYER}self_attention.linear_proj.weight", (f"{HF_LAYER}self_attn.o_proj.weight",),
              tp_dim=1),
         Rule(f"{LAYER}pre_mlp_layernorm.weight", (f"{HF_LAYER}post_attention_layernorm.weight",)),
+        Rule(f"{LAYER}mlp.linear_fc1.layer_norm_weight",
+             (f"{HF_LAYER}post_attention_layernorm.weight",)),
     ]
     if bias:
         rules.append(Rule(f"{LAYER}self_attention.linear_qkv.bias",
@@ -39,7 +42,6 @@ def _attention(bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
 
 
 DENSE_MLP = (
-    Rule(f"{LAYER}mlp.linear_fc1.layer_norm_weight", (f"{HF_LAYER}post_attention_layernorm.weight",)),
     Rule(f"{LAYER}mlp.linear_fc1.weight",
          (f"{HF_LAYER}mlp.gate_proj.weight", f"{HF_LAYER}mlp.up_proj.weight"), "gate_up", tp_dim=0),
     Rule(f"{LAYER}mlp.linear_fc2.weight", (f"{HF_LAYER}mlp.down_proj.weight",), tp_dim=1),

@@ -243,8 +243,9 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
             if module == "language":
                 args = session.run.args
                 [family] = [f for f in FAMILIES if f.name == args.language_hf_family]
-                result["pieces"] = streamed(unwrap(models[0].language_model), family,
-                                            session.topology.module_pgs[module], args.vocab_size)
+                language, pgc = unwrap(models[0].language_model), session.topology.module_pgs[module]
+                result["pieces"] = streamed(language, family, pgc, args.vocab_size)
+                result["logits"] = forward_logits(language, pgc, TOKENS)
             close()
 
         session.close = stream_then_close
@@ -254,10 +255,21 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
 
 
 def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
-                  ) -> list[list[Any]]:
-    """Train a MiMo model started from ``folder``; the streamed pieces of every language rank."""
+                  ) -> tuple[list[list[Any]], np.ndarray]:
+    """Train a MiMo model started from ``folder``: the streamed pieces of every language rank
+    and the trained language model's logits."""
     from tests.multiprocess import run_in_processes
 
     argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
-    results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=150)
-    return [pieces_from(r["pieces"]) for r in results if r["module"] == "language"]
+    results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=180)
+    language = [r for r in results if r["module"] == "language"]
+    logits = next(r["logits"] for r in language if r["logits"] is not None)
+    return [pieces_from(r["pieces"]) for r in language], logits
+
+
+def export_rank(jobs: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Run ``tools.export_hf.export(checkpoint, output, **options)`` for each job, in one process."""
+    from tools.export_hf import export
+
+    for checkpoint, output, options in jobs:
+        export(checkpoint, output, **options)

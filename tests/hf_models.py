@@ -96,6 +96,31 @@ def stock_gpt_rank(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str,
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import unset_global_variables
+
+    try:
+        return _stock_gpt(folder, tp, pp, extra)
+    finally:
+        parallel_state.destroy_model_parallel()
+        unset_global_variables()
+
+
+def import_errors(cases: list[tuple[str, list[str]]]) -> list[str]:
+    """The one-line error each (folder, extra flags) import raises, on one rank ("" if none)."""
+    from megatron_plugins.errors import UsageError
+
+    errors = []
+    for folder, extra in cases:
+        try:
+            stock_gpt_rank(folder, 1, 1, extra)
+            errors.append("")
+        except UsageError as error:
+            errors.append(str(error))
+    return errors
+
+
+def _stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str, Any]:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding

@@ -121,14 +121,24 @@ def import_errors(cases: list[tuple[str, list[str]]]) -> list[str]:
 
 
 def _stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str, Any]:
+    from megatron_plugins.weights.hf_import import load_hf_weights
+    from megatron_plugins.weights.language_families import FAMILIES
+
+    model, pgc, args = build_stock_gpt(folder, tp, pp, extra)
+    family = load_hf_weights(model, folder, "--language-hf-weights", pgc, FAMILIES)
+    logits = forward_logits(model, pgc, TOKENS)
+    return {"family": family.name, "logits": logits, "padded_vocab": args.padded_vocab_size}
+
+
+def build_stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> tuple[Any, Any, Any]:
+    """This rank's stock GPT shaped by ``folder``'s config.json (weights not loaded):
+    (model, process groups, args). Needs torch.distributed and the CPU simulation."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.training.global_vars import set_global_variables
 
     from megatron_plugins.language import StockLanguageModel, language_config_from_args
-    from megatron_plugins.weights.hf_import import load_hf_weights
-    from megatron_plugins.weights.language_families import FAMILIES
 
     args = stock_args([*BASE_FLAGS, "--tensor-model-parallel-size", str(tp),
                        "--pipeline-model-parallel-size", str(pp),
@@ -139,10 +149,7 @@ def _stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str, Any
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     config = language_config_from_args(args)
-    model = StockLanguageModel(config.transformer, config, pgc, args.seq_length)
-    family = load_hf_weights(model, folder, "--language-hf-weights", pgc, FAMILIES)
-    logits = forward_logits(model, pgc, TOKENS)
-    return {"family": family.name, "logits": logits, "padded_vocab": args.padded_vocab_size}
+    return StockLanguageModel(config.transformer, config, pgc, args.seq_length), pgc, args
 
 
 def forward_logits(model: Any, pgc: Any, tokens: torch.Tensor) -> np.ndarray | None:

@@ -1,0 +1,118 @@
+"""HF-named weight pieces from a live model, on every rank, with explicit per-rank metadata.
+
+:func:`iter_hf_weights` is the inverse of the import: each rank yields the slices of HF tensors it
+holds, each saying which global slice of which HF tensor it is (``global_shape``, ``offsets``).
+Across all ranks of a module every HF tensor is yielded exactly once: a DP replica other than the
+first yields nothing, a tensor replicated over TP comes from TP rank 0 only. :func:`assemble`
+joins pieces from any ranks into full tensors and refuses pieces that overlap, leave gaps or
+disagree on the tensor's shape, so a consumer never has to assume one rank's layout is another's.
+The export tool (``tools/export_hf.py``) writes what these pieces assemble to.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from megatron_plugins.weights.local_view import LocalParam, heads_of, local_params, unwrap
+from megatron_plugins.weights.mapping import Family, Heads
+from megatron_plugins.weights.slicing import split
+
+
+@dataclass(frozen=True)
+class WeightPiece:
+    """``tensor`` is ``full[offsets[0]:offsets[0]+shape[0], ...]`` of HF tensor ``hf_name``."""
+
+    hf_name: str
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+class AssembleError(ValueError):
+    """Pieces that do not tile their HF tensor exactly; the message names the tensor."""
+
+
+def _owner(pg_collection: object, expert: bool) -> bool:
+    """The first data-parallel replica (of the experts, for expert parameters) yields."""
+    group = getattr(pg_collection, "expt_dp" if expert else "dp", None)
+    return group is None or group.rank() == 0
+
+
+def pieces_of(p: LocalParam, tensor: torch.Tensor, heads: Heads | None,
+              vocab_size: int | None) -> Iterator[WeightPiece]:
+    """The HF pieces of one parameter's local tensor (padded vocabulary rows dropped)."""
+    rule = p.bound.rule
+    if rule.tp_dim is None and p.tp_rank != 0:
+        return
+    for piece in split(p.bound, tensor, p.tp_rank, heads):
+        shape = list(piece.tensor.shape)
+        data = piece.tensor
+        if rule.tp_dim is not None:
+            shape[piece.dim] *= p.tp_size
+            if rule.pad_vocab and vocab_size is not None:
+                shape[piece.dim] = vocab_size
+                keep = max(0, min(data.shape[piece.dim], vocab_size - piece.start))
+                if keep == 0:
+                    continue
+                data = data.narrow(piece.dim, 0, keep)
+        offsets = [0] * len(shape)
+        if rule.tp_dim is not None:
+            offsets[piece.dim] = piece.start
+        yield WeightPiece(piece.hf_name, data, tuple(shape), tuple(offsets))
+
+
+def iter_hf_weights(module: torch.nn.Module, family: Family, pg_collection: object,
+                    vocab_size: int | None = None) -> Iterator[WeightPiece]:
+    """This rank's pieces of the HF checkpoint ``family`` describes, read from ``module``.
+
+    ``module`` is this rank's part of the model (wrappers are looked through); ``vocab_size`` is
+    the unpadded vocabulary, so Megatron's padding rows are dropped (None keeps them).
+    """
+    module = unwrap(module)
+    heads = heads_of(module)
+    for p in local_params(module, family, pg_collection, f"{family.name} streaming"):
+        if _owner(pg_collection, p.bound.rule.is_expert):
+            yield from pieces_of(p, p.param.detach(), heads, vocab_size)
+
+
+def _overlap(a: WeightPiece, b: WeightPiece) -> bool:
+    return all(x0 < y0 + ys and y0 < x0 + xs for x0, xs, y0, ys
+               in zip(a.offsets, a.tensor.shape, b.offsets, b.tensor.shape))
+
+
+def assemble(pieces: Iterable[WeightPiece]) -> dict[str, torch.Tensor]:
+    """Full HF tensors from pieces gathered from any ranks, checked to tile each tensor exactly."""
+    by_name: dict[str, list[WeightPiece]] = defaultdict(list)
+    for piece in pieces:
+        by_name[piece.hf_name].append(piece)
+    full = {}
+    for name, group in sorted(by_name.items()):
+        shape = group[0].global_shape
+        dtype = group[0].tensor.dtype
+        for piece in group:
+            if piece.global_shape != shape or piece.tensor.dtype != dtype:
+                raise AssembleError(f"{name}: pieces disagree on the tensor ({shape} {dtype} vs "
+                                    f"{piece.global_shape} {piece.tensor.dtype})")
+            ends = [o + s for o, s in zip(piece.offsets, piece.tensor.shape)]
+            if len(ends) != len(shape) or any(o < 0 for o in piece.offsets) or any(
+                    e > s for e, s in zip(ends, shape)):
+                raise AssembleError(f"{name}: piece at {piece.offsets} of shape "
+                                    f"{list(piece.tensor.shape)} lies outside {list(shape)}")
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                if _overlap(a, b):
+                    raise AssembleError(f"{name}: pieces at {a.offsets} and {b.offsets} overlap")
+        covered = sum(prod(piece.tensor.shape) for piece in group)
+        if covered != prod(shape):
+            raise AssembleError(f"{name}: pieces cover {covered} of {prod(shape)} elements")
+        tensor = torch.empty(shape, dtype=dtype)
+        for piece in group:
+            index = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))
+            tensor[index] = piece.tensor
+        full[name] = tensor
+    return full

@@ -1,0 +1,307 @@
+"""Tiny random HF causal LMs on disk and their reference logits, for the HF weights tests.
+
+Models are made offline from configs and saved with safetensors. Every weight, norms included, is
+redrawn so a mapping that swaps or misses a tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPE = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-6, tie_word_embeddings=False)
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 24, "norm_topk_prob": True}),
+}
+TOKENS = torch.tensor([[3, 17, 42, 99, 5, 8, 61, 23, 0, 77, 12, 34],
+                       [50, 1, 2, 98, 44, 31, 7, 7, 64, 19, 88, 26]])
+
+
+def save_tiny(family: str, folder: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+              **overrides: Any) -> Path:
+    """A tiny random ``family`` model saved to ``folder`` (safetensors, config.json)."""
+    import transformers
+
+    config_name, model_name, extra = FAMILY_CLASSES[family]
+    config = getattr(transformers, config_name)(**{**SHAPE, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    model.to(dtype).save_pretrained(folder)
+    return Path(folder)
+
+
+def hf_logits(folder: str | Path, tokens: torch.Tensor = TOKENS) -> np.ndarray:
+    """transformers' own forward of the saved model, fp32."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits.float().numpy()
+
+
+def rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    """Max absolute difference relative to the largest reference magnitude."""
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def stock_args(argv: list[str]) -> Any:
+    """Stock Megatron args for ``argv`` plus ``--language-hf-weights``' shape (nothing given
+    contradicts it here), validated."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    from megatron_plugins.weights.flags import add_weights_args, apply_language_config
+
+    saved, sys.argv = sys.argv, ["test", *argv]
+    try:
+        args = parse_args(add_weights_args)
+    finally:
+        sys.argv = saved
+    apply_language_config(args, lambda attr: None)
+    validate_args(args)
+    return args
+
+
+BASE_FLAGS = ["--seq-length", "12", "--micro-batch-size", "2", "--global-batch-size", "2",
+              "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--transformer-impl", "local",
+              "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
+              "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+              "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+              "--no-bias-swiglu-fusion", "--distributed-backend", "gloo", "--seed", "1234"]
+"""Stock flags for a stock GPT built from a HF folder: no shape flag (config.json gives them)."""
+
+
+def stock_gpt_rank(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str, Any]:
+    """One rank of a stock GPT (TP x PP) built by our language builder from ``folder``'s config,
+    HF weights imported; returns the full-vocabulary logits on the last stage."""
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import unset_global_variables
+
+    try:
+        return _stock_gpt(folder, tp, pp, extra)
+    finally:
+        parallel_state.destroy_model_parallel()
+        unset_global_variables()
+
+
+def import_errors(cases: list[tuple[str, list[str]]]) -> list[str]:
+    """The one-line error each (folder, extra flags) import raises, on one rank ("" if none)."""
+    from megatron_plugins.errors import UsageError
+
+    errors = []
+    for folder, extra in cases:
+        try:
+            stock_gpt_rank(folder, 1, 1, extra)
+            errors.append("")
+        except UsageError as error:
+            errors.append(str(error))
+    return errors
+
+
+def _stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str, Any]:
+    from megatron_plugins.weights.hf_import import load_hf_weights
+    from megatron_plugins.weights.language_families import FAMILIES
+
+    model, pgc, args = build_stock_gpt(folder, tp, pp, extra)
+    family = load_hf_weights(model, folder, "--language-hf-weights", pgc, FAMILIES)
+    logits = forward_logits(model, pgc, TOKENS)
+    return {"family": family.name, "logits": logits, "padded_vocab": args.padded_vocab_size}
+
+
+def build_stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> tuple[Any, Any, Any]:
+    """This rank's stock GPT shaped by ``folder``'s config.json (weights not loaded):
+    (model, process groups, args). Needs torch.distributed and the CPU simulation."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+    from megatron.training.global_vars import set_global_variables
+
+    from megatron_plugins.language import StockLanguageModel, language_config_from_args
+
+    args = stock_args([*BASE_FLAGS, "--tensor-model-parallel-size", str(tp),
+                       "--pipeline-model-parallel-size", str(pp),
+                       "--language-hf-weights", folder, *extra])
+    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+    set_global_variables(args, build_tokenizer=False)
+    parallel_state.initialize_model_parallel(tp, pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    config = language_config_from_args(args)
+    return StockLanguageModel(config.transformer, config, pgc, args.seq_length), pgc, args
+
+
+def forward_logits(model: Any, pgc: Any, tokens: torch.Tensor) -> np.ndarray | None:
+    """The language model's logits over its TP x PP ranks (hidden states sent stage to stage);
+    the full padded vocabulary on the last stage, None elsewhere."""
+    import torch.distributed as dist
+
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    pp_rank, pp_size = pgc.pp.rank(), pgc.pp.size()
+    ranks = dist.get_process_group_ranks(pgc.pp)
+    hidden_shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+    with torch.no_grad():
+        if pp_rank > 0:
+            received = torch.empty(hidden_shape)
+            dist.recv(received, src=ranks[pp_rank - 1], group=pgc.pp)
+            model.set_input_tensor(received)
+        output = model(tokens, positions, None)
+        if pp_rank < pp_size - 1:
+            dist.send(output.contiguous(), dst=ranks[pp_rank + 1], group=pgc.pp)
+            return None
+    shards = [torch.empty_like(output) for _ in range(pgc.tp.size())]
+    dist.all_gather(shards, output.contiguous(), group=pgc.tp)
+    return torch.cat(shards, dim=-1).float().numpy()
+
+
+MIMO_FLAGS = [*BASE_FLAGS, "--global-batch-size", "4", "--train-iters", "4", "--eval-interval",
+              "2", "--eval-iters", "1", "--log-interval", "1", "--min-lr", "1e-4",
+              "--lr-decay-style", "cosine", "--num-workers", "0", "--cpu-simulation",
+              "--encoder", "vision=vit", "--grid", "vision:dp=1"]
+"""A ViT on rank 0, the language model (``--grid language:...``) after it; no shape flags."""
+
+
+def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
+    """Build one rank of a MiMo model through the entry point's code path (HF weights loaded by
+    the builder) and return the language model's logits on its last stage."""
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron_plugins import megatron_compat
+    from megatron_plugins.launch import parse_mimo_args, start
+    from megatron_plugins.weights.language_families import FAMILIES
+    from megatron_plugins.weights.local_view import unwrap
+
+    megatron_compat.install()
+    session = start(parse_mimo_args(argv))
+    try:
+        builder = session.config.model.get_builder_cls()(session.config.model)
+        [mimo] = builder.build_distributed_models(wrap_with_ddp=False)
+        [module] = session.topology.active_modules
+        if module != "language":
+            return {"module": module}
+        pgc = session.topology.module_pgs[module]
+        language = unwrap(mimo.language_model)
+        [family] = [f for f in FAMILIES if f.name == session.run.args.language_hf_family]
+        return {"module": module, "logits": forward_logits(language, pgc, TOKENS),
+                "pieces": streamed(language, family, pgc, session.run.args.vocab_size)}
+    finally:
+        session.close()
+
+
+def streamed(module: Any, family: Any, pgc: Any, vocab_size: int) -> bytes:
+    """This rank's streamed pieces, serialized (torch's shared-memory pickling of tensors does
+    not outlive the worker)."""
+    import io
+
+    from megatron_plugins.weights.streaming import iter_hf_weights
+
+    buffer = io.BytesIO()
+    torch.save(list(iter_hf_weights(module, family, pgc, vocab_size)), buffer)
+    return buffer.getvalue()
+
+
+def pieces_from(data: bytes) -> list[Any]:
+    """The pieces :func:`streamed` serialized."""
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def mimo_import(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
+                ) -> tuple[list[np.ndarray], list[list[Any]]]:
+    """A MiMo model built from ``folder``: the logits of every language last-stage rank and the
+    streamed pieces of every language rank."""
+    from tests.multiprocess import run_in_processes
+
+    argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
+    results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120)
+    language = [r for r in results if r["module"] == "language"]
+    return ([r["logits"] for r in language if r["logits"] is not None],
+            [pieces_from(r["pieces"]) for r in language])
+
+
+def safetensors_of(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of a MiMo training run (stock ``pretrain()``) started from HF weights; language
+    ranks return their streamed pieces of the trained model."""
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.weights.language_families import FAMILIES
+    from megatron_plugins.weights.local_view import unwrap
+
+    result: dict[str, Any] = {}
+
+    def observe(session: Any) -> None:
+        [module] = session.topology.active_modules
+        result["module"] = module
+        models: list[Any] = []
+        session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
+        close = session.close
+
+        def stream_then_close() -> None:
+            if module == "language":
+                args = session.run.args
+                [family] = [f for f in FAMILIES if f.name == args.language_hf_family]
+                language, pgc = unwrap(models[0].language_model), session.topology.module_pgs[module]
+                result["pieces"] = streamed(language, family, pgc, args.vocab_size)
+                result["logits"] = forward_logits(language, pgc, TOKENS)
+            close()
+
+        session.close = stream_then_close
+
+    train(parse_mimo_args(argv), observe)
+    return result
+
+
+def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
+                  ) -> tuple[list[list[Any]], np.ndarray]:
+    """Train a MiMo model started from ``folder``: the streamed pieces of every language rank
+    and the trained language model's logits."""
+    from tests.multiprocess import run_in_processes
+
+    argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
+    results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=180)
+    language = [r for r in results if r["module"] == "language"]
+    logits = next(r["logits"] for r in language if r["logits"] is not None)
+    return [pieces_from(r["pieces"]) for r in language], logits
+
+
+def export_rank(jobs: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Run ``tools.export_hf.export(checkpoint, output, **options)`` for each job, in one process."""
+    from tools.export_hf import export
+
+    for checkpoint, output, options in jobs:
+        export(checkpoint, output, **options)

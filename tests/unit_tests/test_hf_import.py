@@ -1,0 +1,99 @@
+"""HF checkpoints imported into stock GPT models give transformers' own logits (fp32, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import torch
+
+from megatron_plugins.weights.streaming import AssembleError, assemble
+from tests.hf_models import (
+    hf_logits,
+    mimo_import,
+    rel_diff,
+    safetensors_of,
+    save_tiny,
+    stock_gpt_rank,
+)
+from tests.multiprocess import run_in_processes
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_one_rank_import_reproduces_transformers_logits(family, tmp_path):
+    folder = save_tiny(family, tmp_path / family)
+    [result] = run_in_processes(stock_gpt_rank, 1, args=(str(folder), 1, 1, []), timeout=120)
+    assert result["family"] == family
+    assert result["padded_vocab"] == 128  # 100 HF rows padded to Megatron's multiple of 128
+    want = hf_logits(folder)
+    got = result["logits"]
+    assert abs(got[..., 100:]).max() == 0  # padded rows are zero
+    assert rel_diff(got[..., :100], want) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
+    return folder, hf_logits(folder)
+
+
+def _assert_streams_back(folder, pieces):
+    """Pieces from every rank reassemble to exactly the imported HF tensors."""
+    assembled = assemble(piece for rank in pieces for piece in rank)
+    original = safetensors_of(folder)
+    assert sorted(assembled) == sorted(original)
+    for name, tensor in original.items():
+        assert assembled[name].dtype == tensor.dtype and torch.equal(assembled[name], tensor), name
+
+
+@pytest.mark.parametrize("grid", ["language:tp=2", "language:pp=2"])
+def test_mimo_language_at_tp2_and_pp2_reproduces_transformers_logits_and_streams_back(llama, grid):
+    folder, want = llama
+    logits, pieces = mimo_import(3, str(folder), grid)
+    assert len(logits) == (2 if "tp" in grid else 1)  # every TP rank of the last stage
+    for got in logits:
+        assert rel_diff(got[..., :100], want) < TOLERANCE
+    names = [{p.hf_name for p in rank} for rank in pieces]
+    if "pp" in grid:
+        assert names[0].isdisjoint(names[1])  # each stage streams only its own layers
+    else:  # each TP rank streams only its half of the 32 q_proj rows
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert [p.tensor.shape[0] for rank in pieces for p in rank if p.hf_name == q] == [16, 16]
+    _assert_streams_back(folder, pieces)
+    if "tp" in grid:
+        _assert_another_ranks_metadata_is_caught(pieces)
+
+
+def _assert_another_ranks_metadata_is_caught(pieces):
+    """A consumer that places rank 1's q_proj slice with rank 0's offsets gets an error."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    [mine] = [p for p in pieces[0] if p.hf_name == name]
+    [theirs] = [p for p in pieces[1] if p.hf_name == name]
+    assert mine.offsets != theirs.offsets
+    wrong = [p if p is not theirs else dataclasses.replace(p, offsets=mine.offsets)
+             for rank in pieces for p in rank]
+    with pytest.raises(AssembleError, match=f"{name}: pieces at .* overlap"):
+        assemble(wrong)
+    with pytest.raises(AssembleError, match=f"{name}: pieces cover"):
+        assemble(p for p in wrong if p is not mine)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    folder = save_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe")
+    return folder, hf_logits(folder)
+
+
+def test_qwen3_moe_at_ep2_reproduces_transformers_logits(qwen3_moe):
+    folder, want = qwen3_moe
+    logits, pieces = mimo_import(3, str(folder), "language:dp=2,ep=2")
+    assert len(logits) == 2  # both expert ranks ran every token through all 4 experts
+    for got in logits:
+        assert rel_diff(got[..., :100], want) < TOLERANCE
+    experts = [{p.hf_name.split(".experts.")[1].split(".")[0] for p in rank if ".experts." in p.hf_name}
+               for rank in pieces]
+    assert experts == [{"0", "1"}, {"2", "3"}]  # each EP rank streams only its own experts
+    _assert_streams_back(folder, pieces)

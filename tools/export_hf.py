@@ -1,0 +1,265 @@
+"""Export a MiMo checkpoint saved by stock ``--save`` (torch_dist, any layout) to HF folders.
+
+    python -m tools.export_hf --checkpoint runs/default/checkpoints --output hf_out
+
+writes ``hf_out/language/`` (config.json + safetensors, the family's HF format), one folder per
+encoder whose provider has a HF mapping, and ``hf_out/projections.safetensors`` with
+``projections.json`` describing them. Tensors are read whole from the checkpoint, whatever layout
+saved it (megatron-core's ``dist_checkpointing.load`` of each tensor's full extent), one stacked
+tensor at a time, then split into HF tensors by the same rules and code the streaming API uses;
+so the files are byte-identical for any saving layout, and every tensor keeps its saved dtype.
+Shards of ``--max-shard-size`` with ``model.safetensors.index.json`` when the model is bigger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_plugins.errors import UsageError, report
+from megatron_plugins.weights.local_view import LocalParam
+from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
+from megatron_plugins.weights.streaming import WeightPiece, assemble, pieces_of
+
+PROG = "export_hf"
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+              "GIB": 2**30}
+PROJECTIONS = "projections"
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in SIZE_UNITS:
+        raise HFWeightsError(f"--max-shard-size {text}: expected bytes or a size like 5GB, 500MB")
+    return int(match.group(1)) * SIZE_UNITS[match.group(2).upper()]
+
+
+def iteration_folder(checkpoint: Path, iteration: int | None) -> Path:
+    """The complete iteration folder to export: the one given, or the tracker's newest."""
+    from megatron_plugins.checkpoints import TRACKER_FILE, is_complete, resume_point
+
+    if is_complete(checkpoint):
+        return checkpoint
+    if not checkpoint.is_dir():
+        raise HFWeightsError(f"--checkpoint {checkpoint}: no such folder")
+    step = resume_point(checkpoint, iteration, auto_resume=False).step
+    if step is None:
+        step = int((checkpoint / TRACKER_FILE).read_text().strip())
+    return checkpoint / f"iter_{step:07d}"
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """Checkpoint key -> (module, name inside it); wrappers' ``module.`` segments dropped.
+    Modules: ``language``, an encoder's name, ``NAME:projection``; None for optimizer state."""
+    parts = [part for part in key.split(".") if part != "module"]
+    if parts[0] == "language_model":
+        return "language", ".".join(parts[1:])
+    if parts[0] == "modality_submodules":
+        name, kind = parts[1], parts[2]
+        if kind == "encoders" and parts[3] == name:
+            return name, ".".join(parts[4:])
+        if kind == "input_projections":
+            return f"{name}:projection", ".".join(parts[3:])
+    return None
+
+
+STACKED = (("layers.", "layers."), ("experts.experts.", "experts.local_experts."))
+"""(checkpoint key segment, global name segment) of what stock stacks on a leading dim."""
+
+
+def unstack(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stock checkpoints stack a block's layers (and an MoE layer's experts) on leading dims;
+    yield each with its global name (``decoder.layers.{i}.``, ``experts.local_experts.{e}.``)."""
+    for stacked, named in STACKED:
+        head, found, rest = name.partition(stacked)
+        if found and not rest.split(".")[0].isdigit():
+            for index, part in enumerate(tensor.unbind(0)):
+                yield from unstack(f"{head}{named}{index}.{rest}", part)
+            return
+    yield name, tensor
+
+
+class Checkpoint:
+    """A torch_dist iteration folder read one full tensor at a time (no saving layout needed)."""
+
+    def __init__(self, folder: Path) -> None:
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.folder = folder
+        self._dc = dist_checkpointing
+        self.metadata = dist_checkpointing.load_tensors_metadata(str(folder))
+        self.args = dist_checkpointing.load_common_state_dict(str(folder))["args"]
+        self.modules: dict[str, dict[str, str]] = {}
+        for key in sorted(self.metadata):
+            where = split_key(key)
+            if where is not None:
+                self.modules.setdefault(where[0], {})[where[1]] = key
+
+    def tensors(self, module: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(global Megatron name, full tensor) of one module, stacked keys unstacked."""
+        for name, key in self.modules[module].items():
+            loaded = self._dc.load({key: self.metadata[key]}, str(self.folder),
+                                   validate_access_integrity=False)[key]
+            yield from unstack(name, loaded)
+
+
+def hf_pieces(tensors: Iterator[tuple[str, torch.Tensor]], family: Family, heads: Heads | None,
+              vocab_size: int | None, where: str) -> Iterator[WeightPiece]:
+    """Full Megatron tensors -> HF pieces, by the streaming code at TP 1."""
+    for name, tensor in tensors:
+        bound = family.bind(name)
+        if bound is None:
+            raise HFWeightsError(f"{where}: the {family.name} mapping has no rule for {name}")
+        yield from pieces_of(LocalParam(name, tensor, bound, 0, 1), tensor, heads, vocab_size)
+
+
+def write_folder(tensors: Mapping[str, torch.Tensor], folder: Path, max_shard_size: int,
+                 config: dict[str, Any] | None, progress: bool) -> list[Path]:
+    """safetensors (sharded with an index past ``max_shard_size``) plus config.json."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors, key=_natural):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    written = []
+    for file, names in tqdm(list(zip(files, shards)), desc=f"writing {folder.name}",
+                            unit="file", disable=not progress):
+        save_file({name: tensors[name].contiguous() for name in names}, str(folder / file),
+                  metadata={"format": "pt"})
+        written.append(folder / file)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in tensors.values())},
+                 "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
+        written.append(_write_json(folder / "model.safetensors.index.json", index))
+    if config is not None:
+        written.append(_write_json(folder / "config.json", config))
+    return written
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"([0-9]+)", name)]
+
+
+def _write_json(path: Path, content: Any) -> Path:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def _language_family(args: Any, name: str | None) -> Family:
+    from megatron_plugins.weights.language_families import FAMILIES
+
+    chosen = name or getattr(args, "language_hf_family", None)
+    names = ", ".join(family.name for family in FAMILIES)
+    if chosen is None:
+        raise HFWeightsError(f"the checkpoint was not started from HF weights: give "
+                             f"--language-family ({names})")
+    for family in FAMILIES:
+        if family.name == chosen:
+            return family
+    raise HFWeightsError(f"--language-family {chosen}: not one of {names}")
+
+
+def _encoder_families(args: Any) -> dict[str, Family | None]:
+    from megatron_plugins.encoders import resolve
+    from megatron_plugins.weights.flags import encoder_family
+
+    families = {}
+    for value in getattr(args, "mimo_encoders", None) or []:
+        name, _, provider = value.partition("=")
+        families[name] = encoder_family(resolve(provider, name))
+    return families
+
+
+def _heads(args: Any) -> Heads:
+    return Heads(args.num_attention_heads,
+                 args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+                 args.kv_channels or args.hidden_size // args.num_attention_heads)
+
+
+def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None = None,
+           max_shard_size: int = 5 * 10**9, language_family: str | None = None,
+           progress: bool = True) -> list[Path]:
+    """Write the HF folders of a MiMo checkpoint; returns the files written."""
+    ckpt = Checkpoint(iteration_folder(Path(checkpoint), iteration))
+    args, out = ckpt.args, Path(output)
+    written = []
+    if "language" in ckpt.modules:
+        family = _language_family(args, language_family)
+        vocab = args.vocab_size or args.padded_vocab_size
+        pieces = hf_pieces(ckpt.tensors("language"), family, _heads(args), vocab, str(ckpt.folder))
+        written += write_folder(assemble(pieces), out / "language", max_shard_size,
+                                family.hf_config(args, vocab), progress)
+    for name, family in _encoder_families(args).items():
+        if family is None:
+            print(f"{PROG}: notice: encoder {name}'s provider has no HF mapping; its network is "
+                  "not exported", file=sys.stderr)
+        elif name in ckpt.modules:
+            pieces = hf_pieces(ckpt.tensors(name), family, None, None, str(ckpt.folder))
+            written += write_folder(assemble(pieces), out / name, max_shard_size,
+                                    family.hf_config(args, None), progress)
+    projections = {f"{module.partition(':')[0]}.{name}": tensor
+                   for module in ckpt.modules if module.endswith(":projection")
+                   for name, tensor in ckpt.tensors(module)}
+    if projections:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in projections.items()},
+                  str(out / f"{PROJECTIONS}.safetensors"), metadata={"format": "pt"})
+        written.append(out / f"{PROJECTIONS}.safetensors")
+        written.append(_write_json(out / f"{PROJECTIONS}.json", {
+            "module": "megatron.core.models.vision.multimodal_projector.MultimodalProjector "
+                      "(projector_type mlp: linear_fc1 -> GELU -> linear_fc2, biases)",
+            "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                        for name, t in sorted(projections.items())},
+        }))
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: export, or one error line and exit code 2."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True,
+                        help="the --save folder (its newest complete iteration) or an iter_* folder")
+    parser.add_argument("--output", required=True, help="folder for the HF folders")
+    parser.add_argument("--iteration", type=int, default=None, help="export this iteration")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file (default 5GB); more files get an index")
+    parser.add_argument("--language-family", default=None,
+                        help="HF family of the language model when the run did not start from "
+                             "--language-hf-weights")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        export(args.checkpoint, args.output, iteration=args.iteration,
+               max_shard_size=parse_size(args.max_shard_size),
+               language_family=args.language_family, progress=not args.no_progress)
+    except UsageError as error:
+        return report(PROG, error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

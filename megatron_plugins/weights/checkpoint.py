@@ -1,0 +1,109 @@
+"""A HF checkpoint folder on local disk: ``config.json`` and memory-mapped safetensors.
+
+Tensors are opened with ``safe_open`` and read with ``get_slice``, so a rank reads only the rows
+it asks for; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from megatron_plugins.weights.mapping import Family, HFWeightsError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_config(folder: str | Path, flag: str) -> dict[str, Any]:
+    """``config.json`` of ``folder``; a missing or unreadable one names the flag that gave it."""
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise HFWeightsError(f"{flag} {folder}: no such folder")
+    if not path.is_file():
+        raise HFWeightsError(f"{flag} {folder}: no config.json there (a HF model folder has "
+                             "config.json and model.safetensors or an index)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise HFWeightsError(f"{flag} {path}: unreadable ({error})") from None
+
+
+def find_family(config: dict[str, Any], families: Sequence[Family], where: str) -> Family:
+    """The family accepting this config's ``architectures`` (or ``model_type``)."""
+    architectures = config.get("architectures") or []
+    for family in families:
+        if set(architectures) & set(family.architectures):
+            return family
+    for family in families:
+        if not architectures and config.get("model_type") == family.model_type:
+            return family
+    supported = ", ".join(a for family in families for a in family.architectures)
+    found = ", ".join(architectures) or config.get("model_type") or "none"
+    raise HFWeightsError(f"{where}: architecture {found} is not supported; supported: {supported}")
+
+
+class HFCheckpoint:
+    """The safetensors files of one HF folder (single file or sharded with an index)."""
+
+    def __init__(self, folder: str | Path, flag: str) -> None:
+        self.folder = Path(folder)
+        self.flag = flag
+        self.config = read_config(folder, flag)
+        index = self.folder / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise HFWeightsError(f"{flag} {folder}: neither {SINGLE} nor {INDEX} is there")
+        self._handles: dict[str, Any] = {}
+        if weight_map is None:
+            names = self._open(SINGLE).keys()
+            weight_map = {name: SINGLE for name in names}
+        for file in sorted(set(weight_map.values())):
+            if not (self.folder / file).is_file():
+                raise HFWeightsError(f"{flag} {folder}: {file}, listed in {INDEX}, is missing")
+        self.weight_map: dict[str, str] = dict(weight_map)
+
+    def _open(self, file: str) -> Any:
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+            except Exception as error:  # noqa: BLE001 - safetensors raises several kinds
+                raise HFWeightsError(f"{self.flag} {self.folder / file}: not a readable "
+                                     f"safetensors file ({error})") from None
+        return self._handles[file]
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def _slice(self, name: str) -> Any:
+        return self._open(self.weight_map[name]).get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype | str:
+        """The stored dtype (the safetensors code when torch has no such dtype)."""
+        code = self._slice(name).get_dtype()
+        return SAFETENSORS_DTYPES.get(code, code)
+
+    def read(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows ``[start, start + length)`` on ``dim`` (``length`` -1: the whole tensor)."""
+        view = self._slice(name)
+        if length < 0:
+            return view[:]
+        index = [slice(None)] * dim + [slice(start, start + length)]
+        return view[tuple(index)]

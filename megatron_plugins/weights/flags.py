@@ -1,0 +1,85 @@
+"""The HF weights flags: one per module, and the stock shape flags read from ``config.json``.
+
+``--language-hf-weights DIR`` gives the language model's pretrained weights; its ``config.json``
+sets the stock shape flags (layers, hidden, heads, ...), so they need not be given, and one that
+is given with another value is a one-line error naming both. ``--encoder-hf-weights NAME=DIR``
+gives an encoder's; the encoder's provider reads its own shape from that folder and names its
+family as ``hf_family`` (a :class:`~megatron_plugins.weights.mapping.Family`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from megatron_plugins.weights.checkpoint import find_family, read_config
+from megatron_plugins.weights.language_families import FAMILIES
+from megatron_plugins.weights.mapping import Family, HFWeightsError
+
+LANGUAGE_FLAG = "--language-hf-weights"
+ENCODER_FLAG = "--encoder-hf-weights"
+
+
+def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the per-module "load HF weights from" flags."""
+    group = parser.add_argument_group("megatron-plugins HF weights")
+    group.add_argument(LANGUAGE_FLAG, metavar="DIR", default=None,
+                       help="Load the language model from this HF folder (config.json + "
+                            "safetensors) once at start; its config sets the model's shape flags.")
+    group.add_argument(ENCODER_FLAG, metavar="NAME=DIR", action="append", default=[],
+                       help="Load encoder NAME's network from this HF folder once at start "
+                            "(the projection starts from init). Repeatable.")
+    return parser
+
+
+def _shown(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def apply_language_config(args: argparse.Namespace, given: Callable[[str], str | None]) -> str | None:
+    """Set the stock shape flags ``--language-hf-weights``' config.json implies; returns the
+    family name (None without the flag). ``given(attr)`` is the flag as the user spelled it, or
+    None when it was not given."""
+    folder = args.language_hf_weights
+    if folder is None:
+        return None
+    config = read_config(folder, LANGUAGE_FLAG)
+    family = find_family(config, FAMILIES, f"{LANGUAGE_FLAG} {folder}/config.json")
+    for attr, value in family.megatron_args(config).items():
+        if not hasattr(args, attr):
+            raise ValueError(f"the {family.name} family sets args.{attr}, which stock lacks")
+        spelled = given(attr)
+        if spelled is not None and getattr(args, attr) != value:
+            raise HFWeightsError(
+                f"{spelled} {_shown(getattr(args, attr))} contradicts {LANGUAGE_FLAG} "
+                f"{folder}/config.json, which gives {_shown(value)}; drop {spelled}")
+        setattr(args, attr, value)
+    return family.name
+
+
+def encoder_family(plugin: Any) -> Family | None:
+    """The HF family an encoder provider maps (its ``hf_family``), if any."""
+    return getattr(plugin, "hf_family", None)
+
+
+def encoder_folders(values: list[str], plugins: Mapping[str, Any]) -> dict[str, str]:
+    """``NAME=DIR`` values checked against the run's encoders, their providers and folders."""
+    folders: dict[str, str] = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not folder:
+            raise HFWeightsError(f"{ENCODER_FLAG} {value}: expected NAME=DIR")
+        if name not in plugins:
+            raise HFWeightsError(f"{ENCODER_FLAG} {value}: no encoder {name!r}; encoders are "
+                                 f"{', '.join(plugins) or 'none'}")
+        if name in folders:
+            raise HFWeightsError(f"{ENCODER_FLAG} {name}= is given twice")
+        family = encoder_family(plugins[name])
+        if family is None:
+            raise HFWeightsError(f"{ENCODER_FLAG} {value}: encoder {name}'s provider "
+                                 f"({type(plugins[name]).__name__}) has no HF weight mapping")
+        config = read_config(folder, f"{ENCODER_FLAG} {name}=")
+        find_family(config, (family,), f"{ENCODER_FLAG} {value}/config.json")
+        folders[name] = folder
+    return folders

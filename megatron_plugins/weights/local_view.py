@@ -1,0 +1,96 @@
+"""This rank's parameters of a module, under their global names and with their rules.
+
+Import and streaming both start here: every parameter of the rank's module gets the name it would
+have at TP 1 / PP 1 / EP 1 (a layer's global index from its ``layer_number``, an expert's from the
+MoE layer's ``local_expert_indices``), the family rule covering it, and the TP rank and size of the
+group it is sharded over (expert TP for experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_plugins.weights.mapping import Bound, Family, Heads, HFWeightsError
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """One parameter of this rank: its local name, the tensor, its rule and TP coordinates."""
+
+    name: str
+    param: torch.Tensor
+    bound: Bound
+    tp_rank: int
+    tp_size: int
+
+
+def _renames(module: torch.nn.Module) -> dict[str, str]:
+    """Local module path -> its last path segment under global numbering."""
+    renames: dict[str, str] = {}
+    for path, sub in module.named_modules():
+        parent, _, index = path.rpartition(".")
+        if index.isdigit() and parent.rpartition(".")[2] == "layers" and hasattr(sub, "layer_number"):
+            renames[path] = str(sub.layer_number - 1)
+        for local, expert in enumerate(getattr(sub, "local_expert_indices", ()) or ()):
+            renames[f"{path}.experts.local_experts.{local}"] = str(expert)
+    return renames
+
+
+def global_names(module: torch.nn.Module) -> dict[str, str]:
+    """Every parameter's local name -> its global name."""
+    renames = _renames(module)
+    names = {}
+    for name, _ in module.named_parameters():
+        local, parts = "", []
+        for part in name.split("."):
+            local = f"{local}.{part}" if local else part
+            parts.append(renames.get(local, part))
+        names[name] = ".".join(parts)
+    return names
+
+
+def _group_coords(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return group.rank(), group.size()
+
+
+def local_params(module: torch.nn.Module, family: Family, pg_collection: object,
+                 where: str) -> list[LocalParam]:
+    """This rank's parameters with their rules; a parameter no rule covers is an error naming it."""
+    tp = _group_coords(getattr(pg_collection, "tp", None))
+    expert_tp = _group_coords(getattr(pg_collection, "expt_tp", None))
+    found, uncovered = [], []
+    params = dict(module.named_parameters())
+    for name, global_name in global_names(module).items():
+        bound = family.bind(global_name)
+        if bound is None:
+            uncovered.append(global_name)
+            continue
+        rank, size = expert_tp if bound.rule.is_expert else tp
+        param = params[name]
+        if size > 1 and getattr(param, "tensor_model_parallel", False):
+            if param.partition_dim != bound.rule.tp_dim:
+                raise ValueError(f"{family.name} rule for {global_name} shards dim "
+                                 f"{bound.rule.tp_dim}, Megatron shards dim {param.partition_dim}")
+        found.append(LocalParam(name, param, bound, rank, size))
+    if uncovered:
+        raise HFWeightsError(f"{where}: the {family.name} mapping has no rule for Megatron "
+                             f"parameters {names_text(uncovered)}; the model does not match the "
+                             "family (check the stock flags that shape it)")
+    return found
+
+
+def heads_of(module: torch.nn.Module) -> Heads | None:
+    """The attention geometry for qkv rules, from the module's TransformerConfig."""
+    config = getattr(module, "config", None)
+    return Heads.of(config) if config is not None and config.num_attention_heads else None
+
+
+def names_text(names: set[str] | list[str], limit: int = 6) -> str:
+    """A bounded, sorted list of names for a one-line message."""
+    shown = ", ".join(sorted(names)[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

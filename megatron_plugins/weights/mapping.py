@@ -1,0 +1,186 @@
+"""The HF <-> Megatron weight mapping as data: one :class:`Family` table per architecture.
+
+A :class:`Rule` says how one Megatron parameter is made from HF tensors. Names are *global*: the
+name the parameter has in the module at TP 1 / PP 1 / EP 1 (``{layer}`` is the global layer index,
+``{expert}`` the global expert index), so one table serves every layout. A combine kind says how
+the HF tensors are laid out inside the Megatron tensor and how a TP rank's slice of it is made from
+slices of the HF tensors (and back), so a rank only ever reads and writes its own rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_plugins.errors import UsageError
+
+COMBINES = ("copy", "qkv", "gate_up")
+"""copy: one HF tensor (optionally sliced on ``tp_dim``); qkv: q, k, v -> Megatron's fused layout,
+per query group [that group's q heads, k, v]; gate_up: SwiGLU ``linear_fc1`` = [gate; up]."""
+
+PLACEHOLDERS = ("layer", "expert")
+
+
+class HFWeightsError(UsageError):
+    """HF weights that cannot be used as given; the message names the file, tensor or flag."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron parameter (global name template) made from HF tensors (name templates)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    combine: str = "copy"
+    tp_dim: int | None = None
+    """The dim Megatron shards this parameter on over TP (expert TP for ``{expert}`` rules)."""
+    pad_vocab: bool = False
+    """Megatron pads the vocabulary: rows past the HF rows are zeros on import, dropped on export."""
+
+    def __post_init__(self) -> None:
+        if self.combine not in COMBINES:
+            raise ValueError(f"Rule {self.megatron}: combine {self.combine!r} is not one of "
+                             f"{', '.join(COMBINES)}")
+        arity = {"copy": 1, "qkv": 3, "gate_up": 2}[self.combine]
+        if len(self.hf) != arity:
+            raise ValueError(f"Rule {self.megatron}: {self.combine} takes {arity} HF tensors")
+
+    @property
+    def is_expert(self) -> bool:
+        """Expert parameters are sharded over the expert-TP group and owned by one EP rank."""
+        return "{expert}" in self.megatron
+
+    def pattern(self) -> re.Pattern[str]:
+        """A regex matching concrete global Megatron names, capturing the placeholders."""
+        text = re.escape(self.megatron)
+        for key in PLACEHOLDERS:
+            text = text.replace(re.escape("{" + key + "}"), f"(?P<{key}>[0-9]+)")
+        return re.compile(text + "$")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A rule with its placeholders filled: concrete Megatron and HF names."""
+
+    rule: Rule
+    megatron: str
+    hf: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A HF architecture: what ``config.json`` it accepts, its rules, and its config <-> flags."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    rules: tuple[Rule, ...]
+    megatron_args: Callable[[Mapping[str, Any]], dict[str, Any]]
+    """HF ``config.json`` -> stock Megatron argparse attributes (``args.<attr>``) it implies."""
+    hf_config: Callable[[Any, int], dict[str, Any]]
+    """(stock args, unpadded vocabulary size) -> the ``config.json`` this family writes."""
+
+    def bind(self, megatron_name: str) -> Bound | None:
+        """The rule covering a concrete global Megatron name, with HF names filled in."""
+        for rule in self.rules:
+            match = rule.pattern().match(megatron_name)
+            if match:
+                values = match.groupdict()
+                return Bound(rule, megatron_name, tuple(name.format(**values) for name in rule.hf))
+        return None
+
+    def expand(self, num_layers: int, num_experts: int, present: Callable[[str], bool]
+               ) -> Iterator[Bound]:
+        """Every rule instance of a model of this size; a rule whose HF tensors are absent
+        (``present`` False for all of them) is left out, e.g. no output layer when tied."""
+        for rule in self.rules:
+            layers = range(num_layers) if "{layer}" in rule.megatron else [None]
+            experts = range(num_experts) if rule.is_expert else [None]
+            for layer in layers:
+                for expert in experts:
+                    values = {"layer": layer, "expert": expert}
+                    hf = tuple(name.format(**values) for name in rule.hf)
+                    if any(present(name) for name in hf):
+                        yield Bound(rule, rule.megatron.format(**values), hf)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Attention geometry the qkv combine needs (from the module's TransformerConfig)."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: Any) -> "Heads":
+        heads = config.num_attention_heads
+        return cls(heads, config.num_query_groups or heads, config.kv_channels)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A slice of one HF tensor: ``start`` rows (on ``dim``) into the full HF tensor."""
+
+    hf_name: str
+    tensor: torch.Tensor
+    dim: int
+    start: int
+
+
+def source_slices(bound: Bound, local_shape: Sequence[int], rank: int, heads: Heads | None
+                  ) -> list[tuple[str, int, int, int]]:
+    """Which rows of which HF tensor make this TP rank's slice: (hf name, dim, start, length)."""
+    rule = bound.rule
+    dim = rule.tp_dim if rule.tp_dim is not None else 0
+    rows = local_shape[dim] if local_shape else 0
+    if rule.tp_dim is None:
+        return [(name, 0, 0, -1) for name in bound.hf]
+    if rule.combine == "copy":
+        return [(bound.hf[0], dim, rank * rows, rows)]
+    if rule.combine == "gate_up":
+        half = rows // 2
+        return [(name, dim, rank * half, half) for name in bound.hf]
+    per_group = heads.heads // heads.groups
+    groups = rows // ((per_group + 2) * heads.head_dim)
+    q_rows, kv_rows = groups * per_group * heads.head_dim, groups * heads.head_dim
+    return [(bound.hf[0], dim, rank * q_rows, q_rows), (bound.hf[1], dim, rank * kv_rows, kv_rows),
+            (bound.hf[2], dim, rank * kv_rows, kv_rows)]
+
+
+def combine(bound: Bound, parts: Sequence[torch.Tensor], heads: Heads | None) -> torch.Tensor:
+    """This rank's Megatron tensor from its HF slices (in :func:`source_slices` order)."""
+    kind = bound.rule.combine
+    if kind == "copy":
+        return parts[0]
+    if kind == "gate_up":
+        return torch.cat(parts, dim=bound.rule.tp_dim or 0)
+    q, k, v = parts
+    groups = k.shape[0] // heads.head_dim
+    trailing = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, -1, *trailing), k.reshape(groups, -1, *trailing),
+                       v.reshape(groups, -1, *trailing)], dim=1)
+    return fused.reshape(-1, *trailing)
+
+
+def split(bound: Bound, local: torch.Tensor, rank: int, heads: Heads | None) -> list[Piece]:
+    """The inverse of :func:`combine`: this rank's HF slices and where they sit."""
+    slices = source_slices(bound, tuple(local.shape), rank, heads)
+    kind = bound.rule.combine
+    if kind == "copy":
+        parts = [local]
+    elif kind == "gate_up":
+        parts = list(local.chunk(2, dim=bound.rule.tp_dim or 0))
+    else:
+        q_rows, kv_rows = slices[0][3], slices[1][3]
+        groups = kv_rows // heads.head_dim
+        per_group = local.reshape(groups, -1, *local.shape[1:])
+        q_size, kv_size = q_rows // groups, kv_rows // groups
+        q, k, v = per_group.split([q_size, kv_size, kv_size], dim=1)
+        parts = [part.reshape(-1, *local.shape[1:]) for part in (q, k, v)]
+    return [Piece(name, part, dim, max(start, 0))
+            for (name, dim, start, _), part in zip(slices, parts)]

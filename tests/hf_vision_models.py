@@ -108,5 +108,56 @@ def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dic
     network.eval()
     with torch.no_grad():
         output = network(torch.from_numpy(pixels))
-    return {"family": family.name, "output": output.numpy(),
+    return {"family": family.name, "output": output.detach().numpy(),
             "tokens_per_sample": encoder.tokens_per_sample}
+
+
+def save_full_clip(folder: str | Path, seed: int = 0) -> Path:
+    """A tiny random full ``CLIPModel`` (text tower too): vision tensors under ``vision_model.``."""
+    import transformers
+
+    text = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=8)
+    config = transformers.CLIPConfig(text_config=text, vision_config=SHAPE, projection_dim=8)
+    torch.manual_seed(seed)
+    model = transformers.CLIPModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+def full_clip_hidden_states(folder: str | Path, pixels: np.ndarray) -> np.ndarray:
+    """The vision tower's ``last_hidden_state`` of a saved full ``CLIPModel``."""
+    import transformers
+
+    model = transformers.CLIPModel.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model.vision_model(pixel_values=torch.from_numpy(pixels)).last_hidden_state.numpy()
+
+
+def drop_tensor(source: str | Path, target: str | Path, name: str) -> Path:
+    """A copy of a single-file HF folder without tensor ``name``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = Path(target)
+    target.mkdir(parents=True)
+    shutil.copy(Path(source) / "config.json", target / "config.json")
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def import_error(provider: str, folder: str) -> str:
+    """The one-line error our encoder's import of ``folder`` raises (on one rank)."""
+    from megatron_plugins.weights.mapping import HFWeightsError
+
+    try:
+        encoder_rank(provider, folder, 1, pixel_values(batch=1))
+    except HFWeightsError as error:
+        return str(error)
+    return "no error"

@@ -12,11 +12,15 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from tests.hf_vision_models import (
+    drop_tensor,
     encoder_rank,
+    full_clip_hidden_states,
     hf_hidden_states,
+    import_error,
     pixel_values,
     plugin,
     rel_diff,
+    save_full_clip,
     save_tiny,
 )
 from tests.multiprocess import run_in_processes
@@ -51,3 +55,21 @@ def test_encoder_tp2_reproduces_transformers(provider, tmp_path):
     want = hf_hidden_states(provider, folder, pixels)
     for result in results:
         assert rel_diff(result["output"], want) < TOLERANCE
+
+
+def test_full_clip_model_folder_loads_its_vision_tower(tmp_path):
+    """A CLIPModel save: tensors under vision_model., plus a text tower the encoder leaves out."""
+    folder = save_full_clip(tmp_path / "clip")
+    pixels = pixel_values(batch=1)
+    [result] = run_in_processes(encoder_rank, 1, args=("clip", str(folder), 1, pixels),
+                                timeout=120)
+    assert rel_diff(result["output"], full_clip_hidden_states(folder, pixels)) < TOLERANCE
+
+
+def test_missing_hf_tensor_is_one_line_naming_it(tmp_path):
+    whole = save_tiny("clip", tmp_path / "clip")
+    broken = drop_tensor(whole, tmp_path / "broken", "encoder.layers.1.mlp.fc2.bias")
+    [message] = run_in_processes(import_error, 1, args=("clip", str(broken)), timeout=120)
+    assert "\n" not in message
+    assert "missing HF tensors encoder.layers.1.mlp.fc2.bias" in message
+    assert "decoder.layers.1.mlp.linear_fc2.bias" in message

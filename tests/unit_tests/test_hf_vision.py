@@ -73,3 +73,67 @@ def test_missing_hf_tensor_is_one_line_naming_it(tmp_path):
     assert "\n" not in message
     assert "missing HF tensors encoder.layers.1.mlp.fc2.bias" in message
     assert "decoder.layers.1.mlp.linear_fc2.bias" in message
+
+
+def _image(height: int, width: int) -> np.ndarray:
+    return np.random.default_rng(height * width).integers(0, 256, (height, width, 3), np.uint8)
+
+
+def _hf_processor(provider: str, folder=None, **kwargs):
+    from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
+
+    cls = CLIPImageProcessorPil if provider == "clip" else SiglipImageProcessorPil
+    return cls.from_pretrained(folder) if folder else cls(**kwargs)
+
+
+HF_DEFAULTS = {  # HF's processors at the tiny model's image size (16)
+    "clip": dict(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+    "siglip": dict(size={"height": 16, "width": 16}),
+}
+
+
+@pytest.mark.parametrize("provider", ["clip", "siglip"])
+@pytest.mark.parametrize("height, width", [(23, 37), (40, 17), (16, 16)])
+def test_default_preprocessing_equals_hf_image_processor(provider, height, width, tmp_path):
+    """No preprocessor_config.json: the model's defaults (CLIP: shortest edge + center crop, CLIP
+    mean/std; SigLIP: square resize, mean/std 0.5), bit for bit HF's PIL processor."""
+    folder = save_tiny(provider, tmp_path / provider, num_hidden_layers=1)
+    image = _image(height, width)
+    got = plugin(provider, folder).preprocessor()(image)["x"]
+    want = _hf_processor(provider, **HF_DEFAULTS[provider])(image, return_tensors="pt")
+    assert got.dtype == torch.float32 and got.shape == (3, 16, 16)
+    torch.testing.assert_close(got, want["pixel_values"][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("provider, config", [
+    ("clip", dict(size={"shortest_edge": 20}, crop_size={"height": 16, "width": 16},
+                  resample=2, image_mean=[0.1, 0.2, 0.3], image_std=[0.9, 0.8, 0.7])),
+    ("siglip", dict(size={"height": 16, "width": 16}, resample=3, rescale_factor=1 / 127.5,
+                    image_mean=[1.0, 1.0, 1.0], image_std=[1.0, 1.0, 1.0])),
+])
+def test_preprocessor_config_json_is_followed_like_hf(provider, config, tmp_path):
+    folder = save_tiny(provider, tmp_path / provider, num_hidden_layers=1)
+    _hf_processor(provider, **config).save_pretrained(folder)
+    image = _image(31, 22)
+    got = plugin(provider, folder).preprocessor()(image)["x"]
+    want = _hf_processor(provider, folder)(image, return_tensors="pt")["pixel_values"][0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_errors_name_the_flag_and_what_to_fix(tmp_path):
+    siglip = save_tiny("siglip", tmp_path / "siglip", num_hidden_layers=1)
+    with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights vision=DIR"):
+        plugin("clip", "")
+    with pytest.raises(EncoderPluginError, match=r"vision=.*siglip: config.json is a "
+                                                 r"'siglip_vision_model' model, not "
+                                                 r"'clip_vision_model'"):
+        plugin("clip", siglip)
+    relu = save_tiny("clip", tmp_path / "relu", num_hidden_layers=1, hidden_act="relu")
+    with pytest.raises(EncoderPluginError, match=r"hidden_act 'relu' is not supported; "
+                                                 r"supported: quick_gelu"):
+        plugin("clip", relu)
+    (siglip / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"height": 32, "width": 32}}))
+    with pytest.raises(EncoderPluginError, match=r"preprocessor_config.json makes \(32, 32\) "
+                                                 r"images but the model's image_size is 16"):
+        plugin("siglip", siglip)

@@ -137,3 +137,22 @@ def test_errors_name_the_flag_and_what_to_fix(tmp_path):
     with pytest.raises(EncoderPluginError, match=r"preprocessor_config.json makes \(32, 32\) "
                                                  r"images but the model's image_size is 16"):
         plugin("siglip", siglip)
+
+
+def test_export_config_is_the_loaded_vision_config(tmp_path):
+    """What the export writes as the encoder's config.json: the vision config it was built from
+    (a full model's vision_config too), refused when two folders of the family make it ambiguous."""
+    import argparse
+
+    from megatron_plugins.weights.mapping import HFWeightsError
+    from megatron_plugins.weights.vision_families import CLIP_VISION
+
+    full = save_full_clip(tmp_path / "full")
+    args = argparse.Namespace(encoder_hf_weights=[f"vision={full}"])
+    written = CLIP_VISION.hf_config(args, 0)
+    assert written["model_type"] == "clip_vision_model"
+    assert (written["hidden_size"], written["image_size"]) == (32, 16)
+    other = save_tiny("clip", tmp_path / "other", num_hidden_layers=1)
+    args.encoder_hf_weights.append(f"second={other}")
+    with pytest.raises(HFWeightsError, match="2 clip_vision_model folders given"):
+        CLIP_VISION.hf_config(args, 0)

@@ -4,7 +4,7 @@
 (stock language config, encoder providers, special tokens, seed, freezing); the live topology and
 encoder plugins ride along in underscore fields, which Megatron never writes to checkpoints.
 ``MimoModelBuilder`` seeds this rank's module, builds the rank-local ``MimoModel`` (only that
-module is instantiated), runs the pre/post wrap hooks, applies the distributed lifecycle,
+module is instantiated), loads HF weights into it where asked (``megatron_plugins.weights``), runs the pre/post wrap hooks, applies the distributed lifecycle,
 installs cross-grid gradient sync and sets what the stock loop reads from the model
 (``pg_collection``, ``rng_state_key_prefix``).
 """
@@ -34,6 +34,7 @@ from megatron_plugins.layout import LANGUAGE
 from megatron_plugins.lifecycle import Freeze, prepare_active_modules
 from megatron_plugins.rng import rng_state_key_prefix, seed_module
 from megatron_plugins.topology import HeteroTopology
+from megatron_plugins.weights import load_pretrained
 
 
 @dataclass
@@ -53,6 +54,10 @@ class MimoBuildConfig(ModelConfig):
     freeze_projections: list[str] = field(default_factory=list)
     encoder_overlap_grad_reduce: bool | None = None
     """Overlapped grad reduction for encoders; None follows the stock ``--overlap-grad-reduce``."""
+    language_hf_weights: str | None = None
+    """HF folder the language model is loaded from once built (``--language-hf-weights``)."""
+    encoder_hf_weights: dict[str, str] = field(default_factory=dict)
+    """HF folder per encoder network (``--encoder-hf-weights NAME=DIR``)."""
 
     _topology: HeteroTopology | None = None
     _plugins: dict[str, EncoderPlugin] = field(default_factory=dict)
@@ -140,6 +145,8 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         meta = torch.device("meta") if language.init_model_with_meta_device else None
         with meta or contextlib.nullcontext():
             model = self.build_model(encoder_configs=configs)
+        load_pretrained(model, topology.module_pgs, cfg.language_hf_weights,
+                        cfg.encoder_hf_weights, cfg._plugins)
         model = _single(compose_hooks(cfg.pre_wrap_hooks)([model]), "pre_wrap_hooks")
 
         module_pgs = topology.module_pgs

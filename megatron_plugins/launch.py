@@ -64,6 +64,11 @@ from megatron_plugins.optimizer_config import (
     apply_optimizer_args,
 )
 from megatron_plugins.topology import HeteroTopology, build_topology, pipeline_communicator
+from megatron_plugins.weights.flags import (
+    add_weights_args,
+    apply_language_config,
+    encoder_folders,
+)
 from megatron_plugins.training_step import forward_step
 
 HELP_DESCRIPTION = (
@@ -141,7 +146,7 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         stock_groups = len(parser._action_groups)
         for add in (add_layout_args, add_mimo_args, add_data_args, add_optimizer_args,
-                    cpu_simulation.add_cli_flag):
+                    add_weights_args, cpu_simulation.add_cli_flag):
             add(parser)
         add_encoder_args(parser, providers)
         # argparse prints groups in creation order: ours (made last) go first, after "options".
@@ -217,11 +222,14 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     argv = sys.argv[1:] if argv is None else list(argv)
     refuse_upstream_flags(argv)
     args, parser = _parse_flags(argv, _encoder_providers(argv))
+    # --language-hf-weights' config.json gives the shape flags, before anything reads them.
+    args.language_hf_family = apply_language_config(args, lambda attr: _given(parser, argv, attr))
     # check_run is the launch's and mimo-plan's one layout check (encoder head counts included).
     layout = check_run(argv, args.world_size)
     resolve_freeze(args, layout)
     plugins = {module.name: instantiate(module.provider, module.name, args, module)
                for module in layout.encoders}
+    args.encoder_hf_weights = encoder_folders(args.encoder_hf_weights, plugins)
     resume_notice = checkpoints.check_checkpoint_flags(args, layout)
     if resume_notice:
         _notice(args, resume_notice)
@@ -300,6 +308,8 @@ def start(run: MimoRun) -> MimoSession:
         freeze_encoders=list(args.freeze_encoder),
         freeze_projections=list(args.freeze_projection),
         encoder_overlap_grad_reduce=args.encoder_overlap_grad_reduce,
+        language_hf_weights=args.language_hf_weights,
+        encoder_hf_weights=dict(args.encoder_hf_weights),
         _topology=topology,
         _plugins=run.plugins,
         _alignment=guard,

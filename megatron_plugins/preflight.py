@@ -20,6 +20,7 @@ from megatron_plugins.layout import (
     encoder_micro_batch_size,
     layout_from_args,
 )
+from megatron_plugins.weights.flags import fill_layout_flags
 
 CPU_SIMULATION_FLAG = "--cpu-simulation"
 
@@ -102,6 +103,7 @@ def check_parser() -> argparse.ArgumentParser:
         stock.add_argument(flag, type=int)
     stock.add_argument("--group-query-attention", action="store_true")
     stock.add_argument("--overlap-grad-reduce", action="store_true")
+    stock.add_argument("--language-hf-weights")
     return _raise_instead_of_exit(parser)
 
 
@@ -166,6 +168,7 @@ def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> P
     argv = list(argv)
     refuse_upstream_flags(argv)
     args, _ = check_parser().parse_known_args(argv)
+    fill_layout_flags(args)
     layout = layout_from_args(args, world_size)
     heads = _encoder_heads(argv, layout, quiet)
     if heads:

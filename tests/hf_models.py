@@ -141,3 +141,51 @@ def forward_logits(model: Any, pgc: Any, tokens: torch.Tensor) -> np.ndarray | N
     shards = [torch.empty_like(output) for _ in range(pgc.tp.size())]
     dist.all_gather(shards, output.contiguous(), group=pgc.tp)
     return torch.cat(shards, dim=-1).float().numpy()
+
+
+MIMO_FLAGS = [*BASE_FLAGS, "--global-batch-size", "4", "--train-iters", "4", "--eval-interval",
+              "2", "--eval-iters", "1", "--log-interval", "1", "--min-lr", "1e-4",
+              "--lr-decay-style", "cosine", "--num-workers", "0", "--cpu-simulation",
+              "--encoder", "vision=vit", "--grid", "vision:dp=1"]
+"""A ViT on rank 0, the language model (``--grid language:...``) after it; no shape flags."""
+
+
+def unwrap(module: Any) -> Any:
+    """The module inside DDP / precision wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
+    """Build one rank of a MiMo model through the entry point's code path (HF weights loaded by
+    the builder) and return the language model's logits on its last stage."""
+    from megatron_plugins import cpu_simulation
+
+    cpu_simulation.activate()
+    from megatron_plugins import megatron_compat
+    from megatron_plugins.launch import parse_mimo_args, start
+
+    megatron_compat.install()
+    session = start(parse_mimo_args(argv))
+    try:
+        builder = session.config.model.get_builder_cls()(session.config.model)
+        [mimo] = builder.build_distributed_models(wrap_with_ddp=False)
+        [module] = session.topology.active_modules
+        if module != "language":
+            return {"module": module}
+        pgc = session.topology.module_pgs[module]
+        logits = forward_logits(unwrap(mimo.language_model), pgc, TOKENS)
+        return {"module": module, "logits": logits}
+    finally:
+        session.close()
+
+
+def mimo_logits(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
+                ) -> list[np.ndarray]:
+    """Logits of every language last-stage rank of a MiMo run built from ``folder``."""
+    from tests.multiprocess import run_in_processes
+
+    argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
+    results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120)
+    return [r["logits"] for r in results if r.get("logits") is not None]

@@ -33,7 +33,10 @@ def main() -> int:
         run = parse_mimo_args()
     except UsageError as error:
         return report("pretrain_mimo.py", error)
-    train(run)
+    try:
+        train(run)
+    except UsageError as error:  # e.g. HF weights that do not fit, found once the model is built
+        return report("pretrain_mimo.py", error)
     return 0
 
 

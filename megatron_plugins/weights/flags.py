@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from megatron_plugins.weights.checkpoint import find_family, read_config
+from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError
 
@@ -37,6 +37,13 @@ def _shown(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def language_args(folder: str) -> tuple[Family, dict[str, Any]]:
+    """The family of ``--language-hf-weights``' config.json and the stock args it implies."""
+    config = read_config(folder, LANGUAGE_FLAG)
+    family = find_family(config, FAMILIES, f"{LANGUAGE_FLAG} {folder}/config.json")
+    return family, family.megatron_args(config)
+
+
 def apply_language_config(args: argparse.Namespace, given: Callable[[str], str | None]) -> str | None:
     """Set the stock shape flags ``--language-hf-weights``' config.json implies; returns the
     family name (None without the flag). ``given(attr)`` is the flag as the user spelled it, or
@@ -44,9 +51,8 @@ def apply_language_config(args: argparse.Namespace, given: Callable[[str], str |
     folder = args.language_hf_weights
     if folder is None:
         return None
-    config = read_config(folder, LANGUAGE_FLAG)
-    family = find_family(config, FAMILIES, f"{LANGUAGE_FLAG} {folder}/config.json")
-    for attr, value in family.megatron_args(config).items():
+    family, implied = language_args(folder)
+    for attr, value in implied.items():
         if not hasattr(args, attr):
             raise ValueError(f"the {family.name} family sets args.{attr}, which stock lacks")
         spelled = given(attr)
@@ -56,6 +62,16 @@ def apply_language_config(args: argparse.Namespace, given: Callable[[str], str |
                 f"{folder}/config.json, which gives {_shown(value)}; drop {spelled}")
         setattr(args, attr, value)
     return family.name
+
+
+def fill_layout_flags(args: argparse.Namespace) -> None:
+    """For the pre-import layout checks: the few stock model flags they read (heads, query
+    groups, experts), from ``--language-hf-weights``' config.json where not given."""
+    if getattr(args, "language_hf_weights", None) is None:
+        return
+    for attr, value in language_args(args.language_hf_weights)[1].items():
+        if hasattr(args, attr) and getattr(args, attr) in (None, False):
+            setattr(args, attr, value)
 
 
 def encoder_family(plugin: Any) -> Family | None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
 LAYER = "decoder.layers.{layer}."
@@ -63,7 +61,8 @@ ENDS = (
     Rule("output_layer.weight", ("lm_head.weight",), tp_dim=0, pad_vocab=True),
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+"""str(args.params_dtype) -> config.json ``dtype``."""
 
 
 def _refuse(config: Mapping[str, Any], field: str, supported: object, why: str) -> None:
@@ -163,7 +162,7 @@ def _hf_config(architecture: str, model_type: str, extra: dict[str, Any] | None 
             "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
             "vocab_size": vocab_size,
             "attention_bias": bool(args.add_qkv_bias),
-            "dtype": next(name for name, dtype in DTYPES.items() if dtype == args.params_dtype),
+            "dtype": DTYPES[str(args.params_dtype)],
         }
         for key, attr in (extra or {}).items():
             config[key] = attr(args)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from megatron_plugins.errors import UsageError
 
@@ -146,67 +144,3 @@ class Heads:
     def of(cls, config: Any) -> "Heads":
         heads = config.num_attention_heads
         return cls(heads, config.num_query_groups or heads, config.kv_channels)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A slice of one HF tensor: ``start`` rows (on ``dim``) into the full HF tensor."""
-
-    hf_name: str
-    tensor: torch.Tensor
-    dim: int
-    start: int
-
-
-def source_slices(bound: Bound, local_shape: Sequence[int], rank: int, heads: Heads | None
-                  ) -> list[tuple[str, int, int, int]]:
-    """Which rows of which HF tensor make this TP rank's slice: (hf name, dim, start, length)."""
-    rule = bound.rule
-    dim = rule.tp_dim if rule.tp_dim is not None else 0
-    rows = local_shape[dim] if local_shape else 0
-    if rule.tp_dim is None:
-        return [(name, 0, 0, -1) for name in bound.hf]
-    if rule.combine == "copy":
-        return [(bound.hf[0], dim, rank * rows, rows)]
-    if rule.combine == "gate_up":
-        half = rows // 2
-        return [(name, dim, rank * half, half) for name in bound.hf]
-    per_group = heads.heads // heads.groups
-    groups = rows // ((per_group + 2) * heads.head_dim)
-    q_rows, kv_rows = groups * per_group * heads.head_dim, groups * heads.head_dim
-    return [(bound.hf[0], dim, rank * q_rows, q_rows), (bound.hf[1], dim, rank * kv_rows, kv_rows),
-            (bound.hf[2], dim, rank * kv_rows, kv_rows)]
-
-
-def combine(bound: Bound, parts: Sequence[torch.Tensor], heads: Heads | None) -> torch.Tensor:
-    """This rank's Megatron tensor from its HF slices (in :func:`source_slices` order)."""
-    kind = bound.rule.combine
-    if kind == "copy":
-        return parts[0].reshape((1,) * bound.rule.leading_ones + tuple(parts[0].shape))
-    if kind == "gate_up":
-        return torch.cat(parts, dim=bound.rule.tp_dim or 0)
-    q, k, v = parts
-    groups = k.shape[0] // heads.head_dim
-    trailing = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, -1, *trailing), k.reshape(groups, -1, *trailing),
-                       v.reshape(groups, -1, *trailing)], dim=1)
-    return fused.reshape(-1, *trailing)
-
-
-def split(bound: Bound, local: torch.Tensor, rank: int, heads: Heads | None) -> list[Piece]:
-    """The inverse of :func:`combine`: this rank's HF slices and where they sit."""
-    slices = source_slices(bound, tuple(local.shape), rank, heads)
-    kind = bound.rule.combine
-    if kind == "copy":
-        parts = [local.reshape(local.shape[bound.rule.leading_ones:])]
-    elif kind == "gate_up":
-        parts = list(local.chunk(2, dim=bound.rule.tp_dim or 0))
-    else:
-        q_rows, kv_rows = slices[0][3], slices[1][3]
-        groups = kv_rows // heads.head_dim
-        per_group = local.reshape(groups, -1, *local.shape[1:])
-        q_size, kv_size = q_rows // groups, kv_rows // groups
-        q, k, v = per_group.split([q_size, kv_size, kv_size], dim=1)
-        parts = [part.reshape(-1, *local.shape[1:]) for part in (q, k, v)]
-    return [Piece(name, part, dim, max(start, 0))
-            for (name, dim, start, _), part in zip(slices, parts)]

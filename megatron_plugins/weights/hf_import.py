@@ -51,7 +51,8 @@ def check_names(params: Sequence[LocalParam], checkpoint: HFCheckpoint, pg_colle
                              f"{first} for Megatron {missing[first]})")
     used = {name for p in params for name in p.bound.hf}
     experts = any(p.bound.rule.is_expert for p in params)
-    unused = available - _union(used, pg_collection, experts)
+    unused = {name for name in available - _union(used, pg_collection, experts)
+              if not family.is_unused(name)}
     if unused:
         raise HFWeightsError(f"{where}: HF tensors {names_text(unused)} are not used by the "
                              f"{family.name} mapping of this model (a different model, or stock "
@@ -123,6 +124,7 @@ def import_hf_weights(module: torch.nn.Module, family: Family, pg_collection: ob
     if any(param.is_meta for param in module.parameters()):
         raise HFWeightsError(f"{where}: the model is on the meta device; drop "
                              "--init-model-with-meta-device to load HF weights")
+    family = family.for_names(checkpoint.names())
     params = local_params(module, family, pg_collection, where)
     check_names(params, checkpoint, pg_collection, family, where)
     for p in params:

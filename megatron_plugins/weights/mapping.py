@@ -9,6 +9,7 @@ slices of the HF tensors (and back), so a rank only ever reads and writes its ow
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ class Rule:
     """The dim Megatron shards this parameter on over TP (expert TP for ``{expert}`` rules)."""
     pad_vocab: bool = False
     """Megatron pads the vocabulary: rows past the HF rows are zeros on import, dropped on export."""
+    leading_ones: int = 0
+    """copy only: the Megatron tensor has this many extra leading size-1 dims (CLIP's class token
+    is ``[1, 1, H]`` in Megatron, ``[H]`` in HF)."""
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
@@ -81,6 +85,28 @@ class Family:
     """HF ``config.json`` -> stock Megatron argparse attributes (``args.<attr>``) it implies."""
     hf_config: Callable[[Any, int], dict[str, Any]]
     """(stock args, unpadded vocabulary size) -> the ``config.json`` this family writes."""
+    unused: tuple[str, ...] = ()
+    """Regexes of HF tensor names outside the Megatron module, deliberately not imported (CLIP's
+    ``post_layernorm``, SigLIP's pooling head, a full CLIP model's text tower)."""
+    hf_prefixes: tuple[str, ...] = ("",)
+    """Prefixes the HF names may carry, first match wins (a CLIP vision tower is saved as
+    ``embeddings.*`` by ``CLIPVisionModel`` in transformers 5, as ``vision_model.embeddings.*`` by
+    ``CLIPModel`` and older versions)."""
+
+    def is_unused(self, hf_name: str) -> bool:
+        """Whether a HF tensor is one the family leaves out on purpose."""
+        return any(re.match(pattern, hf_name) for pattern in self.unused)
+
+    def for_names(self, hf_names: set[str]) -> "Family":
+        """This family with its rules' HF names under the prefix the checkpoint uses: the first
+        prefix under which the first rule's tensors exist (unchanged when none does)."""
+        first = self.rules[0].hf
+        for prefix in self.hf_prefixes:
+            if all(prefix + name in hf_names for name in first):
+                rules = tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
+                              for rule in self.rules)
+                return dataclasses.replace(self, rules=rules, hf_prefixes=("",))
+        return self
 
     def bind(self, megatron_name: str) -> Bound | None:
         """The rule covering a concrete global Megatron name, with HF names filled in."""

@@ -48,7 +48,7 @@ def combine(bound: Bound, parts: Sequence[torch.Tensor], heads: Heads | None) ->
     """This rank's Megatron tensor from its HF slices (in :func:`source_slices` order)."""
     kind = bound.rule.combine
     if kind == "copy":
-        return parts[0]
+        return parts[0].reshape((1,) * bound.rule.leading_ones + tuple(parts[0].shape))
     if kind == "gate_up":
         return torch.cat(parts, dim=bound.rule.tp_dim or 0)
     q, k, v = parts
@@ -64,7 +64,7 @@ def split(bound: Bound, local: torch.Tensor, rank: int, heads: Heads | None) -> 
     slices = source_slices(bound, tuple(local.shape), rank, heads)
     kind = bound.rule.combine
     if kind == "copy":
-        parts = [local]
+        parts = [local.reshape(local.shape[bound.rule.leading_ones:])]
     elif kind == "gate_up":
         parts = list(local.chunk(2, dim=bound.rule.tp_dim or 0))
     else:

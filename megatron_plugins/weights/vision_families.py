@@ -1,0 +1,126 @@
+"""Vision-encoder families: HF CLIP and SigLIP vision towers <-> Megatron's ``CLIPViTModel``.
+
+Megatron names are relative to the encoder network (``model_subtype="clip"`` / ``"siglip"``),
+local spec first; the Transformer Engine spec fuses the pre-attention / pre-MLP LayerNorms into
+``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight`` / ``layer_norm_bias``), named here too.
+HF names are those of a transformers 5 ``CLIPVisionModel`` / ``SiglipVisionModel``; a full
+``CLIPModel`` / ``SiglipModel`` (or an older save) has them under ``vision_model.``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
+
+LAYER = "decoder.layers.{layer}."
+HF_LAYER = "encoder.layers.{layer}."
+
+
+def _norm(megatron: str, hf: str) -> tuple[Rule, ...]:
+    return tuple(Rule(f"{megatron}.{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
+
+
+def _te_norm(megatron: str, hf: str) -> tuple[Rule, ...]:
+    return tuple(Rule(f"{megatron}.layer_norm_{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
+
+
+LAYER_RULES = (
+    *_norm(f"{LAYER}input_layernorm", f"{HF_LAYER}layer_norm1"),
+    *_te_norm(f"{LAYER}self_attention.linear_qkv", f"{HF_LAYER}layer_norm1"),
+    *(Rule(f"{LAYER}self_attention.linear_qkv.{p}",
+           tuple(f"{HF_LAYER}self_attn.{x}_proj.{p}" for x in "qkv"), "qkv", tp_dim=0)
+      for p in ("weight", "bias")),
+    Rule(f"{LAYER}self_attention.linear_proj.weight", (f"{HF_LAYER}self_attn.out_proj.weight",),
+         tp_dim=1),
+    Rule(f"{LAYER}self_attention.linear_proj.bias", (f"{HF_LAYER}self_attn.out_proj.bias",)),
+    *_norm(f"{LAYER}pre_mlp_layernorm", f"{HF_LAYER}layer_norm2"),
+    *_te_norm(f"{LAYER}mlp.linear_fc1", f"{HF_LAYER}layer_norm2"),
+    Rule(f"{LAYER}mlp.linear_fc1.weight", (f"{HF_LAYER}mlp.fc1.weight",), tp_dim=0),
+    Rule(f"{LAYER}mlp.linear_fc1.bias", (f"{HF_LAYER}mlp.fc1.bias",), tp_dim=0),
+    Rule(f"{LAYER}mlp.linear_fc2.weight", (f"{HF_LAYER}mlp.fc2.weight",), tp_dim=1),
+    Rule(f"{LAYER}mlp.linear_fc2.bias", (f"{HF_LAYER}mlp.fc2.bias",)),
+)
+
+PATCHES = Rule("conv1.weight", ("embeddings.patch_embedding.weight",))
+POSITIONS = Rule("position_embeddings.weight", ("embeddings.position_embedding.weight",))
+
+PREFIXES = ("", "vision_model.")
+"""A vision model's own save (transformers 5), then a full model's (or an older save)."""
+
+OTHER_TOWER = (r"text_model\.", r"text_projection\.", r"visual_projection\.", r"logit_scale$",
+               r"logit_bias$")
+"""Tensors of a full CLIP / SigLIP model that are not the vision tower."""
+
+
+def _vision_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The vision config of a vision model's ``config.json`` or a full model's."""
+    return config.get("vision_config", config)
+
+
+def _no_stock_flags(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Encoders are shaped by their provider from ``config.json``, not by stock flags."""
+    return {}
+
+
+def _loaded_config(model_type: str):
+    """``hf_config`` for export: the vision config of the one encoder folder of this model type
+    given with ``--encoder-hf-weights`` (the shape the encoder was built from)."""
+
+    def hf_config(args: Any, vocab_size: int) -> dict[str, Any]:
+        found = []
+        for value in getattr(args, "encoder_hf_weights", None) or []:
+            folder = Path(value.partition("=")[2])
+            config = json.loads((folder / "config.json").read_text())
+            vision = dict(_vision_config(config))
+            if vision.get("model_type", model_type) == model_type:
+                found.append({**vision, "model_type": model_type})
+        if len(found) != 1:
+            raise HFWeightsError(f"--encoder-hf-weights: {len(found)} {model_type} folders "
+                                 "given; exporting its config.json needs exactly one")
+        return found[0]
+
+    return hf_config
+
+
+CLIP_VISION = Family(
+    name="clip_vision",
+    architectures=("CLIPVisionModel", "CLIPModel", "CLIPVisionModelWithProjection"),
+    model_type="clip_vision_model",
+    rules=(
+        PATCHES,
+        POSITIONS,
+        Rule("class_token", ("embeddings.class_embedding",), leading_ones=2),
+        *_norm("ln_pre", "pre_layrnorm"),
+        *LAYER_RULES,
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_loaded_config("clip_vision_model"),
+    # HF applies post_layernorm only to the pooled class token; the encoder's output is the
+    # last_hidden_state before it.
+    unused=(r"(vision_model\.)?post_layernorm\.", *OTHER_TOWER),
+    hf_prefixes=PREFIXES,
+)
+
+SIGLIP_VISION = Family(
+    name="siglip_vision",
+    architectures=("SiglipVisionModel", "SiglipModel"),
+    model_type="siglip_vision_model",
+    rules=(
+        PATCHES,
+        Rule("conv1.bias", ("embeddings.patch_embedding.bias",)),
+        POSITIONS,
+        *_norm("ln_post", "post_layernorm"),
+        *LAYER_RULES,
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_loaded_config("siglip_vision_model"),
+    # The attention-pooling head (vision_use_head) reads last_hidden_state; it is not the encoder.
+    unused=(r"(vision_model\.)?head\.", *OTHER_TOWER),
+    hf_prefixes=PREFIXES,
+)
+
+FAMILIES = (CLIP_VISION, SIGLIP_VISION)

@@ -216,9 +216,13 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
             print(f"{PROG}: notice: encoder {name}'s provider has no HF mapping; its network is "
                   "not exported", file=sys.stderr)
         elif name in ckpt.modules:
-            pieces = hf_pieces(ckpt.tensors(name), family, None, None, str(ckpt.folder))
-            written += write_folder(assemble(pieces), out / name, max_shard_size,
-                                    family.hf_config(args, None), progress)
+            config = family.hf_config(args, None)
+            heads = config["num_attention_heads"]  # HF vision encoders: plain multi-head
+            pieces = hf_pieces(ckpt.tensors(name), family,
+                               Heads(heads, heads, config["hidden_size"] // heads), None,
+                               str(ckpt.folder))
+            written += write_folder(assemble(pieces), out / name, max_shard_size, config,
+                                    progress)
     projections = {f"{module.partition(':')[0]}.{name}": tensor
                    for module in ckpt.modules if module.endswith(":projection")
                    for name, tensor in ckpt.tensors(module)}

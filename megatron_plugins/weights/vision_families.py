@@ -72,8 +72,11 @@ def _loaded_config(model_type: str):
 
     def hf_config(args: Any, vocab_size: int) -> dict[str, Any]:
         found = []
-        for value in getattr(args, "encoder_hf_weights", None) or []:
-            folder = Path(value.partition("=")[2])
+        # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
+        given = getattr(args, "encoder_hf_weights", None) or []
+        folders = (given.values() if isinstance(given, Mapping)
+                   else [value.partition("=")[2] for value in given])
+        for folder in map(Path, folders):
             config = json.loads((folder / "config.json").read_text())
             vision = dict(_vision_config(config))
             if vision.get("model_type", model_type) == model_type:

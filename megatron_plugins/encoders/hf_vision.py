@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from megatron.core.activations import quick_gelu
-from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,9 +39,8 @@ from megatron_plugins.encoders.base import (
     EncoderPluginError,
     MediaPreprocessor,
     encoder_config,
-    encoder_layer_spec,
-    encoder_norm,
 )
+from megatron_plugins.encoders.vit import clip_vit_spec
 from megatron_plugins.weights.flags import ENCODER_FLAG
 from megatron_plugins.weights.mapping import Family
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
@@ -249,17 +247,9 @@ class HFVisionEncoder(EncoderPlugin):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        norm = encoder_norm(config)
-        return ModuleSpec(
-            module=CLIPViTModel,
-            params={
-                "transformer_config": config, "transformer_layer_spec": encoder_layer_spec(config),
-                "ln_pre_impl": norm, "ln_post_impl": norm, "model_subtype": self.subtype,
-                "add_class_token": self.class_token, "class_token_len": int(self.class_token),
-                "patch_dim": self.hf_config.patch_size, "img_h": self.hf_config.image_size,
-                "img_w": self.hf_config.image_size, "pg_collection": pg_collection,
-            },
-        )
+        return clip_vit_spec(config, pg_collection, patch_size=self.hf_config.patch_size,
+                             image_size=self.hf_config.image_size, subtype=self.subtype,
+                             class_token=self.class_token)
 
     def preprocessor(self) -> HFImagePreprocessor:
         return self._preprocessor

@@ -69,6 +69,23 @@ def _check_channels(flag: str, values: object, positive: bool) -> tuple[float, f
     return values
 
 
+def clip_vit_spec(config: TransformerConfig, pg_collection: ProcessGroupCollection | None, *,
+                  patch_size: int, image_size: int, subtype: str = "clip",
+                  class_token: bool = False) -> ModuleSpec:
+    """Megatron's ``CLIPViTModel`` on the config's layer spec and norm, for square images."""
+    norm = encoder_norm(config)
+    return ModuleSpec(
+        module=CLIPViTModel,
+        params={
+            "transformer_config": config, "transformer_layer_spec": encoder_layer_spec(config),
+            "ln_pre_impl": norm, "ln_post_impl": norm, "model_subtype": subtype,
+            "add_class_token": class_token, "class_token_len": int(class_token),
+            "patch_dim": patch_size, "img_h": image_size, "img_w": image_size,
+            "pg_collection": pg_collection,
+        },
+    )
+
+
 class ViTEncoder(EncoderPlugin):
     """A ViT over square RGB images, without a class token (all patch embeddings reach the LM)."""
 
@@ -114,17 +131,8 @@ class ViTEncoder(EncoderPlugin):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        norm = encoder_norm(config)
-        return ModuleSpec(
-            module=CLIPViTModel,
-            params={
-                "transformer_config": config, "transformer_layer_spec": encoder_layer_spec(config),
-                "ln_pre_impl": norm, "ln_post_impl": norm,
-                "add_class_token": False, "class_token_len": 0,
-                "patch_dim": self.args.vit_patch_size, "img_h": self.args.vit_img_size,
-                "img_w": self.args.vit_img_size, "pg_collection": pg_collection,
-            },
-        )
+        return clip_vit_spec(config, pg_collection, patch_size=self.args.vit_patch_size,
+                             image_size=self.args.vit_img_size)
 
     def preprocessor(self) -> ImagePreprocessor:
         return ImagePreprocessor(self.args.vit_img_size, self.image_mean, self.image_std)

@@ -17,6 +17,7 @@ steps, each one of:
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -33,6 +34,13 @@ class InjectedFailure(RuntimeError):
     """What the forward of a scripted failing microbatch raises."""
 
 
+def _torch_optimizers(optimizer: Any) -> list:
+    """The torch optimizers inside a Megatron (chained) optimizer; a rank whose parameters are all
+    frozen has none."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if getattr(opt, "optimizer", None) is not None]
+
+
 def _state(model: list, optimizer: Any, scheduler: Any) -> list[np.ndarray]:
     """Everything a step may change: parameters, the optimizer's main parameters and state, and
     the scheduler's step counter, as arrays."""
@@ -40,11 +48,11 @@ def _state(model: list, optimizer: Any, scheduler: Any) -> list[np.ndarray]:
 
     arrays = [p.detach().float().cpu().numpy().copy() for chunk in model
               for p in chunk.parameters()]
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in opt.optimizer.param_groups:
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
             for param in group["params"]:
                 arrays.append(param.detach().float().cpu().numpy().copy())
-                for value in opt.optimizer.state.get(param, {}).values():
+                for value in opt.state.get(param, {}).values():
                     arrays.append(torch.as_tensor(value).detach().float().cpu().numpy().copy())
     arrays.append(np.array([scheduler.num_steps]))
     return arrays
@@ -111,8 +119,7 @@ class _Snapshot:
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
         self._params = [p.detach().clone() for chunk in model for p in chunk.parameters()]
         self._optimizers = []
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            inner = opt.optimizer
+        for inner in _torch_optimizers(optimizer):
             self._optimizers.append((
                 inner,
                 [[p.detach().clone() for p in group["params"]] for group in inner.param_groups],
@@ -211,7 +218,9 @@ def _run_plan(plan: tuple, batches: list, model, optimizer, scheduler, forward_s
                                **schedule)
     steps, index = [], 0
     for item in plan:
-        pending = batches[index]
+        # A forward may edit its batch in place (tensors "moved" to the simulated device are the
+        # same tensors): every plan and every replay gets its own copy.
+        pending = copy.deepcopy(batches[index])
         record: dict[str, Any] = {"kind": item[0]}
         if item[0] == "stock":
             loss, skipped, *_, grad_norm, _, _ = train_step(
@@ -237,7 +246,7 @@ def _run_plan(plan: tuple, batches: list, model, optimizer, scheduler, forward_s
             state = _state(model, optimizer, scheduler)
             rng = torch.get_rng_state()
             api.begin("tokens")
-            for batch in pending[:k]:
+            for batch in copy.deepcopy(pending[:k]):
                 api.microbatch(batch)
             if raises:
                 failing["now"] = True
@@ -326,7 +335,7 @@ def mimo_rank(argv: list[str], plans: dict[str, tuple]) -> dict[str, Any]:
 
 
 def run_plans(kind: str, nproc: int, flags: tuple[str, ...], plans: dict[str, tuple],
-              timeout: float = 110.0) -> list[dict[str, Any]]:
+              timeout: float = 200.0) -> list[dict[str, Any]]:
     """Run every plan from the same initial state on ``nproc`` ranks of the tiny GPT
     (``kind="gpt"``, per-token loss) or MiMo model; per rank, each plan's records."""
     base = [*TINY_GPT, "--calculate-per-token-loss"] if kind == "gpt" else TINY_MIMO

@@ -94,18 +94,26 @@ class CrossGridGradSync:
         self._guard.check(packed[1:].cpu())
         return packed[0].to(num_tokens.dtype).reshape(num_tokens.shape)
 
+    def reduce_gradients(self, force_all_reduce: bool = False) -> None:
+        """Stock per-module finalization (DP reduce, TP-replicated and embedding reductions),
+        without normalization; the split train step calls it apart from the token count."""
+        self._close()
+        for name, module in _active_modules(self._model, self._module_pgs):
+            finalize_model_grads([module], None, pg_collection=self._module_pgs[name],
+                                 force_all_reduce=force_all_reduce)
+
+    def scale_gradients(self, total: torch.Tensor) -> None:
+        """Divide every active module's gradients by the global count ``total``."""
+        scaling = 1.0 / torch.clamp(total, min=1)
+        for _, module in _active_modules(self._model, self._module_pgs):
+            module.scale_gradients(scaling)
+
     def finalize(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None,
                  pg_collection: object = None, force_all_reduce: bool = False) -> None:
         """Stock per-module finalization, then division by the global token count."""
-        self._close()
         assert unwrap_model(model[0]) is self._model, "grad sync installed on another model"
-        modules = list(_active_modules(self._model, self._module_pgs))
-        for name, module in modules:
-            finalize_model_grads([module], None, pg_collection=self._module_pgs[name],
-                                 force_all_reduce=force_all_reduce)
-        scaling = 1.0 / torch.clamp(self.global_token_count(num_tokens), min=1)
-        for _, module in modules:
-            module.scale_gradients(scaling)
+        self.reduce_gradients(force_all_reduce)
+        self.scale_gradients(self.global_token_count(num_tokens))
 
 
 def install_grad_sync(model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],

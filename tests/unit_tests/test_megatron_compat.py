@@ -348,3 +348,25 @@ def test_gap4c_bridge_builds_attention_mlp_and_moe_layers_from_local_modules():
     # Transformer Engine runs and explicit specs keep the stock stack.
     transformer.transformer_impl = "transformer_engine"
     assert megatron_compat.with_local_hybrid_spec(config) is config
+
+
+def test_gap10_stock_names_dataloader_state_by_dp_rank_only():
+    from megatron.training import checkpointing
+
+    source = inspect.getsource(checkpointing)
+    assert "basename=f'train_dataloader_dprank{dp_rank:03d}.pt'" in source
+    assert "maybe_save_dataloader_state(" in inspect.getsource(checkpointing.save_checkpoint)
+
+
+def test_gap10_bridge_lets_a_module_stream_write_its_own_state(tmp_path):
+    from megatron.training import checkpointing
+
+    megatron_compat.install_checkpoint_bridges()
+    written = []
+    stream = SimpleNamespace(iterable=SimpleNamespace(save_data_state=written.append))
+    checkpointing.maybe_save_dataloader_state(stream, 7, str(tmp_path), tp_group=None)
+    assert written == [checkpointing.get_checkpoint_name(str(tmp_path), 7, return_base_dir=True)]
+    # Without a save path nothing is saved, as in stock; other iterators get stock's function.
+    checkpointing.maybe_save_dataloader_state(stream, 8, None)
+    checkpointing.maybe_save_dataloader_state(SimpleNamespace(iterable=[]), 8, None)
+    assert len(written) == 1

@@ -20,8 +20,8 @@ from tests.tiny_model import TINY_TRANSFORMER
 TINY_MIMO = [*TINY_TRANSFORMER, "--train-iters", "10", "--eval-interval", "5"]
 
 
-def _count_grad_reductions() -> dict[str, int]:
-    """Count DDP bucket-group reductions, keyed by the size of the group they reduce over."""
+def count_grad_reductions() -> dict[str, int]:
+    """Count DDP bucket-group reductions (all-reduce or reduce-scatter) as they start."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
     counts: dict[str, int] = {"calls": 0}
@@ -81,7 +81,7 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
                 batch_keys)
 
     run = parse_mimo_args(argv)
-    reductions = _count_grad_reductions() if count_reductions else None
+    reductions = count_grad_reductions() if count_reductions else None
     train(run, observe)
     module = result["module"]
     if observe_params:

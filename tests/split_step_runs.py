@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tests.gpt_runs import TINY_GPT, load_gpt_example
-from tests.mimo_runs import TINY_MIMO
+from tests.mimo_runs import TINY_MIMO, count_grad_reductions
 from tests.multiprocess import run_in_processes
 
 _result: dict[str, Any] = {}
@@ -56,21 +56,6 @@ def _state(model: list, optimizer: Any, scheduler: Any) -> list[np.ndarray]:
                     arrays.append(torch.as_tensor(value).detach().float().cpu().numpy().copy())
     arrays.append(np.array([scheduler.num_steps]))
     return arrays
-
-
-def _count_reductions() -> dict[str, int]:
-    """Count DDP bucket-group reductions (all-reduce or reduce-scatter) as they start."""
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
-
-    counts = {"calls": 0}
-    stock = _ParamAndGradBucketGroup.start_grad_sync
-
-    def counting(self, *args, **kwargs):
-        counts["calls"] += 1
-        return stock(self, *args, **kwargs)
-
-    _ParamAndGradBucketGroup.start_grad_sync = counting
-    return counts
 
 
 def _bucket_groups(model: list) -> int:
@@ -286,7 +271,7 @@ def _drive(plans: dict[str, tuple], forward_step_func, model, optimizer, opt_par
                 for _ in range(get_num_microbatches())] for _ in range(steps)]
     schedule = {"p2p_communicator": p2p_communicator, "pg_collection": pg_collection}
     start = _Snapshot(model, optimizer, opt_param_scheduler)
-    reductions = _count_reductions()
+    reductions = count_grad_reductions()
     for name, plan in plans.items():
         start.restore()
         _result[name] = _run_plan(plan, batches, model, optimizer, opt_param_scheduler,

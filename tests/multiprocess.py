@@ -7,6 +7,9 @@ own process group. Both kill every child on failure or timeout.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import multiprocessing as mp
 import os
 import queue
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import psutil
 import torch.distributed as dist
 
 from tools.functional_tests import free_port
@@ -120,6 +124,37 @@ class ScriptRun:
     seconds: float
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans (Linux), so that what a launch
+    leaves behind stays findable: torchrun starts each rank in a session of its own, and a rank
+    killed mid-save orphans its checkpoint writer, which would otherwise outlive the test."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def start_session(command: Sequence[str], **popen: Any) -> tuple[subprocess.Popen, float]:
+    """Launch ``command`` in a session of its own; returns it and its start time for
+    :func:`kill_session`."""
+    _adopt_orphans()
+    started = time.time()
+    return subprocess.Popen(command, start_new_session=True, **popen), started
+
+
+def kill_session(process: subprocess.Popen, started: float) -> None:
+    """Kill everything a ``start_new_session`` launch made since ``started`` (a
+    ``time.time()``): the launcher's group, and every descendant it left behind."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.create_time() >= started:
+                child.kill()
+                child.wait(timeout=10)
+
+
 def run_script(script: str | Path, argv: Sequence[str], nproc: int, *, timeout: float = 110.0,
                env: dict[str, str] | None = None, cwd: str | Path = REPO_ROOT) -> ScriptRun:
     """Launch ``script`` under ``torchrun --nproc-per-node nproc``; kill the whole tree on timeout."""
@@ -129,18 +164,17 @@ def run_script(script: str | Path, argv: Sequence[str], nproc: int, *, timeout: 
     ]
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process, started = start_session(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_session(process, started)
         output, _ = process.communicate()
         raise WorkerFailure(
             f"{script} with {nproc} processes ran past {timeout:.0f} s (killed); output tail:\n"
             f"{output[-4000:]}"
         ) from None
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        kill_session(process, started)
     return ScriptRun(process.returncode, output, time.monotonic() - start)

@@ -11,7 +11,7 @@ import time
 import psutil
 
 from tests.mimo_runs import TINY_MIMO
-from tests.multiprocess import REPO_ROOT, free_port, run_script
+from tests.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 LAYOUT = ["--encoder", "vision=faulty_encoder:FaultyViT", "--grid", "vision:dp=1",
@@ -40,8 +40,8 @@ def test_sigterm_with_exit_signal_handler_saves_a_checkpoint_and_exits_cleanly(t
                *TINY_MIMO, "--encoder", "vision=vit", "--grid", "vision:dp=1",
                "--grid", "language:dp=2", "--train-iters", "100000", "--eval-iters", "0",
                "--exit-signal-handler", "--save", str(save), "--save-interval", "100000"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process, started = start_session(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
     output = []
     try:
         deadline = time.monotonic() + 120
@@ -56,8 +56,7 @@ def test_sigterm_with_exit_signal_handler_saves_a_checkpoint_and_exits_cleanly(t
         rest, _ = process.communicate(timeout=120)
         output.append(rest)
     finally:
-        if process.poll() is None:
-            psutil.Process(process.pid).kill()
+        kill_session(process, started)
     text = "".join(output)
     assert process.returncode == 0, text[-3000:]
     assert "exiting program after receiving SIGTERM" in text

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tests.mimo_runs import TINY_MIMO
-from tests.multiprocess import REPO_ROOT, free_port, run_script
+from tests.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 PYTHONPATH = f"{REPO_ROOT / 'tests' / 'fixtures'}{os.pathsep}{REPO_ROOT}"
@@ -39,8 +39,8 @@ def _kill_during_save(folder: Path, rank: int, iteration: int, tmp: Path,
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": PYTHONPATH,
            "MIMO_TEST_BLOCK_SAVE": f"{rank}:{iteration}:{tmp}"}
     log = (tmp / "launch.log").open("w+")
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process, started = start_session(command, cwd=REPO_ROOT, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 150
         while not (blocked.exists() and (also_wait_for is None or also_wait_for.exists())):
@@ -51,9 +51,7 @@ def _kill_during_save(folder: Path, rank: int, iteration: int, tmp: Path,
         os.kill(int(blocked.read_text()), signal.SIGKILL)
         assert process.wait(timeout=60) != 0
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_session(process, started)
     log.seek(0)
     return log.read()
 

@@ -285,11 +285,6 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
         raise DataPathError("--rampup-batch-size cannot be used with --data-path: an Energon "
                             "batch is one global batch of fixed size")
     _check_dataset(path, plugins, args)
-    encoder_tokens = sum(p.tokens_per_sample for p in plugins.values())
-    if encoder_tokens + 2 > args.seq_length:
-        raise DataPathError(
-            f"--seq-length {args.seq_length} leaves no room for text: the encoders fill "
-            f"{encoder_tokens} positions per sample; raise --seq-length above {encoder_tokens + 1}")
     args.special_tokens = special_tokens_flag(args.special_tokens, list(plugins))
     # Without an explicit (or checkpoint-restored) --padded-vocab-size stock pads the vocabulary
     # to hold the placeholders, so only an explicit size can be too small.

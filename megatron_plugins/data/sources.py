@@ -30,6 +30,11 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
+    encoder_tokens = sum(plugin.tokens_per_sample for plugin in plugins.values())
+    if encoder_tokens + 2 > args.seq_length:
+        raise DataFlagError(
+            f"--seq-length {args.seq_length} leaves no room for text: the encoders fill "
+            f"{encoder_tokens} positions per sample; raise --seq-length above {encoder_tokens + 1}")
     if not args.data_path:
         return MockSource(seed=args.seed, seq_length=args.seq_length,
                           vocab_size=args.vocab_size, plugins=dict(plugins))

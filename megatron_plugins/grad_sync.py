@@ -10,7 +10,8 @@ language DP, TP or PP are. A per-module normalizer is the silent encoder_dp / ll
 
 The same all-reduce carries the data alignment guard's per-step sums
 (:class:`~megatron_plugins.data.addressing.AlignmentGuard`), so checking that encoders embedded
-the language model's samples costs no extra collective.
+the language model's samples costs no extra collective, and the stock rerun state machine's
+"rerun this step" flag, so its world-wide check costs none either (megatron_compat Gap 11).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
+from megatron_plugins import megatron_compat
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.layout import LANGUAGE
 
@@ -75,23 +77,30 @@ class CrossGridGradSync:
         finally:
             self._close()
 
-    def global_token_count(self, num_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Tokens of the whole global batch, identical on every rank (one world all-reduce, which
-        also checks the step's data alignment)."""
+    def global_token_count(self, num_tokens: torch.Tensor | None,
+                           carry_rerun_vote: bool = False) -> torch.Tensor:
+        """Tokens of the whole global batch, identical on every rank, in one world all-reduce
+        that also checks the step's data alignment and, with ``carry_rerun_vote`` (only after the
+        step's last result check), settles the rerun state machine's check (megatron_compat
+        Gap 11)."""
         if num_tokens is None:
             raise RuntimeError(
                 "MiMo gradient finalization needs per-token loss: the language config must have "
                 "calculate_per_token_loss=True (the MiMo entry point sets it)"
             )
         local = num_tokens if self._counts_tokens else torch.zeros_like(num_tokens)
-        if self._guard is None:
-            total = local.detach().clone()
-            dist.all_reduce(total)
-            return total
-        packed = torch.cat([local.detach().reshape(1).to(torch.int64),
-                            self._guard.contribution().to(local.device)])
+        parts = [local.detach().reshape(1).to(torch.int64)]
+        if carry_rerun_vote:
+            vote = megatron_compat.rerun_vote()
+            parts.append(torch.tensor([vote], dtype=torch.int64, device=local.device))
+        if self._guard is not None:
+            parts.append(self._guard.contribution().to(local.device))
+        packed = torch.cat(parts)
         dist.all_reduce(packed)
-        self._guard.check(packed[1:].cpu())
+        if carry_rerun_vote:
+            megatron_compat.settle_rerun_vote(vote, int(packed[1]))
+        if self._guard is not None:
+            self._guard.check(packed[1 + carry_rerun_vote:].cpu())
         return packed[0].to(num_tokens.dtype).reshape(num_tokens.shape)
 
     def reduce_gradients(self, force_all_reduce: bool = False) -> None:
@@ -113,7 +122,7 @@ class CrossGridGradSync:
         """Stock per-module finalization, then division by the global token count."""
         assert unwrap_model(model[0]) is self._model, "grad sync installed on another model"
         self.reduce_gradients(force_all_reduce)
-        self.scale_gradients(self.global_token_count(num_tokens))
+        self.scale_gradients(self.global_token_count(num_tokens, carry_rerun_vote=True))
 
 
 def install_grad_sync(model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],

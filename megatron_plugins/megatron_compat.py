@@ -119,6 +119,24 @@ and language replicas write the same file and the last writer wins. Bridge
 (``MicrobatchStream.save_data_state``) writes ``dataloader/<module>_dp<rank>.pt`` inside the
 iteration folder, before the folder's ``metadata.json``; any other iterator gets stock's
 function.
+
+Gap 11 (the rerun state machine's world check): in its default ``validate_results`` mode the
+stock state machine all-reduces its "rerun this step" flag over the whole world once per step
+(``_reduce_any``, core/rerun_state_machine.py:254-270, called from
+``should_run_forward_backward`` at :329), one more barrier across every module. The flag is
+final once the step's last result check has run (loss checks in the forward pass, gradient
+checks before the DP reduce, param_and_grad_buffer.py:340-360), which is before the MiMo
+gradient finalization's token count. Bridge (:func:`rerun_vote`, :func:`settle_rerun_vote`,
+applied by :func:`install_step_bridges`): the token-count all-reduce carries each rank's flag,
+and the machine's next single-flag check of that step returns the summed answer instead of
+reducing again; a flag that changed in between raises rather than diverging.
+
+Gap 12 (bridge broadcasts inside one-rank grids): after every cross-grid transfer the receiving
+grid's leader broadcasts the shape and then the tensor to the rest of its grid
+(bridge_communicator.py:436-446 and the same pair in each transfer method), also when that grid
+is the leader alone, where a broadcast is the identity. Bridge (:func:`skip_lone_broadcasts`):
+the ``torch.distributed`` the bridge module sees skips broadcasts in one-member groups; every
+other call is torch's.
 """
 
 from __future__ import annotations
@@ -574,11 +592,54 @@ def _folded_mimo_step(self: Any) -> tuple[bool, float | None, int | None]:
 
 
 def install_step_bridges() -> None:
-    """Apply Gap 8 (``MimoOptimizer.step``). Idempotent; the MiMo builder calls it (MiMo
-    processes only: stock optimizers are not touched)."""
+    """Apply Gaps 8 (``MimoOptimizer.step``) and 11 (the rerun check). Idempotent; the MiMo
+    builder calls it (MiMo processes only: stock optimizers are not touched)."""
     from megatron.core.models.mimo.optimizer import MimoOptimizer
+    from megatron.core.rerun_state_machine import RerunStateMachine
 
     MimoOptimizer.step = _folded_mimo_step
+    if RerunStateMachine._reduce_any is not _settled_reduce_any:
+        global _stock_reduce_any
+        _stock_reduce_any = RerunStateMachine._reduce_any
+        RerunStateMachine._reduce_any = _settled_reduce_any
+
+
+# Gap 11: the rerun state machine's world check rides in the token count (module docstring).
+
+_stock_reduce_any: Any = None
+_settled_vote: tuple[int, int, bool] | None = None
+"""(rerun machine iteration, this rank's vote, the world's answer) of the step being finished."""
+
+
+def rerun_vote() -> int:
+    """This rank's "rerun the step" flag, read after the step's last result check (Gap 11)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    return int(bool(get_rerun_state_machine().rerun_requested))
+
+
+def settle_rerun_vote(vote: int, world_sum: int) -> None:
+    """Record the world-wide sum of the step's votes for the machine's check of this step."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    global _settled_vote
+    _settled_vote = (get_rerun_state_machine().current_iteration, vote, world_sum > 0)
+
+
+def _settled_reduce_any(self: Any, value: Any) -> Any:
+    """Stock ``_reduce_any``, except the initial run's single flag once the token count settled it."""
+    from megatron.core.rerun_state_machine import RerunState
+
+    global _settled_vote
+    settled, _settled_vote = _settled_vote, None
+    if (settled is None or isinstance(value, list) or self.state != RerunState.INITIAL_RUN
+            or settled[0] != self.current_iteration):
+        return _stock_reduce_any(self, value)
+    if int(bool(value)) != settled[1]:
+        raise MegatronCompatError(
+            "the rerun state machine's flag changed after the gradient token count carried it; "
+            "a result check now runs after gradient finalization (megatron_compat Gap 11)")
+    return settled[2]
 
 
 # Gap 9: the cross-grid shape handshake (see the module docstring).
@@ -631,3 +692,30 @@ def _static_shapes(bridge: Any) -> None:
         return (known["fwd"] if recv_prev else [], known["grad"] if recv_next else [])
 
     bridge._communicate_shapes = communicate_shapes
+
+
+# Gap 12: broadcasts inside one-rank grids (see the module docstring).
+
+
+class _LoneBroadcastSkipping:
+    """``torch.distributed`` as the bridge module sees it: a broadcast in a one-member group,
+    the identity, is skipped; everything else is torch's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
+                  async_op: bool = False, **kwargs: Any) -> Any:
+        if group is not None and not async_op and torch.distributed.get_world_size(group) == 1:
+            return None
+        return torch.distributed.broadcast(tensor, src=src, group=group, async_op=async_op,
+                                           **kwargs)
+
+
+def skip_lone_broadcasts() -> None:
+    """Apply Gap 12 to every ``BridgeCommunicator``. Idempotent; MiMo processes only."""
+    from megatron.core.pipeline_parallel import bridge_communicator
+
+    if not isinstance(bridge_communicator.dist, _LoneBroadcastSkipping):
+        bridge_communicator.dist = _LoneBroadcastSkipping()

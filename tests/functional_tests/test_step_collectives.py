@@ -20,15 +20,16 @@ import step_overhead  # noqa: E402
 
 ENCODERS = 1
 MICROBATCHES = 4
-WORLD_WIDE_REACHED = 3
-"""The rerun state machine's check (stock train_step, world-wide by design), the global token
-count (gradients are divided by it before the grad norm is taken, so it cannot join the
-optimizer's reduction without changing results) and the MiMo optimizer's folded scalars."""
+WORLD_WIDE_TARGET = 2
+"""The global token count, which also carries the rerun state machine's check (megatron_compat
+Gap 11; gradients are divided by the count before the grad norm is taken, so it cannot join the
+optimizer's reduction without changing results), and the MiMo optimizer's folded scalars."""
+
+P2P = ("send", "recv", "batch_isend_irecv")
 
 
-def _bridge_call(call: dict) -> bool:
-    """A cross-grid transfer: p2p over the bridge, or the bridge's broadcast inside a grid."""
-    return call["kind"] in ("send", "recv", "batch_isend_irecv", "broadcast")
+def _cross_grid_transfer(call: dict) -> bool:
+    return call["kind"] in P2P
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +45,28 @@ def test_world_wide_synchronisations(counts: dict[str, list[dict]]) -> None:
     assert sum(c["world"] for c in counts["stock"]) == 1
     for rank in ("rank 0", "rank 1"):
         world = [c for c in counts[rank] if c["world"]]
-        assert len(world) == WORLD_WIDE_REACHED, world
-        assert all(c["kind"] == "all_reduce" and c["bytes"] <= 16 for c in world), world
+        assert len(world) <= WORLD_WIDE_TARGET, world
+        assert all(c["kind"] == "all_reduce" and c["bytes"] <= 32 for c in world), world
 
 
 def test_module_collectives_within_stock_plus_two_per_encoder(
         counts: dict[str, list[dict]]) -> None:
     stock = len(counts["stock"])
     for rank in ("rank 0", "rank 1"):
-        own = [c for c in counts[rank] if not _bridge_call(c)]
+        own = [c for c in counts[rank] if not _cross_grid_transfer(c)]
         assert len(own) <= stock + 2 * ENCODERS, (len(own), stock)
+
+
+def test_one_rank_grids_broadcast_nothing(counts: dict[str, list[dict]]) -> None:
+    # Each grid is one rank: what its bridge leader receives needs no broadcast (Gap 12).
+    for rank in ("rank 0", "rank 1"):
+        assert [c for c in counts[rank] if c["kind"] == "broadcast"] == []
 
 
 def test_no_shape_handshake_per_transfer(counts: dict[str, list[dict]]) -> None:
     # Static shapes: after the first step a transfer is the tensor itself (>= 2 KiB here); an
     # int64 shape message (<= 32 bytes) would be a handshake.
     for rank in ("rank 0", "rank 1"):
-        p2p = [c for c in counts[rank] if c["kind"] in ("send", "recv", "batch_isend_irecv")]
+        p2p = [c for c in counts[rank] if _cross_grid_transfer(c)]
         assert len(p2p) == MICROBATCHES + 1, p2p
         assert all(c["bytes"] >= 2048 for c in p2p), p2p

@@ -370,3 +370,87 @@ def test_gap10_bridge_lets_a_module_stream_write_its_own_state(tmp_path):
     checkpointing.maybe_save_dataloader_state(stream, 8, None)
     checkpointing.maybe_save_dataloader_state(SimpleNamespace(iterable=[]), 8, None)
     assert len(written) == 1
+
+
+def test_gap11_stock_rerun_check_is_a_world_all_reduce_after_the_result_checks():
+    """Gap 11: the initial run's check all-reduces one flag over the world (no group), and the
+    gradient result checks run before the DP reduce, so before the MiMo token count."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    stock = megatron_compat._stock_reduce_any or RerunStateMachine._reduce_any
+    assert "torch.distributed.all_reduce(val_tensor)\n" in inspect.getsource(stock)
+    assert _source_digest(stock) == "9fc4efee07ae520d"
+    assert "will_rerun = self._reduce_any(self.rerun_requested)" in inspect.getsource(
+        RerunStateMachine.should_run_forward_backward)
+    start = inspect.getsource(_ParamAndGradBucketGroup.start_grad_sync)
+    assert start.index("self.check_grads(") < start.index("reduce_op = ")
+
+
+@pytest.fixture
+def validating_machine(monkeypatch):
+    """A rerun state machine in stock's default mode, in its initial run, with the bridge on and
+    stock's reduction recorded instead of issued."""
+    from megatron.core.rerun_state_machine import RerunMode, RerunState, RerunStateMachine
+
+    megatron_compat.install_step_bridges()
+    stock_calls = []
+    monkeypatch.setattr(megatron_compat, "_stock_reduce_any",
+                        lambda machine, value: stock_calls.append(value) or False)
+    machine = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
+    machine.state = RerunState.INITIAL_RUN
+    monkeypatch.setattr("megatron.core.rerun_state_machine.get_rerun_state_machine",
+                        lambda: machine)
+    return machine, stock_calls
+
+
+def test_gap11_settled_vote_answers_the_check_without_a_reduction(validating_machine):
+    from megatron.core.rerun_state_machine import RerunState
+
+    machine, stock_calls = validating_machine
+    megatron_compat.settle_rerun_vote(megatron_compat.rerun_vote(), world_sum=1)
+    assert machine._reduce_any(machine.rerun_requested) is True  # another rank asked
+    assert stock_calls == []
+    megatron_compat.settle_rerun_vote(megatron_compat.rerun_vote(), world_sum=0)
+    assert not machine.should_run_forward_backward(None) and stock_calls == []
+    assert machine.state == RerunState.NOT_RUNNING_YET
+    # Nothing settled for this step (a split step, or no finalization): stock's reduction.
+    machine.state = RerunState.INITIAL_RUN
+    assert not machine.should_run_forward_backward(None) and stock_calls == [False]
+
+
+def test_gap11_a_flag_raised_after_the_count_is_refused(validating_machine):
+    machine, _ = validating_machine
+    megatron_compat.settle_rerun_vote(megatron_compat.rerun_vote(), world_sum=0)
+    machine.rerun_requested = True
+    with pytest.raises(megatron_compat.MegatronCompatError, match="Gap 11"):
+        machine.should_run_forward_backward(None)
+
+
+def test_gap12_bridge_broadcasts_after_every_transfer_in_its_grid_group():
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    calls = {name: inspect.getsource(getattr(BridgeCommunicator, name)).count("dist.broadcast(")
+             for name in ("recv_forward", "recv_backward", "send_forward_recv_backward",
+                          "send_backward_recv_forward")}
+    assert all(count >= 4 for count in calls.values()), calls
+    for name in calls:
+        source = inspect.getsource(getattr(BridgeCommunicator, name))
+        assert source.count("group=self.dest_grid_broadcast_pg") + source.count(
+            "group=self.src_grid_broadcast_pg") == calls[name], name
+
+
+def test_gap12_bridge_skips_only_broadcasts_in_one_member_groups(one_rank_world, monkeypatch):
+    from megatron.core.pipeline_parallel import bridge_communicator
+
+    monkeypatch.setattr(bridge_communicator, "dist", bridge_communicator.dist)
+    issued = []
+    monkeypatch.setattr(torch.distributed, "broadcast",
+                        lambda tensor, src=None, group=None, async_op=False: issued.append(group))
+    megatron_compat.skip_lone_broadcasts()
+    lone = torch.distributed.new_group([0])
+    bridge_communicator.dist.broadcast(torch.zeros(2), src=0, group=lone)
+    assert issued == []
+    bridge_communicator.dist.broadcast(torch.zeros(2), src=0, group=None)
+    assert issued == [None]
+    assert bridge_communicator.dist.all_reduce is torch.distributed.all_reduce

@@ -3,10 +3,10 @@
     python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--out-dir runs/step-overhead]
     python benchmarks/step_overhead.py --smoke          # seconds of stepping, for CI
 
-In one invocation, never more processes than cores (two): the language model alone through stock
-``examples/gpt/pretrain_gpt.py`` (one rank), the encoder alone (one rank, forward + backward of
-every microbatch at its micro-batch size) and the MiMo step (a 1-layer, 32-wide ViT on rank 0, the
-same language model on rank 1, 4 microbatches per step). Reports
+In one invocation, never more processes than cores (two), each on one thread: the language model
+alone through stock ``examples/gpt/pretrain_gpt.py`` (one rank), the encoder alone (one rank,
+forward + backward of every microbatch at its micro-batch size) and the MiMo step (a 1-layer,
+32-wide ViT on rank 0, the same language model on rank 1, 4 microbatches per step). Reports
 
 (a) median MiMo step / (median language step + median encoder step), steps after warm-up;
 (b) collectives per step by kind and group (world-wide = the default group) against stock's;
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import signal
 import socket
 import statistics
@@ -53,11 +55,22 @@ LANGUAGE_MODEL = [
 """The language model of every run (same shapes as tests/tiny_model.py), 4 microbatches/step."""
 
 MIMO_LAYOUT = [
-    "--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=1",
+    "--encoder", "vision=vit", "--grid", "vision:dp=1",
     "--vit-num-layers", "1", "--vit-hidden-size", "32", "--vit-num-attention-heads", "4",
     "--vit-img-size", "16", "--vit-patch-size", "8",
 ]
-"""A 1-layer, 32-wide ViT (4 patches per image) on rank 0; the language model on rank 1."""
+"""A 1-layer, 32-wide ViT (4 patches per image) on rank 0; the language grid follows."""
+
+
+def mimo_flags(language_grid: str = "dp=1") -> list[str]:
+    """The MiMo layout with the language grid given as ``--grid language:`` takes it."""
+    return [*MIMO_LAYOUT, "--grid", f"language:{language_grid}"]
+
+
+THREADS_PER_PROCESS = 1
+"""Every measured process computes on one core, as every rank owns one GPU: torchrun gives each
+of several ranks one thread, and a lone process (stock GPT, the encoder alone) would otherwise
+take every core for its kernels."""
 
 PARTS = ("forward", "backward", "transfers", "grad sync")
 """Parts of a step the probe times (besides Megatron's ``optimizer`` timer)."""
@@ -70,6 +83,7 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "STEP_PROBE_OUT": probe_out, "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": str(THREADS_PER_PROCESS),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
     worker = [str(HERE / "step_worker.py"), *worker_args]
     if nproc:
@@ -91,11 +105,16 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
         raise RuntimeError(f"{worker_args[0]} run failed ({process.returncode}):\n{output[-4000:]}")
 
 
-def record(mode: str, steps: int, warmup: int, probe_out: str,
-           timeout: float = 600.0) -> list[list[dict[str, Any]]]:
-    """Train the ``gpt`` (one rank) or ``mimo`` (two ranks) configuration under the probe; per
-    rank, the recorded steps after warm-up."""
-    nproc, flags = {"gpt": (1, ["--mock-data"]), "mimo": (2, MIMO_LAYOUT)}[mode]
+def record(mode: str, steps: int, warmup: int, probe_out: str, timeout: float = 600.0,
+           language_grid: str = "dp=1") -> list[list[dict[str, Any]]]:
+    """Train the ``gpt`` (one rank) or ``mimo`` (the encoder's rank, then the language grid's:
+    ``language_grid`` as ``--grid language:`` takes it) configuration under the probe; per rank,
+    the recorded steps after warm-up."""
+    if mode == "gpt":
+        nproc, flags = 1, ["--mock-data"]
+    else:
+        flags = mimo_flags(language_grid)
+        nproc = 1 + math.prod(int(size) for size in re.findall(r"=(\d+)", language_grid))
     iters = ["--train-iters", str(steps + warmup)]
     _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters], probe_out, timeout)
     return [json.loads(Path(f"{probe_out}.rank{r}.json").read_text())["steps"][warmup:]
@@ -136,7 +155,7 @@ def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     iters = ["--train-iters", str(steps + warmup)]
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         [stock] = record("gpt", steps, warmup, f"{tmp}/gpt", timeout)
-        _launch(0, ["encoder", str(steps), str(warmup), *LANGUAGE_MODEL, *MIMO_LAYOUT, *iters],
+        _launch(0, ["encoder", str(steps), str(warmup), *LANGUAGE_MODEL, *mimo_flags(), *iters],
                 f"{tmp}/enc", timeout)
         hetero = record("mimo", steps, warmup, f"{tmp}/mimo", timeout)
         encoder = json.loads(Path(f"{tmp}/enc.encoder.json").read_text())
@@ -145,6 +164,7 @@ def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     return {
         "load_average": os.getloadavg(),
         "cpu_count": os.cpu_count(),
+        "threads_per_process": THREADS_PER_PROCESS,
         "steps": steps, "warmup": warmup,
         "ratio": mimo_step / (language_step + encoder["median"]),
         "seconds": {"mimo_step": mimo_step, "language_step": language_step,
@@ -161,8 +181,9 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["seconds"]
     load = ", ".join(f"{x:.2f}" for x in report["load_average"])
     lines = [
-        f"Load average {load} on {report['cpu_count']} cores; medians of {report['steps']} steps "
-        f"after {report['warmup']} warm-up steps.", "",
+        f"Load average {load} on {report['cpu_count']} cores, "
+        f"{report['threads_per_process']} thread per process; medians of {report['steps']} "
+        f"steps after {report['warmup']} warm-up steps.", "",
         "| MiMo step (ms) | language step, stock (ms) | encoder step (ms) | ratio (a) |",
         "| ---: | ---: | ---: | ---: |",
         f"| {s['mimo_step'] * 1e3:.1f} | {s['language_step'] * 1e3:.1f} | "

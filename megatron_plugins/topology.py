@@ -200,8 +200,8 @@ def pipeline_communicator(topology: HeteroTopology,
 
     Encoders hand over ``[tokens, hidden]`` (batch folded into dim 0, split per sample by the
     bridge); language stages pass ``[seq, batch, hidden]``. Shapes are exchanged once per bridge
-    and direction (megatron_compat Gap 9); a one-rank grid does not broadcast what it
-    received (Gap 12). Collective: call on every rank.
+    or stage link and direction (megatron_compat Gaps 9, 13); a one-rank grid does not broadcast
+    what it received (Gap 12). Collective: call on every rank.
     """
     encoders = [module.name for module in topology.layout.encoders]
     communicator = MultiModulePipelineCommunicator(
@@ -212,8 +212,8 @@ def pipeline_communicator(topology: HeteroTopology,
         module_output_ndim={name: 2 for name in encoders},
     )
     # Every transfer's shape is fixed by --seq-length, the micro-batch sizes and each encoder's
-    # tokens_per_sample: one shape handshake per bridge and direction, not one per transfer.
-    megatron_compat.exchange_bridge_shapes_once(communicator)
+    # tokens_per_sample: one shape handshake per link and direction, not one per transfer.
+    megatron_compat.exchange_shapes_once(communicator)
     # A grid of one rank needs no broadcast of what its leader received.
     megatron_compat.skip_lone_broadcasts()
     return communicator

@@ -70,3 +70,16 @@ def test_no_shape_handshake_per_transfer(counts: dict[str, list[dict]]) -> None:
         p2p = [c for c in counts[rank] if _cross_grid_transfer(c)]
         assert len(p2p) == MICROBATCHES + 1, p2p
         assert all(c["bytes"] >= 2048 for c in p2p), p2p
+
+
+def test_pipeline_stages_exchange_shapes_only_on_the_first_step(
+        tmp_path: pytest.TempPathFactory) -> None:
+    # Language pp=2 (ranks 1, 2): stage activations are [seq, micro-batch, hidden] every time, so
+    # after the warm-up step no stage-to-stage (or cross-grid) message is a 24-byte shape (Gap 13).
+    ranks = step_overhead.record("mimo", 2, 1, str(tmp_path / "pp2"), timeout=240,
+                                 language_grid="pp=2")
+    for rank, steps in enumerate(ranks):
+        p2p = [c for c in steps[0]["collectives"] if _cross_grid_transfer(c)]
+        assert p2p and all(c["bytes"] >= 2048 for c in p2p), (rank, p2p)
+    stage_links = [c for c in ranks[1][0]["collectives"] if c["ranks"] == [1, 2]]
+    assert len(stage_links) >= MICROBATCHES, stage_links

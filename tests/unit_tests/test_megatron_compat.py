@@ -185,6 +185,36 @@ def test_gap9_bridge_exchanges_shapes_on_every_transfer() -> None:
         inspect.getsource(schedules.forward_backward_pipelining_without_interleaving))
 
 
+def test_gap13_stage_links_exchange_shapes_on_every_transfer() -> None:
+    """Gap 13: with variable_seq_lengths (which the multi-module schedule insists on, Gap 9)
+    every stage-to-stage transfer asks for a shape handshake."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    communicate = inspect.getsource(P2PCommunicator._communicate)
+    assert "if config.variable_seq_lengths or config.mtp_standalone:" in communicate
+    assert "self._communicate_shapes(" in communicate
+    assert _source_digest(P2PCommunicator._communicate_shapes) == "64129c790b8b6e3d"
+
+
+def test_gap13_a_stage_link_exchanges_each_direction_once_and_refuses_new_shapes() -> None:
+    exchanged = []
+
+    def stock(send_next, send_prev, recv_prev, recv_next):
+        exchanged.append((send_next is not None, send_prev is not None, recv_prev, recv_next))
+        return ([4, 2, 8] if recv_prev else [0, 0, 0]), ([4, 2, 8] if recv_next else [0, 0, 0])
+
+    p2p = SimpleNamespace(_communicate_shapes=stock)
+    megatron_compat._static_stage_shapes(p2p, "language")
+    activation = torch.zeros(4, 2, 8)
+    for _ in range(3):  # a middle stage's steady state: send forward, receive backward, ...
+        assert p2p._communicate_shapes(activation, None, False, True) == ([0, 0, 0], [4, 2, 8])
+        assert p2p._communicate_shapes(None, activation, True, False) == ([4, 2, 8], [0, 0, 0])
+    assert exchanged == [(True, False, False, True), (False, True, True, False)] + [
+        (False, False, False, False)] * 4
+    with pytest.raises(megatron_compat.MegatronCompatError, match="changed shape"):
+        p2p._communicate_shapes(torch.zeros(4, 3, 8), None, False, False)
+
+
 def test_gap4_bridge_leaves_hybrid_configs_to_their_own_builder():
     from megatron.training.models.hybrid import HybridModelConfig
 

@@ -1,7 +1,10 @@
 """Train a tiny HuggingFace tokenizer offline, for small runs and tests without a downloaded one.
 
-A BPE model over whitespace-split words (unseen words still split into known pieces) with
-``<pad>``, ``<eos>``, ``<bos>`` and ``<unk>``; saved with ``save_pretrained`` so that
+A BPE model over words marked by a leading ``▁`` (SentencePiece's metaspace; unseen words still
+split into known pieces) with ``<pad>``, ``<eos>``, ``<bos>`` and ``<unk>``. The same texts give
+the same file every time: the trainer numbers every symbol from the sorted alphabet (an
+end-of-word suffix would number suffixed symbols in hash order, so ids changed between runs).
+Saved with ``save_pretrained`` so that
 ``AutoTokenizer.from_pretrained(DIR)`` and stock Megatron's ``--tokenizer-type
 HuggingFaceTokenizer --tokenizer-model DIR`` load it.
 
@@ -22,7 +25,7 @@ PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
 JSONL_FIELDS = ("caption", "text", "question", "answer", "transcript")
 """Fields of a .jsonl object whose strings are training text (the dataset tools' sample fields)."""
-_WORD_END = "</w>"
+_WORD_START = "\u2581"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, output: Path) -> Path:
@@ -31,11 +34,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, output: Path) -> Path
     ``vocab_size`` bounds the merges; every character seen is kept too, so a tiny value still
     yields a tokenizer that covers the texts.
     """
-    tokenizer = Tokenizer(models.BPE(unk_token=UNK, end_of_word_suffix=_WORD_END))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.BPEDecoder(suffix=_WORD_END)
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Metaspace(replacement=_WORD_START, prepend_scheme="always"),
+        pre_tokenizers.Punctuation()])
+    tokenizer.decoder = decoders.Metaspace(replacement=_WORD_START, prepend_scheme="always")
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  end_of_word_suffix=_WORD_END, show_progress=False)
+                                  show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS,
                                       bos_token=BOS, unk_token=UNK)

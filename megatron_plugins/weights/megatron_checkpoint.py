@@ -125,8 +125,8 @@ def _spelled(attr: str, flag: str, value: object) -> str:
     """How a run with ``args.<attr> == value`` spells it: ``--num-layers 2``, ``--swiglu``,
     ``no --swiglu`` (``--disable-bias-linear`` turns ``add_bias_linear`` off)."""
     if attr == "padded_vocab_size":
-        return f"a vocabulary padded to {value} rows (--vocab-size or the tokenizer, then " \
-               "--make-vocab-size-divisible-by x TP)"
+        return (f"a vocabulary padded to {value} rows (--vocab-size or the tokenizer, then "
+                "--make-vocab-size-divisible-by x TP)")
     if isinstance(value, bool):
         return flag if value != (attr == "add_bias_linear") else f"no {flag}"
     return f"no {flag}" if value is None else f"{flag} {value}"
@@ -145,12 +145,18 @@ def check_language_shape(args: argparse.Namespace, saved: argparse.Namespace, wh
             "checkpoint's")
 
 
-def _read(folder: Path) -> tuple[dict[str, Any], argparse.Namespace | None]:
-    """A checkpoint's tensor metadata (key -> ShardedTensor without data) and saved args."""
+def _metadata(folder: Path | str) -> dict[str, Any]:
+    """A checkpoint's tensors: key -> ShardedTensor without data (global shape, dtype)."""
     from megatron.core import dist_checkpointing
 
-    return (dist_checkpointing.load_tensors_metadata(str(folder)),
-            dist_checkpointing.load_common_state_dict(str(folder)).get("args"))
+    return dist_checkpointing.load_tensors_metadata(str(folder))
+
+
+def _saved_args(folder: Path) -> argparse.Namespace | None:
+    """The ``args`` the saving run wrote into the checkpoint's common state."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(folder)).get("args")
 
 
 def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
@@ -173,13 +179,14 @@ def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
             raise CheckpointInitError(f"{where} and {HF_ENCODER_FLAG} {name}={hf_folders[name]} "
                                       f"both initialize encoder {name}; give one")
         chosen = iteration_folder(folder, f"{ENCODER_FLAG} {name}=")
-        metadata, saved = _read(chosen)
+        metadata = _metadata(chosen)
         if not module_keys(metadata, name):
             modules = sorted({found[0] for found in map(split_key, metadata) if found})
             raise CheckpointInitError(
                 f"{where}: {chosen} holds no encoder {name!r} (its modules: "
                 f"{', '.join(modules) or 'none, a stock GPT checkpoint'}); give the checkpoint "
                 "of a MiMo run that trained an encoder of this name")
+        saved = _saved_args(chosen)
         providers = dict(text.partition("=")[::2] for text in getattr(saved, "mimo_encoders", None)
                          or [])
         ours = plugins[name].grid.provider
@@ -209,7 +216,7 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any]) -> No
             raise CheckpointInitError(f"{where} and {HF_LANGUAGE_FLAG} {args.language_hf_weights} "
                                       "both initialize the language model; give one")
         chosen = iteration_folder(folder, LANGUAGE_FLAG)
-        metadata, saved = _read(chosen)
+        saved = _saved_args(chosen)
         if saved is None:
             raise CheckpointInitError(f"{where}: {chosen} holds no saved args (not written by "
                                       "stock pretrain_gpt or a MiMo run)")
@@ -229,7 +236,7 @@ def tensor_problems(pieces: Iterable[tuple[str, tuple[int, ...], Any]], keys: Ma
     missing, problems = set(), []
     for name, shape, dtype in pieces:
         key = keys.get(name)
-        if key is None or key not in metadata:
+        if key is None:
             missing.add(name)
             continue
         saved = metadata[key]
@@ -268,7 +275,7 @@ def load_module(module: Any, folder: str, module_name: str, flag: str, pg_collec
     from megatron_plugins import megatron_compat
 
     where = f"{flag} {folder}"
-    metadata, _ = _read(Path(folder))
+    metadata = _metadata(folder)
     keys = module_keys(metadata, module_name)
     megatron_compat.bind_tp_group(module, pg_collection.tp)  # Gap 3, as the save does
     own = sharded_state_dict_default(module, "", (), {"dp_cp_group": pg_collection.dp_cp},

@@ -252,7 +252,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     if args.language_megatron_checkpoint and args.padded_vocab_size is None:
         # The checkpoint's padded vocabulary is compared below; stock's tokenizer sets ours.
         build_tokenizer(args)
-    check_init_flags(args, plugins)
+    check_init_flags(args, plugins, layout.language.pp)
     # The cross-grid schedule requires variable sequence lengths, which Megatron's allgather MoE
     # dispatcher (the stock default) does not support.
     args.variable_seq_lengths = True

@@ -198,7 +198,8 @@ def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
     return folders
 
 
-def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any]) -> None:
+def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
+                     language_pp: int) -> None:
     """Before any process group, after stock ``validate_args``: resolve and check the init flags
     in place (``args.language_megatron_checkpoint`` becomes the iteration folder,
     ``args.encoder_megatron_checkpoint`` a NAME -> iteration folder dict)."""
@@ -215,6 +216,13 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any]) -> No
         if args.language_hf_weights is not None:
             raise CheckpointInitError(f"{where} and {HF_LANGUAGE_FLAG} {args.language_hf_weights} "
                                       "both initialize the language model; give one")
+        if language_pp > 1 and not args.untie_embeddings_and_output_weights:
+            # megatron-core 0.19.2 builds a tied output layer's sharded state dict from the
+            # uninitialized global parallel_state (as for --save, see checkpoints.py).
+            raise CheckpointInitError(f"{where}: a pipelined language model (pp={language_pp}) "
+                                      "with tied embeddings cannot load it on disjoint grids with "
+                                      "megatron-core 0.19.2; add "
+                                      "--untie-embeddings-and-output-weights")
         chosen = iteration_folder(folder, LANGUAGE_FLAG)
         saved = _saved_args(chosen)
         if saved is None:

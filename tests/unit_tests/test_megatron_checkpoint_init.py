@@ -55,15 +55,16 @@ def checkpoints(tmp_path_factory):
 def _flags(**given) -> argparse.Namespace:
     return argparse.Namespace(**{"language_megatron_checkpoint": None, "language_hf_weights": None,
                                  "encoder_megatron_checkpoint": [], "encoder_hf_weights": {},
-                                 "init_model_with_meta_device": False, **given})
+                                 "init_model_with_meta_device": False,
+                                 "untie_embeddings_and_output_weights": False, **given})
 
 
 def test_a_missing_folder_or_one_without_a_torch_dist_checkpoint_is_named(tmp_path):
     with pytest.raises(CheckpointInitError) as error:
-        check_init_flags(_flags(language_megatron_checkpoint=str(tmp_path / "no")), VIT)
+        check_init_flags(_flags(language_megatron_checkpoint=str(tmp_path / "no")), VIT, 1)
     assert str(error.value) == f"--language-megatron-checkpoint {tmp_path / 'no'}: no such folder"
     with pytest.raises(CheckpointInitError) as error:
-        check_init_flags(_flags(encoder_megatron_checkpoint=[f"vision={tmp_path}"]), VIT)
+        check_init_flags(_flags(encoder_megatron_checkpoint=[f"vision={tmp_path}"]), VIT, 1)
     assert str(error.value) == (
         f"--encoder-megatron-checkpoint vision= {tmp_path}: not a torch_dist checkpoint (neither "
         "latest_checkpointed_iteration.txt nor an iteration folder's metadata.json and "
@@ -72,17 +73,27 @@ def test_a_missing_folder_or_one_without_a_torch_dist_checkpoint_is_named(tmp_pa
     (tmp_path / "iter_0000005").mkdir()
     with pytest.raises(CheckpointInitError, match=r"latest_checkpointed_iteration.txt names '5', "
                        r"but .*iter_0000005 is not a complete torch_dist checkpoint"):
-        check_init_flags(_flags(language_megatron_checkpoint=str(tmp_path)), VIT)
+        check_init_flags(_flags(language_megatron_checkpoint=str(tmp_path)), VIT, 1)
+
+
+def test_a_pipelined_language_model_with_tied_embeddings_is_refused(checkpoints):
+    with pytest.raises(CheckpointInitError) as error:
+        check_init_flags(_flags(language_megatron_checkpoint=str(checkpoints / "gpt")), VIT, 2)
+    assert str(error.value) == (
+        f"--language-megatron-checkpoint {checkpoints / 'gpt'}: a pipelined language model (pp=2) "
+        "with tied embeddings cannot load it on disjoint grids with megatron-core 0.19.2; add "
+        "--untie-embeddings-and-output-weights")
 
 
 def test_one_module_may_not_have_both_hf_and_megatron_weights():
     with pytest.raises(CheckpointInitError) as error:
-        check_init_flags(_flags(language_megatron_checkpoint="ckpt", language_hf_weights="hf"), VIT)
+        check_init_flags(_flags(language_megatron_checkpoint="ckpt", language_hf_weights="hf"),
+                         VIT, 1)
     assert str(error.value) == ("--language-megatron-checkpoint ckpt and --language-hf-weights hf "
                                 "both initialize the language model; give one")
     with pytest.raises(CheckpointInitError) as error:
         check_init_flags(_flags(encoder_megatron_checkpoint=["vision=ckpt"],
-                                encoder_hf_weights={"vision": "hf"}), VIT)
+                                encoder_hf_weights={"vision": "hf"}), VIT, 1)
     assert str(error.value) == ("--encoder-megatron-checkpoint vision=ckpt and "
                                 "--encoder-hf-weights vision=hf both initialize encoder vision; "
                                 "give one")
@@ -90,18 +101,18 @@ def test_one_module_may_not_have_both_hf_and_megatron_weights():
 
 def test_an_unknown_encoder_or_a_checkpoint_without_it_is_named(checkpoints):
     with pytest.raises(CheckpointInitError) as error:
-        check_init_flags(_flags(encoder_megatron_checkpoint=["image=ckpt"]), VIT)
+        check_init_flags(_flags(encoder_megatron_checkpoint=["image=ckpt"]), VIT, 1)
     assert str(error.value) == ("--encoder-megatron-checkpoint image=ckpt: no encoder 'image'; "
                                 "encoders are vision")
     gpt, audio = checkpoints / "gpt", checkpoints / "audio"
     with pytest.raises(CheckpointInitError) as error:
-        check_init_flags(_flags(encoder_megatron_checkpoint=[f"vision={gpt}"]), VIT)
+        check_init_flags(_flags(encoder_megatron_checkpoint=[f"vision={gpt}"]), VIT, 1)
     assert str(error.value) == (
         f"--encoder-megatron-checkpoint vision={gpt}: {gpt} holds no encoder 'vision' (its "
         "modules: none, a stock GPT checkpoint); give the checkpoint of a MiMo run that trained "
         "an encoder of this name")
     with pytest.raises(CheckpointInitError) as error:
-        check_init_flags(_flags(encoder_megatron_checkpoint=[f"vision={audio}"]), VIT)
+        check_init_flags(_flags(encoder_megatron_checkpoint=[f"vision={audio}"]), VIT, 1)
     assert str(error.value) == (f"--encoder-megatron-checkpoint vision={audio}: the checkpoint's "
                                 "encoder vision is --encoder vision=audio, this run's is "
                                 "vision=vit")

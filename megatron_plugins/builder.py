@@ -4,7 +4,8 @@
 (stock language config, encoder providers, special tokens, seed, freezing); the live topology and
 encoder plugins ride along in underscore fields, which Megatron never writes to checkpoints.
 ``MimoModelBuilder`` seeds this rank's module, builds the rank-local ``MimoModel`` (only that
-module is instantiated), loads HF weights into it where asked (``megatron_plugins.weights``), runs the pre/post wrap hooks, applies the distributed lifecycle,
+module is instantiated), loads HF weights or Megatron checkpoints into it where asked
+(``megatron_plugins.weights``), runs the pre/post wrap hooks, applies the distributed lifecycle,
 installs cross-grid gradient sync and sets what the stock loop reads from the model
 (``pg_collection``, ``rng_state_key_prefix``).
 """
@@ -35,6 +36,7 @@ from megatron_plugins.lifecycle import Freeze, prepare_active_modules
 from megatron_plugins.rng import rng_state_key_prefix, seed_module
 from megatron_plugins.topology import HeteroTopology
 from megatron_plugins.weights import load_pretrained
+from megatron_plugins.weights.megatron_checkpoint import load_megatron_checkpoints
 
 
 @dataclass
@@ -58,6 +60,12 @@ class MimoBuildConfig(ModelConfig):
     """HF folder the language model is loaded from once built (``--language-hf-weights``)."""
     encoder_hf_weights: dict[str, str] = field(default_factory=dict)
     """HF folder per encoder network (``--encoder-hf-weights NAME=DIR``)."""
+    language_megatron_checkpoint: str | None = None
+    """torch_dist iteration folder the language model starts from
+    (``--language-megatron-checkpoint``)."""
+    encoder_megatron_checkpoints: dict[str, str] = field(default_factory=dict)
+    """torch_dist iteration folder per encoder network
+    (``--encoder-megatron-checkpoint NAME=DIR``)."""
 
     _topology: HeteroTopology | None = None
     _plugins: dict[str, EncoderPlugin] = field(default_factory=dict)
@@ -147,6 +155,8 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             model = self.build_model(encoder_configs=configs)
         load_pretrained(model, topology.module_pgs, cfg.language_hf_weights,
                         cfg.encoder_hf_weights, cfg._plugins)
+        load_megatron_checkpoints(model, topology.module_pgs, cfg.language_megatron_checkpoint,
+                                  cfg.encoder_megatron_checkpoints)
         model = _single(compose_hooks(cfg.pre_wrap_hooks)([model]), "pre_wrap_hooks")
 
         module_pgs = topology.module_pgs

@@ -23,7 +23,7 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator,
 )
-from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args, validate_args
@@ -64,6 +64,7 @@ from megatron_plugins.weights.flags import (
     apply_language_config,
     encoder_folders,
 )
+from megatron_plugins.weights.megatron_checkpoint import add_checkpoint_init_args, check_init_flags
 from megatron_plugins.training_step import forward_step
 
 HELP_DESCRIPTION = (
@@ -141,7 +142,7 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         stock_groups = len(parser._action_groups)
         for add in (add_layout_args, add_mimo_args, add_data_args, add_optimizer_args,
-                    add_weights_args, cpu_simulation.add_cli_flag):
+                    add_weights_args, add_checkpoint_init_args, cpu_simulation.add_cli_flag):
             add(parser)
         add_encoder_args(parser, providers)
         # argparse prints groups in creation order: ours (made last) go first, after "options".
@@ -248,6 +249,10 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
         # config below is first needed; the same function gives the same size now.
         args.padded_vocab_size = vocab_size_with_padding(source.tokenizer.vocab_size, args,
                                                          logging_enabled=False)
+    if args.language_megatron_checkpoint and args.padded_vocab_size is None:
+        # The checkpoint's padded vocabulary is compared below; stock's tokenizer sets ours.
+        build_tokenizer(args)
+    check_init_flags(args, plugins, layout.language.pp)
     # The cross-grid schedule requires variable sequence lengths, which Megatron's allgather MoE
     # dispatcher (the stock default) does not support.
     args.variable_seq_lengths = True
@@ -305,6 +310,8 @@ def start(run: MimoRun) -> MimoSession:
         encoder_overlap_grad_reduce=args.encoder_overlap_grad_reduce,
         language_hf_weights=args.language_hf_weights,
         encoder_hf_weights=dict(args.encoder_hf_weights),
+        language_megatron_checkpoint=args.language_megatron_checkpoint,
+        encoder_megatron_checkpoints=dict(args.encoder_megatron_checkpoint),
         _topology=topology,
         _plugins=run.plugins,
         _alignment=guard,

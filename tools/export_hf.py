@@ -26,6 +26,7 @@ import torch
 from megatron_plugins.errors import UsageError, report
 from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
+from megatron_plugins.weights.megatron_checkpoint import split_key
 from megatron_plugins.weights.streaming import WeightPiece, assemble, pieces_of
 
 PROG = "export_hf"
@@ -54,21 +55,6 @@ def iteration_folder(checkpoint: Path, iteration: int | None) -> Path:
     if step is None:
         step = int((checkpoint / TRACKER_FILE).read_text().strip())
     return checkpoint / f"iter_{step:07d}"
-
-
-def split_key(key: str) -> tuple[str, str] | None:
-    """Checkpoint key -> (module, name inside it); wrappers' ``module.`` segments dropped.
-    Modules: ``language``, an encoder's name, ``NAME:projection``; None for optimizer state."""
-    parts = [part for part in key.split(".") if part != "module"]
-    if parts[0] == "language_model":
-        return "language", ".".join(parts[1:])
-    if parts[0] == "modality_submodules":
-        name, kind = parts[1], parts[2]
-        if kind == "encoders" and parts[3] == name:
-            return name, ".".join(parts[4:])
-        if kind == "input_projections":
-            return f"{name}:projection", ".".join(parts[3:])
-    return None
 
 
 STACKED = (("layers.", "layers."), ("experts.experts.", "experts.local_experts."))

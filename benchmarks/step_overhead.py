@@ -1,6 +1,6 @@
 """Fixed per-step cost of the heterogeneous MiMo path on the CPU simulation, against stock Megatron.
 
-    python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--out-dir runs/step-overhead]
+    python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--rounds 3] [--out-dir runs/step-overhead]
     python benchmarks/step_overhead.py --smoke          # seconds of stepping, for CI
 
 In one invocation, never more processes than cores (two), each on one thread: the language model
@@ -150,8 +150,8 @@ def breakdown(steps: list[dict[str, Any]]) -> dict[str, float]:
     return parts
 
 
-def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
-    """Run the three measurements and return the report."""
+def _round(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    """One stock, encoder-alone and MiMo measurement, back to back."""
     iters = ["--train-iters", str(steps + warmup)]
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         [stock] = record("gpt", steps, warmup, f"{tmp}/gpt", timeout)
@@ -159,16 +159,30 @@ def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
                 f"{tmp}/enc", timeout)
         hetero = record("mimo", steps, warmup, f"{tmp}/mimo", timeout)
         encoder = json.loads(Path(f"{tmp}/enc.encoder.json").read_text())
-    mimo_step = statistics.median(max(r[i]["seconds"] for r in hetero) for i in range(steps))
-    language_step = _median(stock, "seconds")
+    seconds = {"mimo_step": statistics.median(max(r[i]["seconds"] for r in hetero)
+                                              for i in range(steps)),
+               "language_step": _median(stock, "seconds"), "encoder_step": encoder["median"]}
+    return {"seconds": seconds,
+            "ratio": seconds["mimo_step"] / (seconds["language_step"] + seconds["encoder_step"]),
+            "stock": stock, "hetero": hetero}
+
+
+def measure(steps: int, warmup: int, timeout: float, rounds: int = 1) -> dict[str, Any]:
+    """Run the three measurements ``rounds`` times, interleaved, and return the report: the
+    ratio is the median of the rounds' ratios (each from measurements minutes apart at most);
+    collectives and breakdown come from that median round."""
+    done = sorted((_round(steps, warmup, timeout) for _ in range(rounds)),
+                  key=lambda measured: measured["ratio"])
+    median = done[len(done) // 2]
+    stock, hetero = median["stock"], median["hetero"]
     return {
         "load_average": os.getloadavg(),
         "cpu_count": os.cpu_count(),
         "threads_per_process": THREADS_PER_PROCESS,
         "steps": steps, "warmup": warmup,
-        "ratio": mimo_step / (language_step + encoder["median"]),
-        "seconds": {"mimo_step": mimo_step, "language_step": language_step,
-                    "encoder_step": encoder["median"]},
+        "ratio": median["ratio"],
+        "seconds": median["seconds"],
+        "rounds": [{"ratio": measured["ratio"], **measured["seconds"]} for measured in done],
         "collectives": {"stock": collective_summary(stock),
                         **{f"mimo rank {r}": collective_summary(s) for r, s in enumerate(hetero)}},
         "breakdown": {"stock": breakdown(stock),
@@ -178,7 +192,6 @@ def measure(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown tables."""
-    s = report["seconds"]
     load = ", ".join(f"{x:.2f}" for x in report["load_average"])
     lines = [
         f"Load average {load} on {report['cpu_count']} cores, "
@@ -186,8 +199,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"steps after {report['warmup']} warm-up steps.", "",
         "| MiMo step (ms) | language step, stock (ms) | encoder step (ms) | ratio (a) |",
         "| ---: | ---: | ---: | ---: |",
-        f"| {s['mimo_step'] * 1e3:.1f} | {s['language_step'] * 1e3:.1f} | "
-        f"{s['encoder_step'] * 1e3:.1f} | {report['ratio']:.2f} |", "",
+        *(f"| {r['mimo_step'] * 1e3:.1f} | {r['language_step'] * 1e3:.1f} | "
+          f"{r['encoder_step'] * 1e3:.1f} | {r['ratio']:.2f} |" for r in report["rounds"]), "",
+        f"Ratio (a), median of {len(report['rounds'])} rounds: {report['ratio']:.2f}", "",
         "| collectives per step | total | world-wide |", "| --- | ---: | ---: |",
     ]
     lines += [f"| {name} | {c['total']} | {c['world']} |"
@@ -208,12 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps discarded first")
-    parser.add_argument("--smoke", action="store_true", help="3 steps after 1 warm-up (CI)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved repetitions; the ratio is their median")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one round of 3 steps after 1 warm-up (CI)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "step-overhead")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     args = parser.parse_args(argv)
-    steps, warmup = (3, 1) if args.smoke else (args.steps, args.warmup)
-    report = measure(steps, warmup, args.timeout)
+    steps, warmup, rounds = (3, 1, 1) if args.smoke else (args.steps, args.warmup, args.rounds)
+    report = measure(steps, warmup, args.timeout, rounds)
     table = markdown(report)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "step_overhead.json").write_text(json.dumps(report, indent=1))

@@ -10,7 +10,7 @@ family as ``hf_family`` (a :class:`~megatron_plugins.weights.mapping.Family`).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from megatron_plugins.weights.hf_config import find_family, read_config
@@ -79,18 +79,28 @@ def encoder_family(plugin: Any) -> Family | None:
     return getattr(plugin, "hf_family", None)
 
 
-def encoder_folders(values: list[str], plugins: Mapping[str, Any]) -> dict[str, str]:
-    """``NAME=DIR`` values checked against the run's encoders, their providers and folders."""
-    folders: dict[str, str] = {}
+def encoder_assignments(values: list[str], plugins: Mapping[str, Any], flag: str,
+                        error: type[Exception]) -> Iterator[tuple[str, str, str]]:
+    """``(value, NAME, DIR)`` of each ``flag NAME=DIR`` value, NAME one of the run's encoders and
+    given once; a bad value raises ``error`` in one line (any per-module "weights from" flag)."""
+    seen: set[str] = set()
     for value in values:
         name, sep, folder = value.partition("=")
         if not sep or not folder:
-            raise HFWeightsError(f"{ENCODER_FLAG} {value}: expected NAME=DIR")
+            raise error(f"{flag} {value}: expected NAME=DIR")
         if name not in plugins:
-            raise HFWeightsError(f"{ENCODER_FLAG} {value}: no encoder {name!r}; encoders are "
-                                 f"{', '.join(plugins) or 'none'}")
-        if name in folders:
-            raise HFWeightsError(f"{ENCODER_FLAG} {name}= is given twice")
+            raise error(f"{flag} {value}: no encoder {name!r}; encoders are "
+                        f"{', '.join(plugins) or 'none'}")
+        if name in seen:
+            raise error(f"{flag} {name}= is given twice")
+        seen.add(name)
+        yield value, name, folder
+
+
+def encoder_folders(values: list[str], plugins: Mapping[str, Any]) -> dict[str, str]:
+    """``NAME=DIR`` values checked against the run's encoders, their providers and folders."""
+    folders: dict[str, str] = {}
+    for value, name, folder in encoder_assignments(values, plugins, ENCODER_FLAG, HFWeightsError):
         family = encoder_family(plugins[name])
         if family is None:
             raise HFWeightsError(f"{ENCODER_FLAG} {value}: encoder {name}'s provider "

@@ -163,18 +163,12 @@ def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
                      hf_folders: Mapping[str, str]) -> dict[str, str]:
     """``NAME=DIR`` values checked against the run's encoders and the checkpoints' encoders."""
     from megatron_plugins.weights.flags import ENCODER_FLAG as HF_ENCODER_FLAG
+    from megatron_plugins.weights.flags import encoder_assignments
 
     folders: dict[str, str] = {}
-    for value in values:
-        name, sep, folder = value.partition("=")
+    for value, name, folder in encoder_assignments(values, plugins, ENCODER_FLAG,
+                                                   CheckpointInitError):
         where = f"{ENCODER_FLAG} {value}"
-        if not sep or not folder:
-            raise CheckpointInitError(f"{where}: expected NAME=DIR")
-        if name not in plugins:
-            raise CheckpointInitError(f"{where}: no encoder {name!r}; encoders are "
-                                      f"{', '.join(plugins) or 'none'}")
-        if name in folders:
-            raise CheckpointInitError(f"{ENCODER_FLAG} {name}= is given twice")
         if name in hf_folders:
             raise CheckpointInitError(f"{where} and {HF_ENCODER_FLAG} {name}={hf_folders[name]} "
                                       f"both initialize encoder {name}; give one")

@@ -49,21 +49,23 @@ def _assert_streams_back(folder, pieces):
         assert assembled[name].dtype == tensor.dtype and torch.equal(assembled[name], tensor), name
 
 
-@pytest.mark.parametrize("grid", ["language:tp=2", "language:pp=2"])
+@pytest.mark.parametrize("grid", ["language:tp=2", "language:pp=2", "language:tp=2,pp=2"])
 def test_mimo_language_at_tp2_and_pp2_reproduces_transformers_logits_and_streams_back(llama, grid):
     folder, want = llama
-    logits, pieces = mimo_import(3, str(folder), grid)
-    assert len(logits) == (2 if "tp" in grid else 1)  # every TP rank of the last stage
+    tp, pp = (2 if f"{dim}=2" in grid else 1 for dim in ("tp", "pp"))
+    logits, pieces = mimo_import(1 + tp * pp, str(folder), grid)
+    assert len(logits) == tp  # every TP rank of the last stage
     for got in logits:
         assert rel_diff(got[..., :100], want) < TOLERANCE
-    names = [{p.hf_name for p in rank} for rank in pieces]
-    if "pp" in grid:
-        assert names[0].isdisjoint(names[1])  # each stage streams only its own layers
-    else:  # each TP rank streams only its half of the 32 q_proj rows
+    layers = [{p.hf_name.split(".")[2] for p in rank if p.hf_name.startswith("model.layers.")}
+              for rank in pieces]
+    if pp == 2:  # each stage streams only its own layer
+        assert all(len(held) == 1 for held in layers) and set.union(*layers) == {"0", "1"}
+    if tp == 2:  # each TP rank holding layer 0 streams only its half of the 32 q_proj rows
         q = "model.layers.0.self_attn.q_proj.weight"
         assert [p.tensor.shape[0] for rank in pieces for p in rank if p.hf_name == q] == [16, 16]
     _assert_streams_back(folder, pieces)
-    if "tp" in grid:
+    if tp == 2:
         _assert_another_ranks_metadata_is_caught(pieces)
 
 

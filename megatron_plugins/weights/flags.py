@@ -33,6 +33,11 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+USER_MAY_SET = {"untie_embeddings_and_output_weights": True}
+"""Implied flags the user may still set, to this value: an untied run from a checkpoint with tied
+embeddings starts its output layer as a copy of the embedding."""
+
+
 def _shown(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -56,6 +61,8 @@ def apply_language_config(args: argparse.Namespace, given: Callable[[str], str |
         if not hasattr(args, attr):
             raise ValueError(f"the {family.name} family sets args.{attr}, which stock lacks")
         spelled = given(attr)
+        if spelled is not None and USER_MAY_SET.get(attr, value) == getattr(args, attr):
+            continue
         if spelled is not None and getattr(args, attr) != value:
             raise HFWeightsError(
                 f"{spelled} {_shown(getattr(args, attr))} contradicts {LANGUAGE_FLAG} "

@@ -63,6 +63,9 @@ ENDS = (
     Rule("output_layer.weight", ("lm_head.weight",), tp_dim=0, pad_vocab=True),
 )
 
+TIED = (("lm_head.weight", "model.embed_tokens.weight"),)
+"""A checkpoint with ``tie_word_embeddings`` has no ``lm_head``: the output layer is the embedding."""
+
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 """str(args.params_dtype) -> config.json ``dtype``."""
 
@@ -175,13 +178,13 @@ def _hf_config(architecture: str, model_type: str, extra: dict[str, Any] | None 
 
 LLAMA = Family("llama", ("LlamaForCausalLM",), "llama", (*ENDS, *_attention(False, False),
                                                         *DENSE_MLP),
-               _dense_args, _hf_config("LlamaForCausalLM", "llama"))
+               _dense_args, _hf_config("LlamaForCausalLM", "llama"), tied=TIED)
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", (*ENDS, *_attention(True, False),
                                                         *DENSE_MLP),
-               _qwen2_args, _hf_config("Qwen2ForCausalLM", "qwen2"))
+               _qwen2_args, _hf_config("Qwen2ForCausalLM", "qwen2"), tied=TIED)
 QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", (*ENDS, *_attention(False, True),
                                                         *DENSE_MLP),
-               _qwen3_args, _hf_config("Qwen3ForCausalLM", "qwen3"))
+               _qwen3_args, _hf_config("Qwen3ForCausalLM", "qwen3"), tied=TIED)
 QWEN3_MOE = Family(
     "qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
     (*ENDS, *_attention(False, True), *MOE_MLP), _qwen3_moe_args,
@@ -193,6 +196,6 @@ QWEN3_MOE = Family(
         "router_aux_loss_coef": lambda args: args.moe_aux_loss_coeff,
         "decoder_sparse_step": lambda args: 1,
         "mlp_only_layers": lambda args: [],
-    }))
+    }), tied=TIED)
 
 FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE)

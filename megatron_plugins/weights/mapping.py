@@ -88,6 +88,9 @@ class Family:
     unused: tuple[str, ...] = ()
     """Regexes of HF tensor names outside the Megatron module, deliberately not imported (CLIP's
     ``post_layernorm``, SigLIP's pooling head, a full CLIP model's text tower)."""
+    tied: tuple[tuple[str, str], ...] = ()
+    """(HF name, HF name it equals) for tensors a checkpoint with ``tie_word_embeddings`` omits:
+    a Megatron output layer (last pipeline stage, or an untied run) is read from the embedding."""
     hf_prefixes: tuple[str, ...] = ("",)
     """Prefixes the HF names may carry, first match wins (a CLIP vision tower is saved as
     ``embeddings.*`` by ``CLIPVisionModel`` in transformers 5, as ``vision_model.embeddings.*`` by
@@ -98,15 +101,17 @@ class Family:
         return any(re.match(pattern, hf_name) for pattern in self.unused)
 
     def for_names(self, hf_names: set[str]) -> "Family":
-        """This family with its rules' HF names under the prefix the checkpoint uses: the first
-        prefix under which the first rule's tensors exist (unchanged when none does)."""
+        """This family with its rules' HF names as the checkpoint has them: under the first
+        prefix where the first rule's tensors exist, and a tied tensor the checkpoint omits read
+        from the one it equals."""
         first = self.rules[0].hf
-        for prefix in self.hf_prefixes:
-            if all(prefix + name in hf_names for name in first):
-                rules = tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
-                              for rule in self.rules)
-                return dataclasses.replace(self, rules=rules, hf_prefixes=("",))
-        return self
+        prefix = next((p for p in self.hf_prefixes if all(p + n in hf_names for n in first)), "")
+        tied = {prefix + name: prefix + source for name, source in self.tied
+                if prefix + name not in hf_names}
+        rules = tuple(dataclasses.replace(rule, hf=tuple(tied.get(prefix + n, prefix + n)
+                                                         for n in rule.hf))
+                      for rule in self.rules)
+        return dataclasses.replace(self, rules=rules, hf_prefixes=("",))
 
     def bind(self, megatron_name: str) -> Bound | None:
         """The rule covering a concrete global Megatron name, with HF names filled in."""

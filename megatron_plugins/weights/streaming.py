@@ -66,6 +66,15 @@ def pieces_of(p: LocalParam, tensor: torch.Tensor, heads: Heads | None,
         yield WeightPiece(piece.hf_name, data, tuple(shape), tuple(offsets))
 
 
+def _tied_copy(module: torch.nn.Module) -> torch.Tensor | None:
+    """The last stage of a pipelined model with tied embeddings holds the embedding again as its
+    output layer; the first stage streams it, as the HF embedding."""
+    if getattr(module, "share_embeddings_and_output_weights", False) and not getattr(
+            module, "pre_process", True):
+        return module.shared_embedding_or_output_weight()
+    return None
+
+
 def iter_hf_weights(module: torch.nn.Module, family: Family, pg_collection: object,
                     vocab_size: int | None = None) -> Iterator[WeightPiece]:
     """This rank's pieces of the HF checkpoint ``family`` describes, read from ``module``.
@@ -75,8 +84,9 @@ def iter_hf_weights(module: torch.nn.Module, family: Family, pg_collection: obje
     """
     module = unwrap(module)
     heads = heads_of(module)
+    tied_copy = _tied_copy(module)
     for p in local_params(module, family, pg_collection, f"{family.name} streaming"):
-        if _owner(pg_collection, p.bound.rule.is_expert):
+        if p.param is not tied_copy and _owner(pg_collection, p.bound.rule.is_expert):
             yield from pieces_of(p, p.param.detach(), heads, vocab_size)
 
 

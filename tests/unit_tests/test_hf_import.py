@@ -99,3 +99,23 @@ def test_qwen3_moe_at_ep2_reproduces_transformers_logits(qwen3_moe):
                for rank in pieces]
     assert experts == [{"0", "1"}, {"2", "3"}]  # each EP rank streams only its own experts
     _assert_streams_back(folder, pieces)
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_tied_embeddings_import_at_pp2_and_stream_once(tmp_path, untie):
+    """A checkpoint without ``lm_head`` (tie_word_embeddings): the last stage's output layer is
+    the embedding; kept tied, it streams once as the embedding; untied by flag, it streams as
+    ``lm_head`` (the HF checkpoint that run would export)."""
+    folder = save_tiny("qwen3", tmp_path / "tied", tie_word_embeddings=True)
+    original = safetensors_of(folder)
+    assert "lm_head.weight" not in original
+    extra = ("--untie-embeddings-and-output-weights",) if untie else ()
+    logits, pieces = mimo_import(3, str(folder), "language:pp=2", extra)
+    [got] = logits
+    assert rel_diff(got[..., :100], hf_logits(folder)) < TOLERANCE
+    assembled = assemble(piece for rank in pieces for piece in rank)
+    if untie:
+        original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    assert sorted(assembled) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(assembled[name], tensor), name

@@ -16,6 +16,7 @@ from tests.hf_models import (
     safetensors_of,
     save_tiny,
     stock_gpt_rank,
+    train_from_hf,
 )
 from tests.multiprocess import run_in_processes
 
@@ -42,10 +43,13 @@ def llama(tmp_path_factory):
 
 def _assert_streams_back(folder, pieces):
     """Pieces from every rank reassemble to exactly the imported HF tensors."""
+    _assert_streams_back_as(safetensors_of(folder), pieces)
+
+
+def _assert_streams_back_as(tensors, pieces):
     assembled = assemble(piece for rank in pieces for piece in rank)
-    original = safetensors_of(folder)
-    assert sorted(assembled) == sorted(original)
-    for name, tensor in original.items():
+    assert sorted(assembled) == sorted(tensors)
+    for name, tensor in tensors.items():
         assert assembled[name].dtype == tensor.dtype and torch.equal(assembled[name], tensor), name
 
 
@@ -101,21 +105,35 @@ def test_qwen3_moe_at_ep2_reproduces_transformers_logits(qwen3_moe):
     _assert_streams_back(folder, pieces)
 
 
-@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
-def test_tied_embeddings_import_at_pp2_and_stream_once(tmp_path, untie):
-    """A checkpoint without ``lm_head`` (tie_word_embeddings): the last stage's output layer is
-    the embedding; kept tied, it streams once as the embedding; untied by flag, it streams as
-    ``lm_head`` (the HF checkpoint that run would export)."""
+def test_untied_by_flag_tied_checkpoint_imports_at_pp2_and_streams_lm_head(tmp_path):
+    """A checkpoint without ``lm_head`` (tie_word_embeddings) into a pipelined run with
+    --untie-embeddings-and-output-weights: the output layer starts as the embedding and streams
+    as ``lm_head`` (what that run exports)."""
     folder = save_tiny("qwen3", tmp_path / "tied", tie_word_embeddings=True)
     original = safetensors_of(folder)
     assert "lm_head.weight" not in original
-    extra = ("--untie-embeddings-and-output-weights",) if untie else ()
-    logits, pieces = mimo_import(3, str(folder), "language:pp=2", extra)
+    logits, pieces = mimo_import(3, str(folder), "language:pp=2",
+                                 ("--untie-embeddings-and-output-weights",))
     [got] = logits
     assert rel_diff(got[..., :100], hf_logits(folder)) < TOLERANCE
-    assembled = assemble(piece for rank in pieces for piece in rank)
-    if untie:
-        original["lm_head.weight"] = original["model.embed_tokens.weight"]
-    assert sorted(assembled) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(assembled[name], tensor), name
+    original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    _assert_streams_back_as(original, pieces)
+
+
+def test_tied_checkpoint_trains_identically_at_pp1_and_pp2_and_streams_the_embedding_once(
+        tmp_path):
+    """Kept tied at PP 2, the last stage's output layer is read from the embedding and its
+    gradient joins the first stage's: training equals the one-stage run (SGD, fp32), and the
+    embedding is streamed once (no ``lm_head``)."""
+    folder = save_tiny("qwen3", tmp_path / "tied", tie_word_embeddings=True)
+    sgd = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
+    one_stage, one_stage_logits = train_from_hf(2, str(folder), "language:", sgd)
+    two_stages, two_stage_logits = train_from_hf(3, str(folder), "language:pp=2", sgd)
+    assert rel_diff(two_stage_logits, one_stage_logits) < TOLERANCE
+    assert rel_diff(one_stage_logits[..., :100], hf_logits(folder)) > 1e-3  # it trained
+    trained = assemble(piece for rank in one_stage for piece in rank)
+    assert sorted(trained) == sorted(safetensors_of(folder))
+    streamed = assemble(piece for rank in two_stages for piece in rank)
+    assert sorted(streamed) == sorted(trained)
+    for name, tensor in trained.items():
+        assert rel_diff(streamed[name].numpy(), tensor.numpy()) < TOLERANCE, name

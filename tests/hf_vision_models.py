@@ -86,7 +86,7 @@ def plugin(provider: str, folder: str | Path, tp: int = 1) -> Any:
 
 def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dict[str, Any]:
     """One TP rank of our encoder built from ``folder`` with its HF weights imported through the
-    family table; returns its output on ``pixels`` and the names of the parameters it loaded."""
+    family table; returns its output on ``pixels`` and its streamed HF pieces (serialized)."""
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
@@ -96,6 +96,7 @@ def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dic
 
     from megatron_plugins.weights.flags import ENCODER_FLAG
     from megatron_plugins.weights.hf_import import load_hf_weights
+    from tests.hf_models import streamed
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -109,7 +110,8 @@ def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dic
     with torch.no_grad():
         output = network(torch.from_numpy(pixels))
     return {"family": family.name, "output": output.detach().numpy(),
-            "tokens_per_sample": encoder.tokens_per_sample}
+            "tokens_per_sample": encoder.tokens_per_sample,
+            "pieces": streamed(network, family, pgc, None)}
 
 
 def save_full_clip(folder: str | Path, seed: int = 0) -> Path:

@@ -23,6 +23,8 @@ from tests.hf_vision_models import (
     save_full_clip,
     save_tiny,
 )
+from megatron_plugins.weights.streaming import assemble
+from tests.hf_models import pieces_from, safetensors_of
 from tests.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
@@ -47,7 +49,7 @@ def test_one_rank_encoder_reproduces_transformers_last_hidden_state(provider, to
 
 
 @pytest.mark.parametrize("provider", ["clip", "siglip"])
-def test_encoder_tp2_reproduces_transformers(provider, tmp_path):
+def test_encoder_tp2_reproduces_transformers_and_streams_back(provider, tmp_path):
     folder = save_tiny(provider, tmp_path / provider, seed=3)
     pixels = pixel_values(seed=4)
     results = run_in_processes(encoder_rank, 2, args=(provider, str(folder), 2, pixels),
@@ -55,6 +57,15 @@ def test_encoder_tp2_reproduces_transformers(provider, tmp_path):
     want = hf_hidden_states(provider, folder, pixels)
     for result in results:
         assert rel_diff(result["output"], want) < TOLERANCE
+    # The two TP ranks' streamed pieces reassemble to exactly the files' tensors of the tower.
+    family = plugin(provider, folder).hf_family
+    pieces = [piece for result in results for piece in pieces_from(result["pieces"])]
+    assert {p.hf_name for p in pieces if "fc1.weight" in p.hf_name and p.tensor.shape[0] < 48}
+    assembled = assemble(pieces)
+    original = {n: t for n, t in safetensors_of(folder).items() if not family.is_unused(n)}
+    assert sorted(assembled) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(assembled[name], tensor), name
 
 
 def test_full_clip_model_folder_loads_its_vision_tower(tmp_path):

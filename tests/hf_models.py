@@ -177,9 +177,10 @@ def forward_logits(model: Any, pgc: Any, tokens: torch.Tensor) -> np.ndarray | N
 
 MIMO_FLAGS = [*BASE_FLAGS, "--global-batch-size", "4", "--train-iters", "4", "--eval-interval",
               "2", "--eval-iters", "1", "--log-interval", "1", "--min-lr", "1e-4",
-              "--lr-decay-style", "cosine", "--num-workers", "0", "--cpu-simulation",
-              "--encoder", "vision=vit", "--grid", "vision:dp=1"]
-"""A ViT on rank 0, the language model (``--grid language:...``) after it; no shape flags."""
+              "--lr-decay-style", "cosine", "--num-workers", "0", "--cpu-simulation"]
+"""An encoder (e.g. :data:`VIT`) on the first ranks, the language model (``--grid language:...``)
+after it; no shape flags."""
+VIT = ("--encoder", "vision=vit", "--grid", "vision:dp=1")
 
 
 def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
@@ -235,7 +236,7 @@ def mimo_import(nproc: int, folder: str, language_grid: str, extra: tuple[str, .
     streamed pieces of every language rank."""
     from tests.multiprocess import run_in_processes
 
-    argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
+    argv = [*MIMO_FLAGS, *VIT, "--grid", language_grid, "--language-hf-weights", folder, *extra]
     results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120)
     language = [r for r in results if r["module"] == "language"]
     return ([r["logits"] for r in language if r["logits"] is not None],
@@ -259,6 +260,7 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
 
     cpu_simulation.activate()
     from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.weights.flags import encoder_family
     from megatron_plugins.weights.language_families import FAMILIES
     from megatron_plugins.weights.local_view import unwrap
 
@@ -272,12 +274,16 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
         close = session.close
 
         def stream_then_close() -> None:
+            args, pgc = session.run.args, session.topology.module_pgs[module]
             if module == "language":
-                args = session.run.args
                 [family] = [f for f in FAMILIES if f.name == args.language_hf_family]
-                language, pgc = unwrap(models[0].language_model), session.topology.module_pgs[module]
+                language = unwrap(models[0].language_model)
                 result["pieces"] = streamed(language, family, pgc, args.vocab_size)
                 result["logits"] = forward_logits(language, pgc, TOKENS)
+            elif encoder_family(session.run.plugins[module]) is not None:
+                network = unwrap(models[0].modality_submodules[module]).encoders[module]
+                result["pieces"] = streamed(network, encoder_family(session.run.plugins[module]),
+                                            pgc, None)
             close()
 
         session.close = stream_then_close
@@ -286,17 +292,19 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
     return result
 
 
-def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = ()
+def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = (),
+                  module: str = "language", encoder: tuple[str, ...] = VIT
                   ) -> tuple[list[list[Any]], np.ndarray]:
-    """Train a MiMo model started from ``folder``: the streamed pieces of every language rank
-    and the trained language model's logits."""
+    """Train a MiMo model started from ``folder``: the streamed pieces of every rank of
+    ``module`` (the language model, or an encoder with an HF mapping) and the trained language
+    model's logits."""
     from tests.multiprocess import run_in_processes
 
-    argv = [*MIMO_FLAGS, "--grid", language_grid, "--language-hf-weights", folder, *extra]
+    argv = [*MIMO_FLAGS, *encoder, "--grid", language_grid, "--language-hf-weights", folder,
+            *extra]
     results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=180)
-    language = [r for r in results if r["module"] == "language"]
-    logits = next(r["logits"] for r in language if r["logits"] is not None)
-    return [pieces_from(r["pieces"]) for r in language], logits
+    logits = next(r["logits"] for r in results if r.get("logits") is not None)
+    return [pieces_from(r["pieces"]) for r in results if r["module"] == module], logits
 
 
 def export_rank(jobs: list[tuple[str, str, dict[str, Any]]]) -> None:

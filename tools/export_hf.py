@@ -3,7 +3,8 @@
     python -m tools.export_hf --checkpoint runs/default/checkpoints --output hf_out
 
 writes ``hf_out/language/`` (config.json + safetensors, the family's HF format), one folder per
-encoder whose provider has a HF mapping, and ``hf_out/projections.safetensors`` with
+encoder whose provider has a HF mapping (with the tower's tensors the encoder does not hold, such
+as CLIP's ``post_layernorm``, copied from the folder the run started from), and ``hf_out/projections.safetensors`` with
 ``projections.json`` describing them. Tensors are read whole from the checkpoint, whatever layout
 saved it (megatron-core's ``dist_checkpointing.load`` of each tensor's full extent), one stacked
 tensor at a time, then split into HF tensors by the same rules and code the streaming API uses;
@@ -28,6 +29,7 @@ from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.megatron_checkpoint import split_key
 from megatron_plugins.weights.streaming import WeightPiece, assemble, pieces_of
+from megatron_plugins.weights.vision_families import untrained_tensors
 
 PROG = "export_hf"
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -207,8 +209,8 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
             pieces = hf_pieces(ckpt.tensors(name), family,
                                Heads(heads, heads, config["hidden_size"] // heads), None,
                                str(ckpt.folder))
-            written += write_folder(assemble(pieces), out / name, max_shard_size, config,
-                                    progress)
+            tensors = {**assemble(pieces), **untrained_tensors(family, args)}
+            written += write_folder(tensors, out / name, max_shard_size, config, progress)
     projections = {f"{module.partition(':')[0]}.{name}": tensor
                    for module in ckpt.modules if module.endswith(":projection")
                    for name, tensor in ckpt.tensors(module)}

@@ -88,6 +88,9 @@ class Family:
     unused: tuple[str, ...] = ()
     """Regexes of HF tensor names outside the Megatron module, deliberately not imported (CLIP's
     ``post_layernorm``, SigLIP's pooling head, a full CLIP model's text tower)."""
+    untrained: tuple[str, ...] = ()
+    """Regexes (unprefixed HF names) of the unused tensors that belong to the exported HF model
+    itself (not another tower): an export copies them from the folder the run started from."""
     tied: tuple[tuple[str, str], ...] = ()
     """(HF name, HF name it equals) for tensors a checkpoint with ``tie_word_embeddings`` omits:
     a Megatron output layer (last pipeline stage, or an untied run) is read from the embedding."""

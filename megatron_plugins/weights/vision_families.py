@@ -10,10 +10,14 @@ HF names are those of a transformers 5 ``CLIPVisionModel`` / ``SiglipVisionModel
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from megatron_plugins.weights.checkpoint import HFCheckpoint
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
 LAYER = "decoder.layers.{layer}."
@@ -66,27 +70,48 @@ def _no_stock_flags(config: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def source_folder(args: Any, model_type: str) -> tuple[Path, dict[str, Any]]:
+    """The one ``--encoder-hf-weights`` folder of this vision model type and its vision config:
+    what an export of that encoder takes its config.json and untrained tensors from."""
+    found = []
+    # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
+    given = getattr(args, "encoder_hf_weights", None) or []
+    folders = (given.values() if isinstance(given, Mapping)
+               else [value.partition("=")[2] for value in given])
+    for folder in map(Path, folders):
+        config = json.loads((folder / "config.json").read_text())
+        vision = dict(_vision_config(config))
+        if vision.get("model_type", model_type) == model_type:
+            found.append((folder, {**vision, "model_type": model_type}))
+    if len(found) != 1:
+        raise HFWeightsError(f"--encoder-hf-weights: {len(found)} {model_type} folders "
+                             "given; exporting its config.json needs exactly one")
+    return found[0]
+
+
 def _loaded_config(model_type: str):
-    """``hf_config`` for export: the vision config of the one encoder folder of this model type
-    given with ``--encoder-hf-weights`` (the shape the encoder was built from)."""
+    """``hf_config`` for export: the vision config the encoder was built from."""
 
     def hf_config(args: Any, vocab_size: int) -> dict[str, Any]:
-        found = []
-        # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
-        given = getattr(args, "encoder_hf_weights", None) or []
-        folders = (given.values() if isinstance(given, Mapping)
-                   else [value.partition("=")[2] for value in given])
-        for folder in map(Path, folders):
-            config = json.loads((folder / "config.json").read_text())
-            vision = dict(_vision_config(config))
-            if vision.get("model_type", model_type) == model_type:
-                found.append({**vision, "model_type": model_type})
-        if len(found) != 1:
-            raise HFWeightsError(f"--encoder-hf-weights: {len(found)} {model_type} folders "
-                                 "given; exporting its config.json needs exactly one")
-        return found[0]
+        return source_folder(args, model_type)[1]
 
     return hf_config
+
+
+def untrained_tensors(family: Family, args: Any) -> dict[str, torch.Tensor]:
+    """The tower's tensors the Megatron encoder does not hold (``family.untrained``: CLIP's
+    ``post_layernorm``, SigLIP's pooling head), read unchanged from the folder the run started
+    from, so an exported folder is a whole HF vision model."""
+    if not family.untrained:
+        return {}
+    folder = source_folder(args, family.model_type)[0]
+    checkpoint = HFCheckpoint(folder, "--encoder-hf-weights")
+    tensors = {}
+    for name in sorted(checkpoint.names()):
+        own = name.removeprefix("vision_model.")
+        if any(re.match(pattern, own) for pattern in family.untrained):
+            tensors[own] = checkpoint.read(name, 0, 0, -1)
+    return tensors
 
 
 CLIP_VISION = Family(
@@ -105,6 +130,7 @@ CLIP_VISION = Family(
     # HF applies post_layernorm only to the pooled class token; the encoder's output is the
     # last_hidden_state before it.
     unused=(r"(vision_model\.)?post_layernorm\.", *OTHER_TOWER),
+    untrained=(r"post_layernorm\.",),
     hf_prefixes=PREFIXES,
 )
 
@@ -123,6 +149,7 @@ SIGLIP_VISION = Family(
     hf_config=_loaded_config("siglip_vision_model"),
     # The attention-pooling head (vision_use_head) reads last_hidden_state; it is not the encoder.
     unused=(r"(vision_model\.)?head\.", *OTHER_TOWER),
+    untrained=(r"head\.",),
     hf_prefixes=PREFIXES,
 )
 

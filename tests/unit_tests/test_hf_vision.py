@@ -167,3 +167,38 @@ def test_export_config_is_the_loaded_vision_config(tmp_path):
     args.encoder_hf_weights.append(f"second={other}")
     with pytest.raises(HFWeightsError, match="2 clip_vision_model folders given"):
         CLIP_VISION.hf_config(args, 0)
+
+
+def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_it(tmp_path):
+    """Round trip of an encoder: CLIP imported at encoder TP 2, trained 2 steps, saved, exported;
+    the exported vision folder holds exactly the live tower's streamed tensors plus the untrained
+    post_layernorm from the folder the run started from, and transformers on that folder gives
+    our encoder's hidden states."""
+    from tests import hf_models
+
+    language = hf_models.save_tiny("llama", tmp_path / "llama")
+    clip = save_tiny("clip", tmp_path / "clip")
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
+    encoder = ("--encoder", "vision=clip", "--grid", "vision:tp=2",
+               "--encoder-hf-weights", f"vision={clip}")
+    pieces, _ = hf_models.train_from_hf(
+        3, str(language), "language:", ("--seq-length", "32", "--train-iters", "2",
+                                        "--save", str(checkpoint), "--save-interval", "2"),
+        module="vision", encoder=encoder)
+    run_in_processes(hf_models.export_rank, 1,
+                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    exported = safetensors_of(out / "vision")
+    original = safetensors_of(clip)
+    untrained = {n: t for n, t in original.items() if n.startswith("post_layernorm.")}
+    assert sorted(untrained) == ["post_layernorm.bias", "post_layernorm.weight"]
+    assert sorted(exported) == sorted({**streamed, **untrained}) == sorted(original)  # a whole
+    # CLIPVisionModel
+    for name, tensor in {**streamed, **untrained}.items():
+        assert torch.equal(exported[name], tensor), name
+    assert not torch.equal(exported["encoder.layers.0.mlp.fc1.weight"],
+                           original["encoder.layers.0.mlp.fc1.weight"])  # it trained
+    pixels = pixel_values(seed=5)
+    [ours] = run_in_processes(encoder_rank, 1, args=("clip", str(out / "vision"), 1, pixels),
+                              timeout=120)
+    assert rel_diff(ours["output"], hf_hidden_states("clip", out / "vision", pixels)) < TOLERANCE

@@ -64,7 +64,7 @@ def train_gpt(nproc: int, extra: tuple[str, ...] = (), *, tag: str = "run",
     """Train the tiny GPT on ``nproc`` ranks; returns (lm loss per iteration, per-rank params)."""
     logdir = tempfile.mkdtemp(prefix=f"gpt-{tag}-")
     argv = [*TINY_GPT, *extra, "--tensorboard-dir", logdir]
-    params = run_in_processes(train_gpt_rank, nproc, timeout=timeout,
+    params = run_in_processes(train_gpt_rank, nproc, timeout=timeout, simulated=True,
                               args=(argv, import_plugins, install_bridge))
     return read_scalars(logdir, "lm loss"), params
 

@@ -237,7 +237,8 @@ def mimo_import(nproc: int, folder: str, language_grid: str, extra: tuple[str, .
     from tests.multiprocess import run_in_processes
 
     argv = [*MIMO_FLAGS, *VIT, "--grid", language_grid, "--language-hf-weights", folder, *extra]
-    results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120)
+    results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120,
+                               simulated=True)
     language = [r for r in results if r["module"] == "language"]
     return ([r["logits"] for r in language if r["logits"] is not None],
             [pieces_from(r["pieces"]) for r in language])
@@ -302,7 +303,8 @@ def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str,
 
     argv = [*MIMO_FLAGS, *encoder, "--grid", language_grid, "--language-hf-weights", folder,
             *extra]
-    results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=180)
+    results = run_in_processes(train_and_stream_rank, nproc, args=(argv,), timeout=180,
+                               simulated=True)
     logits = next(r["logits"] for r in results if r.get("logits") is not None)
     return [pieces_from(r["pieces"]) for r in results if r["module"] == module], logits
 

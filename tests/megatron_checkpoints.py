@@ -31,7 +31,8 @@ def _write_rank(jobs: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]])
 def write_checkpoints(jobs: list[tuple[Path, dict[str, torch.Tensor], dict[str, Any]]]) -> None:
     """Iteration folders each holding ``tensors`` under their keys and ``args`` as stock saves
     them, ``(folder, tensors, args)`` per job, written in one spawned process."""
-    run_in_processes(_write_rank, 1, args=([(str(f), t, a) for f, t, a in jobs],), timeout=90)
+    run_in_processes(_write_rank, 1, args=([(str(f), t, a) for f, t, a in jobs],), timeout=90,
+                     simulated=True)
 
 
 def read_rank(jobs: list[tuple[str, str]]) -> list[dict[str, np.ndarray]]:

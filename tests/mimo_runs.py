@@ -107,7 +107,7 @@ def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (
     """
     logdir = tempfile.mkdtemp(prefix="mimo-")
     argv = [*TINY_MIMO, *extra, *flags, "--tensorboard-dir", logdir]
-    results = run_in_processes(train_mimo_rank, nproc, timeout=timeout,
+    results = run_in_processes(train_mimo_rank, nproc, timeout=timeout, simulated=True,
                                args=(argv, observe_params, count_reductions, observe_keys,
                                      misalign))
     return {tag: read_scalars(logdir, tag) for tag in ("lm loss", "grad-norm")}, results

@@ -69,19 +69,36 @@ def _kill(processes: Sequence[mp.Process]) -> None:
         process.join(timeout=10)
 
 
+SIMULATION_PRELOAD = "tests.simulation_preload"
+
+
+def _context(simulated: bool) -> Any:
+    """Fresh interpreters (spawn), or forks of one server that already activated the CPU
+    simulation and imported Megatron (:mod:`tests.simulation_preload`)."""
+    if not simulated:
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([SIMULATION_PRELOAD])
+    return context
+
+
 def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float = 90.0,
-                     args: Sequence[Any] = (), env: dict[str, str] | None = None) -> list[Any]:
+                     args: Sequence[Any] = (), env: dict[str, str] | None = None,
+                     simulated: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ranks 0..world_size-1 of a fresh gloo world; results in rank order.
 
-    ``fn`` must be importable by name (spawned children unpickle it). The first rank to raise or
-    die fails the whole run at once, with its traceback; ranks still waiting are killed.
+    ``fn`` must be importable by name (children unpickle it). ``simulated``: ``fn`` starts with
+    ``cpu_simulation.activate()``, so its ranks may be forked with that done and Megatron
+    imported; they get this process's current environment, as spawned ones do. The first rank to
+    raise or die fails the whole run at once, with its traceback; ranks still waiting are killed.
     """
-    context = mp.get_context("spawn")
+    context = _context(simulated)
     results = context.Queue()
     port = free_port()
+    environment = {**(os.environ if simulated else {}), **(env or {})}
     processes = [
         context.Process(target=_worker, args=(fn, rank, world_size, port, tuple(args),
-                                              dict(env or {}), results))
+                                              environment, results))
         for rank in range(world_size)
     ]
     for process in processes:

@@ -327,4 +327,5 @@ def run_plans(kind: str, nproc: int, flags: tuple[str, ...], plans: dict[str, tu
     steps = max(sum(item[0] != "abort" for item in plan) for plan in plans.values())
     argv = [*base, "--train-iters", str(steps), "--eval-iters", "0", *flags]
     rank = gpt_rank if kind == "gpt" else mimo_rank
-    return run_in_processes(rank, nproc, timeout=timeout, args=(argv, plans))
+    return run_in_processes(rank, nproc, timeout=timeout, args=(argv, plans),
+                            simulated=True)

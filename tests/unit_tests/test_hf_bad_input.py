@@ -103,7 +103,7 @@ def test_bad_tensors_are_named_before_training(tmp_path):
         (str(save_tiny("llama", tmp_path / "bf16", dtype=torch.bfloat16)), ["--fp16"]),
         (str(save_tiny("llama", tmp_path / "widen", dtype=torch.bfloat16)), []),
     ]
-    [errors] = run_in_processes(import_errors, 1, args=(cases,), timeout=150)
+    [errors] = run_in_processes(import_errors, 1, args=(cases,), timeout=150, simulated=True)
     where = [f"--language-hf-weights {folder}: " for folder, _ in cases]
     assert errors[0] == (where[0] + "missing HF tensors model.layers.1.mlp.up_proj.weight (e.g. "
                          "model.layers.1.mlp.up_proj.weight for Megatron "

@@ -40,7 +40,7 @@ def test_one_rank_encoder_reproduces_transformers_last_hidden_state(provider, to
     folder = save_tiny(provider, tmp_path / provider)
     pixels = pixel_values()
     [result] = run_in_processes(encoder_rank, 1, args=(provider, str(folder), 1, pixels),
-                                timeout=120)
+                                timeout=120, simulated=True)
     want = hf_hidden_states(provider, folder, pixels)
     assert result["family"] == family
     assert result["tokens_per_sample"] == tokens == want.shape[1]
@@ -53,7 +53,7 @@ def test_encoder_tp2_reproduces_transformers_and_streams_back(provider, tmp_path
     folder = save_tiny(provider, tmp_path / provider, seed=3)
     pixels = pixel_values(seed=4)
     results = run_in_processes(encoder_rank, 2, args=(provider, str(folder), 2, pixels),
-                               timeout=150)
+                               timeout=150, simulated=True)
     want = hf_hidden_states(provider, folder, pixels)
     for result in results:
         assert rel_diff(result["output"], want) < TOLERANCE
@@ -73,14 +73,15 @@ def test_full_clip_model_folder_loads_its_vision_tower(tmp_path):
     folder = save_full_clip(tmp_path / "clip")
     pixels = pixel_values(batch=1)
     [result] = run_in_processes(encoder_rank, 1, args=("clip", str(folder), 1, pixels),
-                                timeout=120)
+                                timeout=120, simulated=True)
     assert rel_diff(result["output"], full_clip_hidden_states(folder, pixels)) < TOLERANCE
 
 
 def test_missing_hf_tensor_is_one_line_naming_it(tmp_path):
     whole = save_tiny("clip", tmp_path / "clip")
     broken = drop_tensor(whole, tmp_path / "broken", "encoder.layers.1.mlp.fc2.bias")
-    [message] = run_in_processes(import_error, 1, args=("clip", str(broken)), timeout=120)
+    [message] = run_in_processes(import_error, 1, args=("clip", str(broken)), timeout=120,
+                                 simulated=True)
     assert "\n" not in message
     assert "missing HF tensors encoder.layers.1.mlp.fc2.bias" in message
     assert "decoder.layers.1.mlp.linear_fc2.bias" in message
@@ -200,5 +201,5 @@ def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_
                            original["encoder.layers.0.mlp.fc1.weight"])  # it trained
     pixels = pixel_values(seed=5)
     [ours] = run_in_processes(encoder_rank, 1, args=("clip", str(out / "vision"), 1, pixels),
-                              timeout=120)
+                              timeout=120, simulated=True)
     assert rel_diff(ours["output"], hf_hidden_states("clip", out / "vision", pixels)) < TOLERANCE

@@ -1,0 +1,16 @@
+"""What the forkserver behind ``run_in_processes(..., simulated=True)`` imports once, so that
+every simulated test rank is forked ready instead of importing torch and Megatron again (seconds
+of CPU per rank on a 2-core machine, hundreds of ranks per suite).
+
+It does what each such rank otherwise does first, in the same order: switch the process to the CPU
+simulation (which patches torch and then imports ``megatron.training``), then import
+``megatron.core``. Nothing of megatron_plugins beyond the simulation is imported, so a rank that
+checks stock behaviour without the plugins still starts without them.
+"""
+
+from megatron_plugins import cpu_simulation
+
+cpu_simulation.activate()
+
+import megatron.core  # noqa: E402,F401  (after the simulation's patches, as in every rank)
+import megatron.training  # noqa: E402,F401

@@ -39,7 +39,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
         find_family({"architectures": ["GPT2LMHeadModel"]}, FAMILIES, "x/config.json")
     assert str(error.value) == (
         "x/config.json: architecture GPT2LMHeadModel is not supported; supported: "
-        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+        "Dots1ForCausalLM")
 
 
 def test_config_features_without_a_mapping_are_refused(tmp_path):

@@ -23,9 +23,12 @@ from tests.multiprocess import run_in_processes
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "dots1"])
-def test_one_rank_import_reproduces_transformers_logits(family, tmp_path):
-    folder = save_tiny(family, tmp_path / family)
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("qwen3_moe", {}), ("dots1", {}),
+    ("dots1", {"n_group": 2, "topk_group": 1}),  # group-limited routing: a group of 2 of 4
+], ids=["llama", "qwen2", "qwen3", "qwen3_moe", "dots1", "dots1-groups"])
+def test_one_rank_import_reproduces_transformers_logits(family, overrides, tmp_path):
+    folder = save_tiny(family, tmp_path / family, **overrides)
     [result] = run_in_processes(stock_gpt_rank, 1, args=(str(folder), 1, 1, []), timeout=120)
     assert result["family"] == family
     assert result["padded_vocab"] == 128  # 100 HF rows padded to Megatron's multiple of 128

@@ -103,13 +103,14 @@ def prepare_active_modules(
         megatron_compat.bind_tp_group(module, pgc.tp)
         if name != LANGUAGE:
             module = EncoderPrecisionWrapper(configs[name], module)
-        [prepared] = prepare_existing_model_chunks_for_distributed_training(
-            [module], configs[name], pgc,
-            ddp_config=dataclasses.replace(ddp_configs[name]) if wrap_with_ddp else None,
-            overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
-            wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
-            mixed_precision_wrapper=wrapper,
-        )
+        with megatron_compat.exact_fp32_router_buffers(module):
+            [prepared] = prepare_existing_model_chunks_for_distributed_training(
+                [module], configs[name], pgc,
+                ddp_config=dataclasses.replace(ddp_configs[name]) if wrap_with_ddp else None,
+                overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
+                wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
+                mixed_precision_wrapper=wrapper,
+            )
         if name == LANGUAGE:
             model.language_model = prepared
         else:

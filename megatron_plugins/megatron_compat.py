@@ -144,6 +144,14 @@ transfer (``_communicate_shapes``, core/pipeline_parallel/p2p_communication.py:1
 ``_communicate`` at :322), though MiMo stage activations are always ``[seq, micro-batch,
 hidden]``. Bridge (:func:`exchange_shapes_once`, with Gap 9): each stage link exchanges each
 direction's shapes on its first transfer and reuses them; a transfer of another shape raises.
+
+Gap 14 (fp32 router buffers under ``--bf16`` / ``--fp16``): a router keeps its ``expert_bias`` in
+fp32 (``TopKRouter._maintain_float32_expert_bias``, core/transformer/moe/router.py:259), but only
+casts it back on its next forward, load or save; ``Float16Module`` (transformer/module.py:458-464)
+first casts the whole module, so a bias set before the wrap (imported HF weights, a Megatron
+checkpoint init) is rounded to bf16 and routes differently. Stock ``--load`` runs after the wrap
+and is exact. Bridge (:func:`exact_fp32_router_buffers`): around the wrap, every router buffer
+that is fp32 before and kept fp32 by the router is put back to its exact value.
 """
 
 from __future__ import annotations
@@ -241,6 +249,22 @@ def direct_single_rank_expert_output(model: torch.nn.Module) -> None:
         if (isinstance(module, RowParallelLinear) and module.is_expert
                 and not module.explicit_expert_comm and module.skip_bias_add):
             module.explicit_expert_comm = True
+
+
+@contextlib.contextmanager
+def exact_fp32_router_buffers(module: torch.nn.Module) -> Iterator[None]:
+    """While open, a precision wrapper's cast leaves the routers' fp32 buffers exact (Gap 14)."""
+    kept = [(router, {name: buffer.clone() for name, buffer in router.named_buffers(recurse=False)
+                      if buffer.dtype == torch.float32 and not buffer.is_meta})
+            for router in module.modules() if hasattr(router, "_maintain_float32_expert_bias")]
+    yield
+    with torch.no_grad():
+        for router, buffers in kept:
+            router._maintain_float32_expert_bias()
+            for name, value in buffers.items():
+                buffer = getattr(router, name)
+                if buffer.dtype == torch.float32:
+                    buffer.copy_(value)
 
 
 @contextlib.contextmanager

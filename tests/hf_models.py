@@ -26,6 +26,11 @@ FAMILY_CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 24, "norm_topk_prob": True}),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",
+              {"head_dim": 16, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "moe_intermediate_size": 24, "norm_topk_prob": True,
+               "routed_scaling_factor": 2.5}),
 }
 TOKENS = torch.tensor([[3, 17, 42, 99, 5, 8, 61, 23, 0, 77, 12, 34],
                        [50, 1, 2, 98, 44, 31, 7, 7, 64, 19, 88, 26]])
@@ -33,7 +38,11 @@ TOKENS = torch.tensor([[3, 17, 42, 99, 5, 8, 61, 23, 0, 77, 12, 34],
 
 def save_tiny(family: str, folder: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
               **overrides: Any) -> Path:
-    """A tiny random ``family`` model saved to ``folder`` (safetensors, config.json)."""
+    """A tiny random ``family`` model saved to ``folder`` (safetensors, config.json); another
+    ``dtype`` goes through transformers' own loading, which keeps its fp32 modules (dots1's
+    router expert bias) in fp32."""
+    import tempfile
+
     import transformers
 
     config_name, model_name, extra = FAMILY_CLASSES[family]
@@ -46,7 +55,16 @@ def save_tiny(family: str, folder: str | Path, seed: int = 0, dtype: torch.dtype
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
-    model.to(dtype).save_pretrained(folder)
+        params = dict(model.named_parameters())
+        for name, tensor in model.state_dict().items():
+            if name not in params:  # a persistent buffer (the expert bias): non-zero too
+                tensor.copy_(0.1 * torch.randn_like(tensor))
+    if dtype == torch.float32:
+        model.save_pretrained(folder)
+        return Path(folder)
+    with tempfile.TemporaryDirectory() as fp32:
+        model.save_pretrained(fp32)
+        getattr(transformers, model_name).from_pretrained(fp32, dtype=dtype).save_pretrained(folder)
     return Path(folder)
 
 

@@ -1,4 +1,6 @@
-"""Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts).
+"""Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts),
+dots.llm1 (DeepSeek-V3-style MoE: sigmoid router with an fp32 expert bias, shared experts, dense
+first layers).
 
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
@@ -55,6 +57,18 @@ MOE_MLP = (
          (f"{HF_EXPERT}gate_proj.weight", f"{HF_EXPERT}up_proj.weight"), "gate_up", tp_dim=0),
     Rule(f"{EXPERT}linear_fc2.weight", (f"{HF_EXPERT}down_proj.weight",), tp_dim=1),
 )
+
+SHARED = f"{LAYER}mlp.shared_experts."
+HF_SHARED = f"{HF_LAYER}mlp.shared_experts."
+DEEPSEEK_MOE_MLP = (
+    *MOE_MLP,
+    Rule(f"{LAYER}mlp.router.expert_bias", (f"{HF_LAYER}mlp.gate.e_score_correction_bias",)),
+    Rule(f"{SHARED}linear_fc1.weight",
+         (f"{HF_SHARED}gate_proj.weight", f"{HF_SHARED}up_proj.weight"), "gate_up", tp_dim=0),
+    Rule(f"{SHARED}linear_fc2.weight", (f"{HF_SHARED}down_proj.weight",), tp_dim=1),
+)
+"""Sigmoid router with its expert bias (a buffer, kept fp32 by Megatron), routed and shared
+experts."""
 
 ENDS = (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0,
@@ -146,6 +160,65 @@ def _qwen3_moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _sliding_layers(config: Mapping[str, Any]) -> None:
+    """Refuse sliding-window layers, given as ``layer_types`` or (older configs) derived from
+    ``sliding_window`` and ``max_window_layers`` as transformers does."""
+    types = config.get("layer_types")
+    if types is None:
+        window, full = config.get("sliding_window"), config.get("max_window_layers", 0)
+        types = ["sliding_attention" if window is not None and i >= full else "full_attention"
+                 for i in range(config["num_hidden_layers"])]
+    _refuse({"layer_types": sorted(set(types))}, "layer_types", ["full_attention"],
+            "Megatron attention here is full causal, no sliding window")
+
+
+def _dots1_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """dots.llm1's router in Megatron's terms, refusing config values where Megatron's routing
+    math (``topk_routing_with_score_function``) would differ from ``Dots1TopkRouter``'s."""
+    _sliding_layers(config)
+    topk = config["num_experts_per_tok"]
+    _refuse({"norm_topk_prob": config.get("norm_topk_prob", False)}, "norm_topk_prob", topk > 1,
+            "Megatron's sigmoid router renormalizes the "
+            "top-k weights exactly when num_experts_per_tok > 1")
+    groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+    limited = group_topk < groups
+    if limited and topk // group_topk != 2:
+        raise HFWeightsError(
+            f"config.json topk_group = {group_topk} is not supported (Megatron scores an expert "
+            f"group by its top num_experts_per_tok // topk_group = {topk // group_topk} experts, "
+            "HF by its top 2); only values giving 2, or topk_group >= n_group, can be imported")
+    dense = config.get("first_k_dense_replace") or 0
+    shared = config.get("n_shared_experts") or 0
+    return {
+        **_qwen3_args(config),
+        "num_experts": config["n_routed_experts"],
+        "moe_ffn_hidden_size": config["moe_intermediate_size"],
+        "moe_router_topk": topk,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        "moe_router_num_groups": groups if limited else None,
+        "moe_router_group_topk": group_topk if limited else None,
+        # HF computes the router logits in fp32 whatever the model dtype.
+        "moe_router_dtype": "fp32",
+        "moe_shared_expert_intermediate_size": (config["moe_intermediate_size"] * shared
+                                                if shared else None),
+        "moe_layer_freq": [0] * dense + [1] * (config["num_hidden_layers"] - dense),
+    }
+
+
+def _first_dense_layers(args: Any) -> int:
+    """``first_k_dense_replace`` of ``--moe-layer-freq``; only dense-first patterns exist in HF."""
+    freq = args.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
+    dense = pattern.index(1) if 1 in pattern else len(pattern)
+    if pattern != [0] * dense + [1] * (len(pattern) - dense):
+        raise HFWeightsError(f"--moe-layer-freq {freq}: dots1 has only dense layers first, then "
+                             "MoE layers; this pattern has no HF config")
+    return dense
+
+
 def _hf_config(architecture: str, model_type: str, extra: dict[str, Any] | None = None):
     """The inverse of a family's flag function: ``config.json`` from stock args."""
 
@@ -198,4 +271,22 @@ QWEN3_MOE = Family(
         "mlp_only_layers": lambda args: [],
     }), tied=TIED)
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE)
+DOTS1 = Family(
+    "dots1", ("Dots1ForCausalLM",), "dots1",
+    (*ENDS, *_attention(False, True), *DENSE_MLP, *DEEPSEEK_MOE_MLP), _dots1_args,
+    _hf_config("Dots1ForCausalLM", "dots1", {
+        "n_routed_experts": lambda args: args.num_experts,
+        "moe_intermediate_size": lambda args: args.moe_ffn_hidden_size,
+        "num_experts_per_tok": lambda args: args.moe_router_topk,
+        "norm_topk_prob": lambda args: args.moe_router_topk > 1,
+        "routed_scaling_factor": lambda args: args.moe_router_topk_scaling_factor or 1.0,
+        "n_group": lambda args: args.moe_router_num_groups or 1,
+        "topk_group": lambda args: args.moe_router_group_topk or 1,
+        "n_shared_experts": lambda args: (args.moe_shared_expert_intermediate_size or 0)
+        // args.moe_ffn_hidden_size,
+        "first_k_dense_replace": _first_dense_layers,
+        "sliding_window": lambda args: None,
+        "layer_types": lambda args: ["full_attention"] * args.num_layers,
+    }), tied=TIED)
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1)

@@ -1,13 +1,16 @@
-"""This rank's parameters of a module, under their global names and with their rules.
+"""This rank's parameters (and mapped buffers) of a module, under global names, with their rules.
 
 Import and streaming both start here: every parameter of the rank's module gets the name it would
 have at TP 1 / PP 1 / EP 1 (a layer's global index from its ``layer_number``, an expert's from the
 MoE layer's ``local_expert_indices``), the family rule covering it, and the TP rank and size of the
-group it is sharded over (expert TP for experts).
+group it is sharded over (expert TP for experts). Persistent buffers a family rule covers (an MoE
+router's fp32 ``expert_bias``) are weights too and come along; other buffers (Megatron's
+``local_tokens_per_expert`` counters) are not HF weights and are left out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +21,8 @@ from megatron_plugins.weights.mapping import Bound, Family, Heads, HFWeightsErro
 
 @dataclass(frozen=True)
 class LocalParam:
-    """One parameter of this rank: its local name, the tensor, its rule and TP coordinates."""
+    """One parameter (or mapped buffer) of this rank: its local name, the tensor, its rule and TP
+    coordinates."""
 
     name: str
     param: torch.Tensor
@@ -39,17 +43,27 @@ def _renames(module: torch.nn.Module) -> dict[str, str]:
     return renames
 
 
+def _global_name(name: str, renames: dict[str, str]) -> str:
+    local, parts = "", []
+    for part in name.split("."):
+        local = f"{local}.{part}" if local else part
+        parts.append(renames.get(local, part))
+    return ".".join(parts)
+
+
 def global_names(module: torch.nn.Module) -> dict[str, str]:
     """Every parameter's local name -> its global name."""
     renames = _renames(module)
-    names = {}
-    for name, _ in module.named_parameters():
-        local, parts = "", []
-        for part in name.split("."):
-            local = f"{local}.{part}" if local else part
-            parts.append(renames.get(local, part))
-        names[name] = ".".join(parts)
-    return names
+    return {name: _global_name(name, renames) for name, _ in module.named_parameters()}
+
+
+def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(local name, global name, tensor) of every buffer the module's state dict holds."""
+    renames = _renames(module)
+    for name, buffer in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
+            yield name, _global_name(name, renames), buffer
 
 
 def _group_coords(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -60,23 +74,27 @@ def _group_coords(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def local_params(module: torch.nn.Module, family: Family, pg_collection: object,
                  where: str) -> list[LocalParam]:
-    """This rank's parameters with their rules; a parameter no rule covers is an error naming it."""
+    """This rank's parameters with their rules, and the persistent buffers a rule covers; a
+    parameter no rule covers is an error naming it."""
     tp = _group_coords(getattr(pg_collection, "tp", None))
     expert_tp = _group_coords(getattr(pg_collection, "expt_tp", None))
-    found, uncovered = [], []
     params = dict(module.named_parameters())
-    for name, global_name in global_names(module).items():
+    candidates = [(name, global_name, params[name], True)
+                  for name, global_name in global_names(module).items()]
+    candidates += [(*buffer, False) for buffer in persistent_buffers(module)]
+    found, uncovered = [], []
+    for name, global_name, tensor, required in candidates:
         bound = family.bind(global_name)
         if bound is None:
-            uncovered.append(global_name)
+            if required:
+                uncovered.append(global_name)
             continue
         rank, size = expert_tp if bound.rule.is_expert else tp
-        param = params[name]
-        if size > 1 and getattr(param, "tensor_model_parallel", False):
-            if param.partition_dim != bound.rule.tp_dim:
+        if size > 1 and getattr(tensor, "tensor_model_parallel", False):
+            if tensor.partition_dim != bound.rule.tp_dim:
                 raise ValueError(f"{family.name} rule for {global_name} shards dim "
-                                 f"{bound.rule.tp_dim}, Megatron shards dim {param.partition_dim}")
-        found.append(LocalParam(name, param, bound, rank, size))
+                                 f"{bound.rule.tp_dim}, Megatron shards dim {tensor.partition_dim}")
+        found.append(LocalParam(name, tensor, bound, rank, size))
     if uncovered:
         raise HFWeightsError(f"{where}: the {family.name} mapping has no rule for Megatron "
                              f"parameters {names_text(uncovered)}; the model does not match the "

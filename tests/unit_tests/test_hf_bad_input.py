@@ -14,7 +14,7 @@ from megatron_plugins.weights.flags import LANGUAGE_FLAG, fill_layout_flags
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import HFWeightsError
-from tests.hf_models import import_errors, save_tiny
+from tests.hf_models import BASE_FLAGS, import_errors, save_tiny, stock_args
 from tests.multiprocess import run_in_processes
 
 
@@ -39,7 +39,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
         find_family({"architectures": ["GPT2LMHeadModel"]}, FAMILIES, "x/config.json")
     assert str(error.value) == (
         "x/config.json: architecture GPT2LMHeadModel is not supported; supported: "
-        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+        "Dots1ForCausalLM")
 
 
 def test_config_features_without_a_mapping_are_refused(tmp_path):
@@ -120,3 +121,36 @@ def test_bad_tensors_are_named_before_training(tmp_path):
                          "neither) or convert it")
     assert "is bfloat16 but Megatron" in errors[4] and "is float16" in errors[4]
     assert errors[5] == ""  # bf16 into fp32 parameters is exact
+
+
+def test_dots1_configs_megatron_would_route_or_attend_differently_are_refused(tmp_path):
+    from megatron_plugins.weights.language_families import DOTS1
+
+    config = json.loads(save_tiny("dots1", tmp_path / "m").joinpath("config.json").read_text())
+    sliding = {k: v for k, v in config.items() if k != "layer_types"}
+    for change, message in (
+        ({"norm_topk_prob": False}, "config.json norm_topk_prob = False is not supported "
+         "(Megatron's sigmoid router renormalizes the top-k weights exactly when "
+         "num_experts_per_tok > 1); only True can be imported"),
+        ({"num_experts_per_tok": 1}, "config.json norm_topk_prob = True is not supported "
+         "(Megatron's sigmoid router renormalizes the top-k weights exactly when "
+         "num_experts_per_tok > 1); only False can be imported"),
+        ({"n_group": 4, "topk_group": 2}, "config.json topk_group = 2 is not supported (Megatron "
+         "scores an expert group by its top num_experts_per_tok // topk_group = 1 experts, HF by "
+         "its top 2); only values giving 2, or topk_group >= n_group, can be imported"),
+        ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+         "config.json layer_types = ['full_attention', 'sliding_attention'] is not supported "
+         "(Megatron attention here is full causal, no sliding window); only ['full_attention'] "
+         "can be imported"),
+        ({**sliding, "sliding_window": 8, "max_window_layers": 1}, "config.json layer_types = "
+         "['full_attention', 'sliding_attention'] is not supported"),
+    ):
+        base = sliding if "max_window_layers" in change else config
+        with pytest.raises(HFWeightsError) as error:
+            DOTS1.megatron_args({**base, **change})
+        assert str(error.value).startswith(message)
+    args = stock_args([*BASE_FLAGS, "--language-hf-weights", str(tmp_path / "m")])
+    args.moe_layer_freq = [1, 0, 1]
+    with pytest.raises(HFWeightsError, match=r"^--moe-layer-freq \[1, 0, 1\]: dots1 has only "
+                                             "dense layers first"):
+        DOTS1.hf_config(args, 100)

@@ -96,3 +96,37 @@ def test_cli_refuses_a_missing_checkpoint_and_a_bad_shard_size_in_one_line(tmp_p
     assert export_hf.parse_size("2MiB") == 2 * 2**20
     with pytest.raises(export_hf.HFWeightsError, match="--max-shard-size 5XB"):
         export_hf.parse_size("5XB")
+
+
+def test_fp32_expert_bias_of_a_bf16_moe_stays_fp32_and_exact_through_training_and_export(tmp_path):
+    """dots1 saved in bf16 with its router expert bias in fp32 (as transformers keeps it), trained
+    3 steps in --bf16 with a visible bias update rate, saved, streamed live and exported. The rate
+    is a power of two: stock takes each step as sign(bf16 token counts) * rate, in bf16."""
+    folder = save_tiny("dots1", tmp_path / "hf", dtype=torch.bfloat16)
+    rate, bias = 2.0**-7, "model.layers.{}.mlp.gate.e_score_correction_bias"
+    pieces, _ = train_from_hf(3, str(folder), "language:dp=2", (
+        "--bf16", "--moe-router-bias-update-rate", str(rate), "--train-iters", "3",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "3"))
+    run_in_processes(export_rank, 1, args=([(str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                                             {"progress": False})],), timeout=120)
+    initial, streamed = safetensors_of(folder), assemble(p for rank in pieces for p in rank)
+    exported = safetensors_of(tmp_path / "out" / "language")
+    assert sorted(exported) == sorted(initial) == sorted(streamed)
+    for layer in (1, 2):  # layer 0 is dense
+        name = bias.format(layer)
+        assert initial[name].dtype == exported[name].dtype == streamed[name].dtype == torch.float32
+        assert torch.equal(exported[name], streamed[name]), name
+        steps = (exported[name] - initial[name]) / rate
+        assert steps.abs().max() > 0.5, name  # training moved the bias...
+        # ...by whole sign steps from the exact fp32 value imported: a bf16 rounding anywhere
+        # (import, precision wrapper, checkpoint, export) leaves a fraction of a step
+        assert (steps - steps.round()).abs().max() < 1e-3, name
+    others = {exported[n].dtype for n in exported if "e_score_correction_bias" not in n}
+    assert others == {torch.bfloat16}
+    config, original = (json.loads((f / "config.json").read_text())
+                        for f in (tmp_path / "out" / "language", folder))
+    routing = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "n_shared_experts", "norm_topk_prob", "routed_scaling_factor", "n_group",
+               "topk_group", "first_k_dense_replace", "layer_types", "head_dim", "dtype")
+    assert {k: config[k] for k in routing} == {k: original[k] for k in routing}
+    assert hf_logits(tmp_path / "out" / "language").shape == (2, 12, 100)  # transformers loads it

@@ -23,9 +23,12 @@ from tests.multiprocess import run_in_processes
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-def test_one_rank_import_reproduces_transformers_logits(family, tmp_path):
-    folder = save_tiny(family, tmp_path / family)
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("qwen3_moe", {}), ("dots1", {}),
+    ("dots1", {"n_group": 2, "topk_group": 1}),  # group-limited routing: a group of 2 of 4
+], ids=["llama", "qwen2", "qwen3", "qwen3_moe", "dots1", "dots1-groups"])
+def test_one_rank_import_reproduces_transformers_logits(family, overrides, tmp_path):
+    folder = save_tiny(family, tmp_path / family, **overrides)
     [result] = run_in_processes(stock_gpt_rank, 1, args=(str(folder), 1, 1, []), timeout=120,
                                 simulated=True)
     assert result["family"] == family
@@ -88,16 +91,13 @@ def _assert_another_ranks_metadata_is_caught(pieces):
         assemble(p for p in wrong if p is not mine)
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    folder = save_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe")
-    return folder, hf_logits(folder)
-
-
-def test_qwen3_moe_at_ep2_reproduces_transformers_logits(qwen3_moe):
-    folder, want = qwen3_moe
+@pytest.mark.parametrize("family", ["qwen3_moe", "dots1"])
+def test_moe_at_ep2_reproduces_transformers_logits(family, tmp_path):
+    """dots1 adds the router's fp32 expert bias (a buffer), shared experts and a dense layer."""
+    folder = save_tiny(family, tmp_path / family)
     logits, pieces = mimo_import(3, str(folder), "language:dp=2,ep=2")
     assert len(logits) == 2  # both expert ranks ran every token through all 4 experts
+    want = hf_logits(folder)
     for got in logits:
         assert rel_diff(got[..., :100], want) < TOLERANCE
     experts = [{p.hf_name.split(".experts.")[1].split(".")[0] for p in rank if ".experts." in p.hf_name}

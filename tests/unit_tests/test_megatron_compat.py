@@ -484,3 +484,41 @@ def test_gap12_bridge_skips_only_broadcasts_in_one_member_groups(one_rank_world,
     bridge_communicator.dist.broadcast(torch.zeros(2), src=0, group=None)
     assert issued == [None]
     assert bridge_communicator.dist.all_reduce is torch.distributed.all_reduce
+
+
+def _bf16_router() -> tuple[TransformerConfig, MegatronModule]:
+    """A module with a router's fp32 expert bias (set before the wrap, as an import does), its
+    token counter, and stock's own keep-fp32 method."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class Router(MegatronModule):
+        _maintain_float32_expert_bias = TopKRouter._maintain_float32_expert_bias
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
+                               params_dtype=torch.bfloat16)
+    router = Router(config)
+    router.register_buffer("expert_bias", torch.tensor([0.1234567, -0.7654321]))
+    router.register_buffer("local_tokens_per_expert", torch.zeros(2), persistent=False)
+    return config, router
+
+
+def test_gap14_float16_module_rounds_a_router_bias_set_before_the_wrap():
+    from megatron.core.transformer.module import Float16Module
+
+    config, router = _bf16_router()
+    exact = router.expert_bias.clone()
+    Float16Module(config, router)
+    router._maintain_float32_expert_bias()  # what the router's next forward does
+    assert router.expert_bias.dtype == torch.float32
+    assert not torch.equal(router.expert_bias, exact)
+
+
+def test_gap14_bridge_puts_back_exactly_the_buffers_the_router_keeps_fp32():
+    from megatron.core.transformer.module import Float16Module
+
+    config, router = _bf16_router()
+    exact = router.expert_bias.clone()
+    with megatron_compat.exact_fp32_router_buffers(router):
+        Float16Module(config, router)
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, exact)
+    assert router.local_tokens_per_expert.dtype == torch.bfloat16  # stock keeps it in bf16

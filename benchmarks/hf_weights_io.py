@@ -25,6 +25,7 @@ model) are frozen out of the garbage collector, whose full pass over them took 0
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import os
 import shutil
@@ -93,6 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     root = Path(tempfile.mkdtemp(prefix="hf-io-"))
+    atexit.register(shutil.rmtree, root, True)  # over 1 GB per run at the default size
     shape = SIZES["smoke" if options.smoke else "default"]
     folder = save_tiny("llama", root / "hf", max_position_embeddings=64, **shape)
     model, pgc, args = build_stock_gpt(str(folder), 1, 1, [])

@@ -1,18 +1,35 @@
-"""HF weights I/O against plain safetensors reading and writing of the same files.
+"""HF weights I/O against plain reading and writing of the same bytes.
 
-    python benchmarks/hf_weights_io.py            # a ~100M-parameter Llama, fp32, one rank
-    python benchmarks/hf_weights_io.py --smoke    # tiny, seconds (CI)
+    python benchmarks/hf_weights_io.py             # a ~100M-parameter Llama, fp32, one rank
+    python benchmarks/hf_weights_io.py --smoke     # tiny, seconds
 
-Import: ``load_hf_weights`` into a built stock GPT (one rank, CPU simulation) vs reading every
-tensor of the same files into memory with ``safe_open(...).get_tensor``. Export: the streaming pieces of the
-loaded model assembled and written as HF safetensors (``iter_hf_weights`` + ``assemble`` +
-``tools.export_hf.write_folder``) vs ``save_file`` of the same tensors. Best of ``--repeats``.
+One rank on the CPU simulation, one torch thread, warm page cache. Three measurements, each
+against its plain-I/O floor:
+
+- import: ``load_hf_weights`` into a built stock GPT vs ``safe_open(...).get_tensor(...).clone()``
+  of every tensor of the same file;
+- export: the model's streaming pieces assembled and written (``iter_hf_weights`` + ``assemble``
+  + ``tools.export_hf.write_folder``) vs ``save_file`` of the same tensors;
+- tool: ``tools.export_hf.export`` of a torch_dist checkpoint of that model vs reading every byte
+  of the checkpoint's files plus ``save_file`` of the HF tensors (the I/O floor), and vs
+  megatron-core's own ``dist_checkpointing.load`` of the whole checkpoint plus ``save_file``.
+
+Each round times every step twice, in mirrored order (import, read, read, import, export, write,
+...), and takes the mean of the two, so a burst of load from other jobs, or a slow first step,
+hits both sides of a ratio alike; a ratio is the median of ``--rounds`` rounds' ratios. Before
+each step (untimed) the previous outputs are deleted and ``os.sync()`` flushes dirty pages, so no
+write pays for another's writeback; the setup's Python objects (megatron-core, transformers, the
+model) are frozen out of the garbage collector, whose full pass over them took 0.3 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -28,26 +45,43 @@ SIZES = {
                     num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4),
 }
 
+MIRRORED = ("import", "read", "read", "import", "export", "write", "write", "export",
+            "tool", "read checkpoint", "load checkpoint", "load checkpoint", "read checkpoint",
+            "tool")
+"""Every step twice per round, each comparison in ABBA order; ``write`` serves two ratios."""
 
-def best(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def read_bytes(folder: Path) -> int:
+    """Every byte of every file under ``folder``, read once: the floor of reading it."""
+    return sum(len(path.read_bytes()) for path in folder.rglob("*") if path.is_file())
+
+
+def load_checkpoint(folder: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint in one ``dist_checkpointing.load``."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(str(folder))
+    return dist_checkpointing.load(metadata, str(folder), validate_access_integrity=False)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, one repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, one round")
+    parser.add_argument("--rounds", type=int, default=7)
     options = parser.parse_args()
-    repeats = 1 if options.smoke else options.repeats
+    rounds = 1 if options.smoke else options.rounds
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
+    import torch
     import torch.distributed as dist
+    from megatron.core import dist_checkpointing
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -55,13 +89,21 @@ def main() -> None:
     from megatron_plugins.weights.language_families import FAMILIES
     from megatron_plugins.weights.streaming import assemble, iter_hf_weights
     from tests.hf_models import build_stock_gpt, save_tiny
-    from tools.export_hf import write_folder
+    from tools.export_hf import export, write_folder
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     root = Path(tempfile.mkdtemp(prefix="hf-io-"))
+    atexit.register(shutil.rmtree, root, True)  # over 1 GB per run at the default size
     shape = SIZES["smoke" if options.smoke else "default"]
     folder = save_tiny("llama", root / "hf", max_position_embeddings=64, **shape)
     model, pgc, args = build_stock_gpt(str(folder), 1, 1, [])
+    family = load_hf_weights(model, str(folder), "--language-hf-weights", pgc, FAMILIES)
+    checkpoint = root / "checkpoint"
+    checkpoint.mkdir()
+    state = model.sharded_state_dict(prefix="language_model.")
+    state["args"] = args
+    dist_checkpointing.save(state, str(checkpoint))
     params = sum(p.numel() for p in model.parameters())
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
@@ -71,17 +113,43 @@ def main() -> None:
             return {name: handle.get_tensor(name).clone() for name in handle.keys()}
 
     tensors = plain_read()
-    read_s = best(plain_read, repeats)
-    import_s = best(lambda: load_hf_weights(model, str(folder), "--language-hf-weights", pgc,
-                                            FAMILIES), repeats)
-    save_s = best(lambda: save_file(tensors, str(root / "plain.safetensors")), repeats)
-    export_s = best(lambda: write_folder(assemble(iter_hf_weights(
-        model, FAMILIES[0], pgc, args.vocab_size)), root / "out", 5 * 10**9, None, False), repeats)
-    print(f"model: Llama {shape}, {params / 1e6:.1f}M parameters (padded vocab "
-          f"{args.padded_vocab_size}), {size / 1e6:.1f} MB fp32 safetensors; threads "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}; best of {repeats}")
-    print(f"import  {import_s:8.3f} s   plain read  {read_s:8.3f} s   ratio {import_s / read_s:5.2f}")
-    print(f"export  {export_s:8.3f} s   plain write {save_s:8.3f} s   ratio {export_s / save_s:5.2f}")
+    out = root / "out"
+    steps: dict[str, Callable[[], object]] = {
+        "import": lambda: load_hf_weights(model, str(folder), "--language-hf-weights", pgc,
+                                          FAMILIES),
+        "read": plain_read,
+        "export": lambda: write_folder(assemble(iter_hf_weights(model, family, pgc,
+                                                                args.vocab_size)),
+                                       out, 5 * 10**9, None, False),
+        "write": lambda: save_file(tensors, str(out / "model.safetensors")),
+        "tool": lambda: export(checkpoint, out, language_family=family.name, progress=False),
+        "read checkpoint": lambda: read_bytes(checkpoint),
+        "load checkpoint": lambda: load_checkpoint(checkpoint),
+    }
+    gc.collect()
+    gc.freeze()  # the setup's objects: a full collection in a timed step would walk them all
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        elapsed = dict.fromkeys(steps, 0.0)
+        for name in MIRRORED:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            os.sync()
+            elapsed[name] += seconds(steps[name]) / 2
+        for name, value in elapsed.items():
+            times[name].append(value)
+    checkpoint_mb = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 1e6
+    print(f"model: Llama {shape}, {params / 1e6:.1f}M parameters, {size / 1e6:.1f} MB fp32 "
+          f"safetensors, {checkpoint_mb:.1f} MB torch_dist checkpoint; 1 thread; median of "
+          f"{rounds} mirrored rounds; load average {os.getloadavg()[0]:.1f}")
+    rows = (("import", ["read"], "plain read"), ("export", ["write"], "plain write"),
+            ("tool", ["read checkpoint", "write"], "read ckpt + write"),
+            ("tool", ["load checkpoint", "write"], "mcore load + write"))
+    for name, floor, label in rows:
+        ratios = [times[name][i] / sum(times[f][i] for f in floor) for i in range(rounds)]
+        print(f"{name:6s} {statistics.median(times[name]):7.3f} s   {label:18s} "
+              f"{statistics.median(sum(times[f][i] for f in floor) for i in range(rounds)):7.3f} s"
+              f"   ratio {statistics.median(ratios):5.2f}")
 
 
 if __name__ == "__main__":

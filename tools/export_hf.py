@@ -6,8 +6,8 @@ writes ``hf_out/language/`` (config.json + safetensors, the family's HF format),
 encoder whose provider has a HF mapping (with the tower's tensors the encoder does not hold, such
 as CLIP's ``post_layernorm``, copied from the folder the run started from), and ``hf_out/projections.safetensors`` with
 ``projections.json`` describing them. Tensors are read whole from the checkpoint, whatever layout
-saved it (megatron-core's ``dist_checkpointing.load`` of each tensor's full extent), one stacked
-tensor at a time, then split into HF tensors by the same rules and code the streaming API uses;
+saved it (megatron-core's ``dist_checkpointing.load`` of each tensor's full extent), one module
+at a time, then split into HF tensors by the same rules and code the streaming API uses;
 so the files are byte-identical for any saving layout, and every tensor keeps its saved dtype.
 Shards of ``--max-shard-size`` with ``model.safetensors.index.json`` when the model is bigger.
 """
@@ -95,11 +95,14 @@ class Checkpoint:
                 self.modules.setdefault(where[0], {})[where[1]] = key
 
     def tensors(self, module: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """(global Megatron name, full tensor) of one module, stacked keys unstacked."""
-        for name, key in self.modules[module].items():
-            loaded = self._dc.load({key: self.metadata[key]}, str(self.folder),
-                                   validate_access_integrity=False)[key]
-            yield from unstack(name, loaded)
+        """(global Megatron name, full tensor) of one module, stacked keys unstacked. One load
+        for the whole module: the export holds all of it before writing anyway, and one load
+        plans and opens the files once instead of once per tensor."""
+        keys = self.modules[module]
+        loaded = self._dc.load({key: self.metadata[key] for key in keys.values()},
+                               str(self.folder), validate_access_integrity=False)
+        for name, key in keys.items():
+            yield from unstack(name, loaded[key])
 
 
 def hf_pieces(tensors: Iterator[tuple[str, torch.Tensor]], family: Family, heads: Heads | None,

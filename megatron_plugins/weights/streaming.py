@@ -96,7 +96,9 @@ def _overlap(a: WeightPiece, b: WeightPiece) -> bool:
 
 
 def assemble(pieces: Iterable[WeightPiece]) -> dict[str, torch.Tensor]:
-    """Full HF tensors from pieces gathered from any ranks, checked to tile each tensor exactly."""
+    """Full HF tensors (CPU, contiguous) from pieces gathered from any ranks, checked to tile each
+    tensor exactly. A tensor whose one piece is already whole, contiguous and on the CPU is
+    returned as that piece, not copied (export writes it as is); copy it before changing it."""
     by_name: dict[str, list[WeightPiece]] = defaultdict(list)
     for piece in pieces:
         by_name[piece.hf_name].append(piece)
@@ -120,6 +122,10 @@ def assemble(pieces: Iterable[WeightPiece]) -> dict[str, torch.Tensor]:
         covered = sum(prod(piece.tensor.shape) for piece in group)
         if covered != prod(shape):
             raise AssembleError(f"{name}: pieces cover {covered} of {prod(shape)} elements")
+        if len(group) == 1 and tuple(group[0].tensor.shape) == shape:
+            # One piece is the whole tensor: no second copy (a view is only made contiguous).
+            full[name] = group[0].tensor.cpu().contiguous()
+            continue
         tensor = torch.empty(shape, dtype=dtype)
         for piece in group:
             index = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))

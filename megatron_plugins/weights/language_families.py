@@ -43,29 +43,25 @@ def _attention(bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-DENSE_MLP = (
-    Rule(f"{LAYER}mlp.linear_fc1.weight",
-         (f"{HF_LAYER}mlp.gate_proj.weight", f"{HF_LAYER}mlp.up_proj.weight"), "gate_up", tp_dim=0),
-    Rule(f"{LAYER}mlp.linear_fc2.weight", (f"{HF_LAYER}mlp.down_proj.weight",), tp_dim=1),
-)
+def _swiglu(megatron: str, hf: str) -> tuple[Rule, Rule]:
+    """A SwiGLU MLP under ``megatron`` (``linear_fc1`` = [gate; up], ``linear_fc2``) from the HF
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` under ``hf``: dense, expert and shared alike."""
+    return (Rule(f"{megatron}linear_fc1.weight", (f"{hf}gate_proj.weight", f"{hf}up_proj.weight"),
+                 "gate_up", tp_dim=0),
+            Rule(f"{megatron}linear_fc2.weight", (f"{hf}down_proj.weight",), tp_dim=1))
+
+
+DENSE_MLP = _swiglu(f"{LAYER}mlp.", f"{HF_LAYER}mlp.")
 
 EXPERT = f"{LAYER}mlp.experts.local_experts.{{expert}}."
 HF_EXPERT = f"{HF_LAYER}mlp.experts.{{expert}}."
-MOE_MLP = (
-    Rule(f"{LAYER}mlp.router.weight", (f"{HF_LAYER}mlp.gate.weight",)),
-    Rule(f"{EXPERT}linear_fc1.weight",
-         (f"{HF_EXPERT}gate_proj.weight", f"{HF_EXPERT}up_proj.weight"), "gate_up", tp_dim=0),
-    Rule(f"{EXPERT}linear_fc2.weight", (f"{HF_EXPERT}down_proj.weight",), tp_dim=1),
-)
+MOE_MLP = (Rule(f"{LAYER}mlp.router.weight", (f"{HF_LAYER}mlp.gate.weight",)),
+           *_swiglu(EXPERT, HF_EXPERT))
 
-SHARED = f"{LAYER}mlp.shared_experts."
-HF_SHARED = f"{HF_LAYER}mlp.shared_experts."
 DEEPSEEK_MOE_MLP = (
     *MOE_MLP,
     Rule(f"{LAYER}mlp.router.expert_bias", (f"{HF_LAYER}mlp.gate.e_score_correction_bias",)),
-    Rule(f"{SHARED}linear_fc1.weight",
-         (f"{HF_SHARED}gate_proj.weight", f"{HF_SHARED}up_proj.weight"), "gate_up", tp_dim=0),
-    Rule(f"{SHARED}linear_fc2.weight", (f"{HF_SHARED}down_proj.weight",), tp_dim=1),
+    *_swiglu(f"{LAYER}mlp.shared_experts.", f"{HF_LAYER}mlp.shared_experts."),
 )
 """Sigmoid router with its expert bias (a buffer, kept fp32 by Megatron), routed and shared
 experts."""

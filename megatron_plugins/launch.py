@@ -93,6 +93,9 @@ CPU_SIMULATION_VALUES = (
     ("moe_permute_fusion", False, "drop the flag",
      "it needs Transformer Engine on a GPU"),
     ("moe_router_fusion", False, "drop the flag", "it needs Transformer Engine on a GPU"),
+    ("sequence_parallel", False, "drop the flag",
+     "the local spec's torch norms cannot split the sequence; MoE at TP > 1, which stock allows "
+     "only with it, needs a GPU too"),
 )
 """(args attribute, CPU-capable value, the flag that sets it, why the stock value cannot run)."""
 
@@ -242,7 +245,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     with apply_language_grid(args, layout):
         try:
             validate_args(args)
-        except AssertionError as error:
+        except (AssertionError, ValueError) as error:
             raise FlagError(f"stock Megatron argument check failed: {error}") from None
     if args.data_path and args.padded_vocab_size is None:
         # Stock pads the tokenizer's vocabulary only when it builds it, after the language

@@ -77,6 +77,23 @@ def test_mimo_language_at_tp2_and_pp2_reproduces_transformers_logits_and_streams
         _assert_another_ranks_metadata_is_caught(pieces)
 
 
+@pytest.mark.parametrize("family, grid", [
+    ("qwen2", "language:tp=2"), ("qwen3", "language:tp=2"), ("qwen2", "language:pp=2"),
+    ("qwen3", "language:pp=2"), ("qwen3_moe", "language:pp=2"), ("dots1", "language:pp=2"),
+])  # MoE at TP 2 needs --sequence-parallel, which the CPU simulation's local norms cannot run
+def test_every_family_at_tp2_and_pp2_reproduces_transformers_logits_and_streams_back(
+        family, grid, tmp_path):
+    """QKV bias and QK-norm sliced by TP; experts, shared experts, dense-first layers and the
+    expert bias split by stage (4 layers: 2 per stage)."""
+    folder = save_tiny(family, tmp_path / family, num_hidden_layers=4)
+    logits, pieces = mimo_import(3, str(folder), grid)
+    assert len(logits) == (2 if "tp" in grid else 1)
+    want = hf_logits(folder)
+    for got in logits:
+        assert rel_diff(got[..., :100], want) < TOLERANCE
+    _assert_streams_back(folder, pieces)
+
+
 def _assert_another_ranks_metadata_is_caught(pieces):
     """A consumer that places rank 1's q_proj slice with rank 0's offsets gets an error."""
     name = "model.layers.0.self_attn.q_proj.weight"

@@ -245,19 +245,22 @@ def _hf_config(architecture: str, model_type: str, extra: dict[str, Any] | None 
     return hf_config
 
 
-LLAMA = Family("llama", ("LlamaForCausalLM",), "llama", (*ENDS, *_attention(False, False),
-                                                        *DENSE_MLP),
-               _dense_args, _hf_config("LlamaForCausalLM", "llama"), tied=TIED)
-QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", (*ENDS, *_attention(True, False),
-                                                        *DENSE_MLP),
-               _qwen2_args, _hf_config("Qwen2ForCausalLM", "qwen2"), tied=TIED)
-QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", (*ENDS, *_attention(False, True),
-                                                        *DENSE_MLP),
-               _qwen3_args, _hf_config("Qwen3ForCausalLM", "qwen3"), tied=TIED)
-QWEN3_MOE = Family(
-    "qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
-    (*ENDS, *_attention(False, True), *MOE_MLP), _qwen3_moe_args,
-    _hf_config("Qwen3MoeForCausalLM", "qwen3_moe", {
+def _decoder(model_type: str, architecture: str, layer_rules: tuple[Rule, ...],
+             megatron_args: Any, extra: dict[str, Any] | None = None) -> Family:
+    """A decoder-only family: embedding, final norm and output layer (tied when the checkpoint
+    has no ``lm_head``) around its layers' rules; ``extra`` adds config.json fields on export."""
+    return Family(model_type, (architecture,), model_type, (*ENDS, *layer_rules), megatron_args,
+                  _hf_config(architecture, model_type, extra), tied=TIED)
+
+
+LLAMA = _decoder("llama", "LlamaForCausalLM", (*_attention(False, False), *DENSE_MLP),
+                 _dense_args)
+QWEN2 = _decoder("qwen2", "Qwen2ForCausalLM", (*_attention(True, False), *DENSE_MLP),
+                 _qwen2_args)
+QWEN3 = _decoder("qwen3", "Qwen3ForCausalLM", (*_attention(False, True), *DENSE_MLP),
+                 _qwen3_args)
+QWEN3_MOE = _decoder(
+    "qwen3_moe", "Qwen3MoeForCausalLM", (*_attention(False, True), *MOE_MLP), _qwen3_moe_args, {
         "num_experts": lambda args: args.num_experts,
         "moe_intermediate_size": lambda args: args.moe_ffn_hidden_size,
         "num_experts_per_tok": lambda args: args.moe_router_topk,
@@ -265,12 +268,11 @@ QWEN3_MOE = Family(
         "router_aux_loss_coef": lambda args: args.moe_aux_loss_coeff,
         "decoder_sparse_step": lambda args: 1,
         "mlp_only_layers": lambda args: [],
-    }), tied=TIED)
+    })
 
-DOTS1 = Family(
-    "dots1", ("Dots1ForCausalLM",), "dots1",
-    (*ENDS, *_attention(False, True), *DENSE_MLP, *DEEPSEEK_MOE_MLP), _dots1_args,
-    _hf_config("Dots1ForCausalLM", "dots1", {
+DOTS1 = _decoder(
+    "dots1", "Dots1ForCausalLM", (*_attention(False, True), *DENSE_MLP, *DEEPSEEK_MOE_MLP),
+    _dots1_args, {
         "n_routed_experts": lambda args: args.num_experts,
         "moe_intermediate_size": lambda args: args.moe_ffn_hidden_size,
         "num_experts_per_tok": lambda args: args.moe_router_topk,
@@ -283,6 +285,6 @@ DOTS1 = Family(
         "first_k_dense_replace": _first_dense_layers,
         "sliding_window": lambda args: None,
         "layer_types": lambda args: ["full_attention"] * args.num_layers,
-    }), tied=TIED)
+    })
 
 FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1)

@@ -5,10 +5,11 @@
 writes ``hf_out/language/`` (config.json + safetensors, the family's HF format), one folder per
 encoder whose provider has a HF mapping (with the tower's tensors the encoder does not hold, such
 as CLIP's ``post_layernorm``, copied from the folder the run started from), and
-``hf_out/projections.safetensors`` with ``projections.json`` describing them. Tensors are read whole from the checkpoint, whatever layout
-saved it (megatron-core's ``dist_checkpointing.load`` of each tensor's full extent), one module
-at a time, then split into HF tensors by the same rules and code the streaming API uses;
-so the files are byte-identical for any saving layout, and every tensor keeps its saved dtype.
+``hf_out/projections.safetensors`` with ``projections.json`` describing them. Tensors are read
+whole from the checkpoint, whatever layout saved it (megatron-core's ``dist_checkpointing.load``
+of each tensor's full extent), one module at a time, then split into HF tensors by the same rules
+and code the streaming API uses; so the files are byte-identical for any saving layout, and every
+tensor keeps its saved dtype.
 Shards of ``--max-shard-size`` with ``model.safetensors.index.json`` when the model is bigger.
 """
 

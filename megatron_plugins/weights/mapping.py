@@ -86,11 +86,12 @@ class Family:
     hf_config: Callable[[Any, int], dict[str, Any]]
     """(stock args, unpadded vocabulary size) -> the ``config.json`` this family writes."""
     unused: tuple[str, ...] = ()
-    """Regexes of HF tensor names outside the Megatron module, deliberately not imported (CLIP's
-    ``post_layernorm``, SigLIP's pooling head, a full CLIP model's text tower)."""
+    """Regexes of HF tensor names of another model in the same files (a full CLIP model's text
+    tower), deliberately not imported."""
     untrained: tuple[str, ...] = ()
-    """Regexes (unprefixed HF names) of the unused tensors that belong to the exported HF model
-    itself (not another tower): an export copies them from the folder the run started from."""
+    """Regexes of HF tensor names of this model outside the Megatron module (CLIP's
+    ``post_layernorm``, SigLIP's pooling head): not imported, and copied unchanged on export from
+    the folder the run started from."""
     tied: tuple[tuple[str, str], ...] = ()
     """(HF name, HF name it equals) for tensors a checkpoint with ``tie_word_embeddings`` omits:
     a Megatron output layer (last pipeline stage, or an untied run) is read from the embedding."""
@@ -101,7 +102,7 @@ class Family:
 
     def is_unused(self, hf_name: str) -> bool:
         """Whether a HF tensor is one the family leaves out on purpose."""
-        return any(re.match(pattern, hf_name) for pattern in self.unused)
+        return any(re.match(pattern, hf_name) for pattern in (*self.unused, *self.untrained))
 
     def for_names(self, hf_names: set[str]) -> "Family":
         """This family with its rules' HF names as the checkpoint has them: under the first

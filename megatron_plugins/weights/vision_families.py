@@ -108,8 +108,9 @@ def untrained_tensors(family: Family, args: Any) -> dict[str, torch.Tensor]:
     checkpoint = HFCheckpoint(folder, "--encoder-hf-weights")
     tensors = {}
     for name in sorted(checkpoint.names()):
-        own = name.removeprefix("vision_model.")
-        if any(re.match(pattern, own) for pattern in family.untrained):
+        if any(re.match(pattern, name) for pattern in family.untrained):
+            own = next((name[len(p):] for p in family.hf_prefixes if p and name.startswith(p)),
+                       name)
             tensors[own] = checkpoint.read(name, 0, 0, -1)
     return tensors
 
@@ -129,8 +130,8 @@ CLIP_VISION = Family(
     hf_config=_loaded_config("clip_vision_model"),
     # HF applies post_layernorm only to the pooled class token; the encoder's output is the
     # last_hidden_state before it.
-    unused=(r"(vision_model\.)?post_layernorm\.", *OTHER_TOWER),
-    untrained=(r"post_layernorm\.",),
+    unused=OTHER_TOWER,
+    untrained=(r"(vision_model\.)?post_layernorm\.",),
     hf_prefixes=PREFIXES,
 )
 
@@ -148,8 +149,8 @@ SIGLIP_VISION = Family(
     megatron_args=_no_stock_flags,
     hf_config=_loaded_config("siglip_vision_model"),
     # The attention-pooling head (vision_use_head) reads last_hidden_state; it is not the encoder.
-    unused=(r"(vision_model\.)?head\.", *OTHER_TOWER),
-    untrained=(r"head\.",),
+    unused=OTHER_TOWER,
+    untrained=(r"(vision_model\.)?head\.",),
     hf_prefixes=PREFIXES,
 )
 

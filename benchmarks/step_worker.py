@@ -4,8 +4,8 @@
     step_worker.py mimo ARGS...     examples/mimo/pretrain_mimo.py with ARGS
     step_worker.py encoder STEPS WARMUP ARGS...
                                     the first encoder of the MiMo ARGS alone, on one process:
-                                    STEPS x (forward + backward of every microbatch) at its
-                                    micro-batch size, like one training step of its grid
+                                    STEPS x (its data, forward + backward of every microbatch)
+                                    at its micro-batch size, like one training step of its grid
 
 With ``STEP_PROBE_OUT`` set, :mod:`collective_probe` records the run (see its docstring).
 """
@@ -41,7 +41,10 @@ def run_entry_point(mode: str, argv: list[str]) -> None:
 
 
 def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
-    """Time the first encoder (and its projection) alone; writes ``<STEP_PROBE_OUT>.encoder.json``."""
+    """Time the first encoder (and its projection) alone, as the MiMo build trains it (its
+    precision wrapper and DDP, on one rank) and on its own data (the run's source through the
+    encoder's preprocessor), as stock's language step includes its data; writes
+    ``<STEP_PROBE_OUT>.encoder.json`` with each step's total and its data part."""
     from megatron_plugins import cpu_simulation
 
     cpu_simulation.activate()
@@ -49,11 +52,14 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core import tensor_parallel
     from megatron.training.global_vars import set_global_variables
+    from megatron.training.training import get_megatron_ddp_config
 
     from megatron_plugins import megatron_compat
-    from megatron_plugins.layout import encoder_micro_batch_size
+    from megatron_plugins.data.addressing import RankSlice
+    from megatron_plugins.data.sources import build_source
     from megatron_plugins.language import language_config_from_args
     from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.lifecycle import prepare_module
     from megatron_plugins.topology import _collection, _grid, groups_of
 
     run = parse_mimo_args(argv)
@@ -71,26 +77,33 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
     plugin = run.plugins[module.name]
     language = language_config_from_args(args).transformer
-    spec = plugin.submodule_spec(plugin.transformer_config(language), language.hidden_size, pgc)
+    config = plugin.transformer_config(language)
+    spec = plugin.submodule_spec(config, language.hidden_size, pgc)
     submodule = spec.module.from_spec(spec, is_first_stage=True, is_last_stage=True)
-    batch = encoder_micro_batch_size(run.layout, module.name, args.micro_batch_size)
+    model = prepare_module(submodule, module.name, pgc, config, get_megatron_ddp_config(args))
     microbatches = args.global_batch_size // (args.micro_batch_size * run.layout.language.dp)
-    sample = plugin.preprocessor().example_inputs()
-    inputs = {key: value.expand(batch, *value.shape).clone() for key, value in sample.items()}
-    times = []
+    stream = build_source(args, run.plugins).open(
+        "train", RankSlice.of(run.layout, module.name, 0, args.micro_batch_size), 0, None)
+    times, data_times = [], []
     for step in range(warmup + steps):
         start = time.perf_counter()
+        data = 0.0
+        model.zero_grad_buffer()
         for _ in range(microbatches):
-            output = submodule(encoder_inputs={module.name: inputs})
+            fetched = time.perf_counter()
+            _, batch = next(stream)
+            data += time.perf_counter() - fetched
+            output = model(encoder_inputs=batch["modality_inputs"][module.name])
             output.backward(torch.ones_like(output))
-        submodule.zero_grad(set_to_none=True)
         if step >= warmup:
             times.append(time.perf_counter() - start)
+            data_times.append(data)
     grid.destroy()
     dist.destroy_process_group()
     with open(f"{os.environ['STEP_PROBE_OUT']}.encoder.json", "w") as handle:
         json.dump({"seconds": times, "median": statistics.median(times),
-                   "microbatches": microbatches, "micro_batch_size": batch}, handle)
+                   "data_seconds": data_times, "data_median": statistics.median(data_times),
+                   "microbatches": microbatches}, handle)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,35 @@ def _freeze(module: torch.nn.Module, name: str, freeze: Freeze) -> None:
         part.requires_grad_(False)
 
 
+def prepare_module(
+    module: torch.nn.Module,
+    name: str,
+    pgc: ProcessGroupCollection,
+    config: TransformerConfig,
+    ddp_config: DistributedDataParallelConfig | None,
+    *,
+    data_parallel_random_init: bool = False,
+    overlap_param_gather_with_optimizer_step: bool = False,
+) -> MegatronModule:
+    """One module's stock lifecycle on its own groups: precision wrapper, materialization from
+    the meta device and (with a ``ddp_config``, copied because Megatron writes its bucket size
+    into it) DDP. Also serves measurements of one module alone."""
+    megatron_compat.bind_tp_group(module, pgc.tp)
+    wrapper = Float16Module if name == LANGUAGE else None
+    if name != LANGUAGE:
+        module = EncoderPrecisionWrapper(config, module)
+    with megatron_compat.exact_fp32_router_buffers(module):
+        [prepared] = prepare_existing_model_chunks_for_distributed_training(
+            [module], config, pgc,
+            ddp_config=dataclasses.replace(ddp_config) if ddp_config is not None else None,
+            overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
+            wrap_with_ddp=ddp_config is not None,
+            data_parallel_random_init=data_parallel_random_init,
+            mixed_precision_wrapper=wrapper,
+        )
+    return prepared
+
+
 def prepare_active_modules(
     model: MimoModel,
     module_pgs: Mapping[str, ProcessGroupCollection],
@@ -89,30 +118,16 @@ def prepare_active_modules(
     data_parallel_random_init: bool = False,
     overlap_param_gather_with_optimizer_step: bool = False,
 ) -> None:
-    """Apply the stock lifecycle to every module in ``module_pgs`` (this rank's), in place.
-
-    ``configs`` and ``ddp_configs`` hold each module's TransformerConfig and DDP config; the DDP
-    config is copied per module because Megatron writes its bucket size into it.
-    """
+    """Apply :func:`prepare_module` to every module in ``module_pgs`` (this rank's), in place;
+    ``configs`` and ``ddp_configs`` hold each module's TransformerConfig and DDP config."""
     for name, pgc in module_pgs.items():
-        if name == LANGUAGE:
-            module, wrapper = model.language_model, Float16Module
-        else:
-            module, wrapper = model.modality_submodules[name], None
+        module = model.language_model if name == LANGUAGE else model.modality_submodules[name]
         _freeze(module, name, freeze)
-        megatron_compat.bind_tp_group(module, pgc.tp)
-        if name != LANGUAGE:
-            module = EncoderPrecisionWrapper(configs[name], module)
-        with megatron_compat.exact_fp32_router_buffers(module):
-            [prepared] = prepare_existing_model_chunks_for_distributed_training(
-                [module], configs[name], pgc,
-                ddp_config=dataclasses.replace(ddp_configs[name]) if wrap_with_ddp else None,
-                overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
-                wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
-                mixed_precision_wrapper=wrapper,
-            )
+        prepared = prepare_module(
+            module, name, pgc, configs[name], ddp_configs[name] if wrap_with_ddp else None,
+            data_parallel_random_init=data_parallel_random_init,
+            overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step)
         if name == LANGUAGE:
             model.language_model = prepared
         else:
             model.modality_submodules[name] = prepared
-

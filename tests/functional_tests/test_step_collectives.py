@@ -9,6 +9,7 @@ fails here.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -83,3 +84,21 @@ def test_pipeline_stages_exchange_shapes_only_on_the_first_step(
         assert p2p and all(c["bytes"] >= 2048 for c in p2p), (rank, p2p)
     stage_links = [c for c in ranks[1][0]["collectives"] if c["ranks"] == [1, 2]]
     assert len(stage_links) >= MICROBATCHES, stage_links
+
+
+def test_benchmark_smoke_writes_every_figure(tmp_path: pytest.TempPathFactory) -> None:
+    # The CI mode of the benchmark end to end: stock GPT, the encoder alone (its data, DDP,
+    # forward + backward) and the MiMo step, each measured; the ratio is computed from them.
+    assert step_overhead.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "step_overhead.json").read_text())
+    [measured] = report["rounds"]
+    assert 0 < measured["encoder_data"] < measured["encoder_step"]
+    alone = measured["language_step"] + measured["encoder_step"]
+    assert measured["ratio"] == pytest.approx(measured["mimo_step"] / alone)
+    assert measured["ratio_encoder_model_only"] == pytest.approx(
+        measured["mimo_step"] / (alone - measured["encoder_data"]))
+    assert set(report["collectives"]) == {"stock", "mimo rank 0", "mimo rank 1"}
+    for parts in report["breakdown"].values():
+        assert parts["forward"] > 0 and parts["backward"] > 0
+        assert sum(v for k, v in parts.items() if k != "step") == pytest.approx(parts["step"])
+    assert "Ratio (a), median of 1 rounds" in (tmp_path / "step_overhead.md").read_text()

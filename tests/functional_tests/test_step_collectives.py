@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.multiprocess import REPO_ROOT
+from tests.multiprocess import REPO_ROOT, run_script
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import step_overhead  # noqa: E402
@@ -102,3 +102,17 @@ def test_benchmark_smoke_writes_every_figure(tmp_path: pytest.TempPathFactory) -
         assert parts["forward"] > 0 and parts["backward"] > 0
         assert sum(v for k, v in parts.items() if k != "step") == pytest.approx(parts["step"])
     assert "Ratio (a), median of 1 rounds" in (tmp_path / "step_overhead.md").read_text()
+
+
+def test_gloo_latency_benchmark_reports_every_row() -> None:
+    # The transport figures docs/step-overhead.md quotes come from this script.
+    run = run_script(REPO_ROOT / "benchmarks" / "gloo_latency.py", ["--tries", "2"], nproc=2,
+                     env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    assert run.returncode == 0, run.output[-3000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:]
+            for line in run.output.splitlines() if line.startswith("| ") and "---" not in line}
+    for name in ("round trip, 2 KiB", "all-reduce, 2 ranks, 4 floats",
+                 "receive while the sender sleeps", "receive while the sender runs Python",
+                 "receive while the sender runs torch"):
+        median, maximum, _ = rows[name]
+        assert 0 < float(median) <= float(maximum), (name, rows[name])

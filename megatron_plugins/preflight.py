@@ -14,12 +14,8 @@ import os
 from collections.abc import Mapping, Sequence
 
 from megatron_plugins.errors import UsageError, report
-from megatron_plugins.layout import (
-    ParallelLayout,
-    add_layout_args,
-    encoder_micro_batch_size,
-    layout_from_args,
-)
+from megatron_plugins.layout import ParallelLayout, encoder_micro_batch_size
+from megatron_plugins.layout_flags import add_layout_args, layout_from_args
 from megatron_plugins.weights.flags import fill_layout_flags
 
 CPU_SIMULATION_FLAG = "--cpu-simulation"

@@ -17,7 +17,7 @@ the language model's samples costs no extra collective, and the stock rerun stat
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,17 @@ def _active_modules(model: MimoModel, names: Mapping[str, object]) -> Iterator[t
         yield name, model.language_model if name == LANGUAGE else model.modality_submodules[name]
 
 
-def counts_tokens(module_pgs: Mapping[str, ProcessGroupCollection]) -> bool:
-    """Whether this rank is the one source of its replica's token count (see module docstring)."""
-    language = module_pgs.get(LANGUAGE)
+def counts_tokens(language: ProcessGroupCollection | None) -> bool:
+    """Whether this rank is the one source of its replica's token count (see module docstring);
+    ``language`` is the rank's language-model groups, None on a rank without the loss."""
     return language is not None and is_pp_last_stage(language.pp) and language.tp.rank() == 0
+
+
+def scale_module_gradients(modules: Iterable[torch.nn.Module], total: torch.Tensor) -> None:
+    """Divide every module's gradients by the global count ``total`` (at least 1)."""
+    scaling = 1.0 / torch.clamp(total, min=1)
+    for module in modules:
+        module.scale_gradients(scaling)
 
 
 class CrossGridGradSync:
@@ -56,7 +63,7 @@ class CrossGridGradSync:
         self._model = model
         self._module_pgs = dict(module_pgs)
         self._guard = guard
-        self._counts_tokens = counts_tokens(module_pgs)
+        self._counts_tokens = counts_tokens(module_pgs.get(LANGUAGE))
         self._open: contextlib.ExitStack | None = None
 
     def _close(self) -> None:
@@ -113,9 +120,8 @@ class CrossGridGradSync:
 
     def scale_gradients(self, total: torch.Tensor) -> None:
         """Divide every active module's gradients by the global count ``total``."""
-        scaling = 1.0 / torch.clamp(total, min=1)
-        for _, module in _active_modules(self._model, self._module_pgs):
-            module.scale_gradients(scaling)
+        modules = (module for _, module in _active_modules(self._model, self._module_pgs))
+        scale_module_gradients(modules, total)
 
     def finalize(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None,
                  pg_collection: object = None, force_all_reduce: bool = False) -> None:

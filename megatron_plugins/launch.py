@@ -40,15 +40,11 @@ from megatron_plugins.encoders import (
     check_hooks,
     instantiate,
 )
+from megatron_plugins.errors import FlagError
 from megatron_plugins.language import language_config_from_args
-from megatron_plugins.layout import (
-    ALIAS_ENCODER,
-    ParallelLayout,
-    add_layout_args,
-    apply_language_grid,
-)
+from megatron_plugins.layout import ParallelLayout
+from megatron_plugins.layout_flags import ALIAS_ENCODER, add_layout_args, apply_language_grid
 from megatron_plugins.preflight import (
-    FlagError,
     add_mimo_args,
     check_run,
     refuse_upstream_flags,

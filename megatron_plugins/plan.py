@@ -14,14 +14,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megatron_plugins.errors import UsageError, report
+from megatron_plugins.errors import FlagError, UsageError, report
 from megatron_plugins.layout import (
     DENSE_DIMS,
     EXPERT_DIMS,
     ModulePlacement,
     ParallelLayout,
 )
-from megatron_plugins.preflight import FlagError, check_parser, check_run
+from megatron_plugins.preflight import check_parser, check_run
 
 SMALL = 64
 """Layouts up to this many ranks get the per-rank table without ``--ranks``."""

@@ -13,13 +13,9 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 
-from megatron_plugins.errors import UsageError, report
-from megatron_plugins.layout import (
-    ParallelLayout,
-    add_layout_args,
-    encoder_micro_batch_size,
-    layout_from_args,
-)
+from megatron_plugins.errors import FlagError, UsageError, report
+from megatron_plugins.layout import ParallelLayout, encoder_micro_batch_size
+from megatron_plugins.layout_flags import add_layout_args, layout_from_args
 from megatron_plugins.weights.flags import fill_layout_flags
 
 CPU_SIMULATION_FLAG = "--cpu-simulation"
@@ -54,10 +50,6 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
     "--vision-projection-type": "the projection is a two-layer MLP (EncoderPlugin.projection_spec)",
 }
 """Upstream Megatron-LM ``examples/mimo`` flags without an equivalent here, and what to use."""
-
-
-class FlagError(UsageError):
-    """A flag that cannot be used (unknown, mistyped, or meaningless here); one line names it."""
 
 
 def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -34,7 +34,6 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.models.mimo import MimoModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -45,15 +44,15 @@ from megatron.training.utils.common_utils import (
     reduce_max_stat_across_model_parallel_group,
 )
 
-from megatron_plugins.errors import UsageError
-from megatron_plugins.grad_sync import CrossGridGradSync
+from megatron_plugins.grad_sync import CrossGridGradSync, counts_tokens, scale_module_gradients
 
 LOSS_KINDS = ("tokens", "sequences")
 """What the loss function's second return value counts, and so what divides the gradients."""
 
 
-class SplitStepError(UsageError):
-    """A split-step call made in the wrong state; the message names the call and the state."""
+class SplitStepError(RuntimeError):
+    """A split-step call made in the wrong state (an API misuse, no bad flag); the message names
+    the call and the state."""
 
 
 class StepState(enum.Enum):
@@ -100,9 +99,7 @@ class _StockGradSync:
         return total
 
     def scale_gradients(self, total: torch.Tensor) -> None:
-        scaling = 1.0 / torch.clamp(total, min=1)
-        for chunk in self._model:
-            chunk.scale_gradients(scaling)
+        scale_module_gradients(self._model, total)
 
 
 def sequence_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor
@@ -172,7 +169,7 @@ class SplitTrainStep:
         inner = unwrap_model(self._model[0])
         has_loss = not isinstance(inner, MimoModel) or inner.language_model is not None
         self._has_loss = has_loss
-        self._counts = has_loss and is_pp_last_stage(self._pgc.pp) and self._pgc.tp.rank() == 0
+        self._counts = counts_tokens(self._pgc if has_loss else None)
         finalizer = self._config.finalize_model_grads_func
         cross_grid = getattr(finalizer, "__self__", None)
         self._sync = (cross_grid if isinstance(cross_grid, CrossGridGradSync)

@@ -5,6 +5,7 @@
 - :mod:`.streams`: batching, the per-rank stream stock ``pretrain()`` iterates, the provider;
 - :mod:`.sources`: the data flags and which source a run reads;
 - :mod:`.mock`: deterministic synthetic samples (the default, no ``--data-path``);
+- :mod:`.mock_media`: the mock's images and waveforms, which the encoders also use;
 - :mod:`.energon`: Energon datasets (``--data-path``), with :mod:`.text` (real tokenizer and
   prompt layout), :mod:`.media` (decoding) and :mod:`.samples` (sample types Energon lacks).
 

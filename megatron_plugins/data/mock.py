@@ -18,20 +18,11 @@ import numpy as np
 import torch
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.media import Waveform
+from megatron_plugins.data.mock_media import MOCK_MEDIA, NUM_CLASSES
 from megatron_plugins.data.streams import SPLITS, Microbatch, collate
 from megatron_plugins.encoders import EncoderPlugin
-from megatron_plugins.layout import LANGUAGE, LayoutError
-
-NUM_CLASSES = 8
-"""Mock samples belong to one of these classes; encoders see it, text depends on it."""
-
-IMAGE_SIZE = 32
-"""Mock images are square RGB of this size; encoders resize them as they would a real image."""
-
-AUDIO_RATE = 16000
-AUDIO_SAMPLES = 1600
-"""Mock audio: 1600 samples (0.1 s at 16 kHz), a tone of ``400 x (class + 1)`` Hz in noise."""
+from megatron_plugins.errors import DataFlagError
+from megatron_plugins.layout import LANGUAGE
 
 
 def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:
@@ -42,27 +33,6 @@ def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int
 def _generator(seed: int, split: str, index: int, stream: int) -> torch.Generator:
     entropy = np.random.SeedSequence([seed, SPLITS.index(split), index, stream])
     return torch.Generator().manual_seed(int(entropy.generate_state(1, np.uint64)[0] >> 1))
-
-
-def mock_image(generator: torch.Generator, label: int, rate: int | None = None) -> np.ndarray:
-    """A dim noisy RGB image with a bright horizontal band whose row is the class."""
-    pixels = 40 + 20 * torch.rand(IMAGE_SIZE, IMAGE_SIZE, 3, generator=generator)
-    band = (label % NUM_CLASSES) * (IMAGE_SIZE // NUM_CLASSES)
-    pixels[band:band + IMAGE_SIZE // NUM_CLASSES] += 180
-    return pixels.clamp(0, 255).to(torch.uint8).numpy()
-
-
-def mock_audio(generator: torch.Generator, label: int, rate: int | None = None) -> Waveform:
-    """A tone whose pitch is the class, in noise, at the rate the encoder expects."""
-    rate = rate or AUDIO_RATE
-    t = torch.arange(AUDIO_SAMPLES, dtype=torch.float64) / rate
-    tone = 0.5 * torch.sin(2 * torch.pi * 400 * (label + 1) * t)
-    noise = 0.05 * torch.randn(AUDIO_SAMPLES, generator=generator, dtype=torch.float64)
-    return Waveform((tone + noise).float().numpy(), rate)
-
-
-MOCK_MEDIA = {"image": mock_image, "audio": mock_audio}
-"""Decoded media the mock can make, by the kind an encoder's preprocessor reads."""
 
 
 @dataclass(frozen=True)
@@ -80,14 +50,14 @@ class MockSource:
 
     def __post_init__(self) -> None:
         if self.text_vocab_size < NUM_CLASSES:
-            raise LayoutError(
+            raise DataFlagError(
                 f"--vocab-size {self.vocab_size} is too small: {len(self.plugins)} ids are "
                 f"reserved for encoder tokens and text needs at least {NUM_CLASSES}"
             )
         for name, plugin in self.plugins.items():
             media = plugin.preprocessor().media
             if media not in MOCK_MEDIA:
-                raise LayoutError(
+                raise DataFlagError(
                     f"--encoder {name}={plugin.grid.provider}: its preprocessor reads {media!r} "
                     f"media, which the mock data cannot make ({', '.join(MOCK_MEDIA)}); train it "
                     "on a dataset with --data-path"

@@ -9,11 +9,7 @@ from pathlib import Path
 from megatron_plugins.data.mock import MockSource
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.encoders import EncoderPlugin
-from megatron_plugins.errors import UsageError
-
-
-class DataFlagError(UsageError):
-    """Data flags that cannot work together; the message names them."""
+from megatron_plugins.errors import DataFlagError
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:

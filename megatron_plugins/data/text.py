@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_plugins.preflight import FlagError
+from megatron_plugins.errors import FlagError
 
 _EXPECTED_FILES = "tokenizer.json and/or tokenizer_config.json (as save_pretrained writes them)"
 

@@ -24,6 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from megatron_plugins.data.mock_media import MOCK_MEDIA
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import ModulePlacement
 
@@ -130,9 +131,6 @@ class MediaPreprocessor(abc.ABC):
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """Its output for one mock sample's media: input shapes without a dataset (benchmarks)."""
-        # Imported here: the data package imports the encoders, not the other way round.
-        from megatron_plugins.data.mock import MOCK_MEDIA
-
         return self(MOCK_MEDIA[self.media](torch.Generator().manual_seed(0), 0,
                                            self.sample_rate))
 

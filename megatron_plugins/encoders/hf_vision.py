@@ -40,7 +40,7 @@ from megatron_plugins.encoders.base import (
     MediaPreprocessor,
     encoder_config,
 )
-from megatron_plugins.encoders.vit import clip_vit_spec
+from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
 from megatron_plugins.weights.flags import ENCODER_FLAG
 from megatron_plugins.weights.mapping import Family
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
@@ -52,9 +52,8 @@ ACTIVATIONS = {
 }
 """HF ``hidden_act`` values and the Megatron activation computing exactly the same function."""
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
+"""SigLIP's per-channel pixel mean and std (RGB, on [0, 1]); CLIP uses the ViT's statistics."""
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,8 @@ import shlex
 
 import pytest
 
-from megatron_plugins.layout import (
-    LANGUAGE,
-    LayoutError,
-    ModulePlacement,
-    ParallelLayout,
-    add_layout_args,
-    apply_language_grid,
-    layout_from_args,
-)
+from megatron_plugins.layout import LANGUAGE, LayoutError, ModulePlacement, ParallelLayout
+from megatron_plugins.layout_flags import add_layout_args, apply_language_grid, layout_from_args
 from tests.multiprocess import run_in_processes
 
 

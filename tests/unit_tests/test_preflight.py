@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from megatron_plugins.errors import FlagError
 from megatron_plugins.layout import LayoutError
 from megatron_plugins.preflight import (
     EVERY_ENCODER,
-    FlagError,
     check_parser,
     check_run,
     resolve_freeze,

@@ -43,7 +43,7 @@ def stream_seed(stream: str, coords: tuple, dp_random_init: bool) -> int:
 
 
 def _parse(command: str) -> argparse.Namespace:
-    from megatron_plugins.layout import add_layout_args
+    from megatron_plugins.layout_flags import add_layout_args
 
     parser = add_layout_args(argparse.ArgumentParser(allow_abbrev=False))
     parser.add_argument("--num-experts", type=int)
@@ -67,7 +67,7 @@ def _seed_and_draw(command: str) -> dict:
     from megatron.core.tensor_parallel import random as tensor_parallel_random
 
     import megatron_plugins.rng as rng
-    from megatron_plugins.layout import layout_from_args
+    from megatron_plugins.layout_flags import layout_from_args
     from megatron_plugins.topology import build_topology
 
     layout = layout_from_args(_parse(command), dist.get_world_size())

@@ -85,7 +85,7 @@ LAYOUTS = {
 
 
 def _parse(command: str) -> argparse.Namespace:
-    from megatron_plugins.layout import add_layout_args
+    from megatron_plugins.layout_flags import add_layout_args
 
     parser = add_layout_args(argparse.ArgumentParser(allow_abbrev=False))
     parser.add_argument("--num-experts", type=int)
@@ -98,7 +98,8 @@ def _build_and_inspect(commands: list[str]) -> dict:
     from megatron.core.models.mimo.config.role import ModuleLayout, RankRole
     from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer
 
-    from megatron_plugins.layout import LayoutError, ModulePlacement, ParallelLayout, layout_from_args
+    from megatron_plugins.layout import LayoutError, ModulePlacement, ParallelLayout
+    from megatron_plugins.layout_flags import layout_from_args
     from megatron_plugins.topology import build_topology
 
     registry = dist.distributed_c10d._world.pg_map

@@ -1,0 +1,269 @@
+"""The layout flags: ``--encoder``, ``--grid`` and upstream examples/mimo's ``--encoder-tp`` /
+``--llm-*`` spellings, parsed into a checked :class:`~megatron_plugins.layout.ParallelLayout`.
+
+Values are kept as strings by argparse and checked here, so every mistake raises one
+:class:`~megatron_plugins.layout.LayoutError` naming the flag, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from megatron_plugins.layout import (
+    GRID_EXAMPLE,
+    GRID_KEYS,
+    LANGUAGE,
+    MODULE_NAME,
+    LayoutError,
+    ModulePlacement,
+    ParallelLayout,
+    check_layout,
+    check_module_name,
+)
+
+ALIAS_ENCODER = ("vision", "vit")
+"""Name and provider of the encoder that the alias flags describe when no ``--encoder`` is given."""
+
+_PROVIDER = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
+_POSITIVE = re.compile(r"[0-9]+")
+
+_ENCODER_EXAMPLE = "--encoder vision=vit or --encoder vision=my_pkg.encoders:VisionEncoder"
+
+# Upstream Megatron-LM examples/mimo spellings of a one-encoder layout: flag -> (module, grid key).
+_ALIAS_FLAGS = {
+    "--encoder-tp": ("encoder", "tp"),
+    "--encoder-dp": ("encoder", "dp"),
+    "--llm-tp": (LANGUAGE, "tp"),
+    "--llm-pp": (LANGUAGE, "pp"),
+    "--llm-cp": (LANGUAGE, "cp"),
+    "--llm-dp": (LANGUAGE, "dp"),
+    "--llm-ep": (LANGUAGE, "ep"),
+    "--llm-expt-tp": (LANGUAGE, "etp"),
+}
+
+# Stock flags that describe the language grid: (args attribute, flag, stock default, grid key).
+_STOCK_PARALLEL_FLAGS = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1, "tp"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1, "pp"),
+    ("context_parallel_size", "--context-parallel-size", 1, "cp"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "ep"),
+    ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", None, "etp"),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+class _AppendWords(argparse.Action):
+    """Append every whitespace-separated word of the value: ``--grid "a:dp=1 language:dp=2"`` is
+    two ``--grid`` flags (the form a YAML case file with one value per flag can express)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, items + str(values).split())
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the layout flags; usable as (part of) Megatron's ``extra_args_provider``.
+
+    Values are kept as strings and checked by :func:`layout_from_args`, so every mistake raises
+    the same :class:`LayoutError` instead of an argparse exit.
+    """
+    group = parser.add_argument_group("megatron-plugins heterogeneous layout")
+    group.add_argument(
+        "--encoder", action=_AppendWords, dest="mimo_encoders", metavar="NAME=PROVIDER",
+        help="An encoder module and its provider: a built-in name (vit, audio) or "
+             "package.module:attr. Repeat once per encoder, or give several in one "
+             "space-separated value.",
+    )
+    group.add_argument(
+        "--grid", action=_AppendWords, dest="mimo_grids",
+        metavar="NAME:tp=T,pp=P,cp=C,dp=D[,ep=E,etp=X]",
+        help=f"One module's parallel split; one per encoder plus one for '{LANGUAGE}'. Omitted "
+             "keys are 1. Modules take consecutive ranks in the order of their --grid flags "
+             "(several grids may share one space-separated value).",
+    )
+    for flag, (module, key) in _ALIAS_FLAGS.items():
+        group.add_argument(
+            flag, dest=_dest(flag), metavar="N",
+            help=f"Upstream examples/mimo alias: {key} of the "
+                 f"{'single encoder' if module == 'encoder' else 'language model'} "
+                 "(default 1; do not combine with --grid).",
+        )
+    group.add_argument(
+        "--llm-offset", metavar="N",
+        help="Upstream examples/mimo flag: the language grid's first rank. Modules take "
+             "consecutive ranks here, so it must equal the encoders' rank count.",
+    )
+    return parser
+
+
+def _parse_size(text: str, label: str) -> int:
+    """``label`` spells the flag and value as given, e.g. ``--grid vit:tp=0: tp=0``."""
+    if not _POSITIVE.fullmatch(text) or int(text) < 1:
+        raise LayoutError(f"{label} must be a positive integer (e.g. 2)")
+    return int(text)
+
+
+def _parse_encoder(text: str) -> tuple[str, str]:
+    name, sep, provider = text.partition("=")
+    if sep and name:
+        check_module_name(name, f"--encoder {text}")
+    if not sep or not MODULE_NAME.fullmatch(name) or not _PROVIDER.fullmatch(provider):
+        raise LayoutError(f"--encoder {text}: expected NAME=PROVIDER (e.g. {_ENCODER_EXAMPLE})")
+    if name == LANGUAGE:
+        raise LayoutError(
+            f"--encoder {text}: '{LANGUAGE}' is reserved for the language model; "
+            "give the encoder another name"
+        )
+    return name, provider
+
+
+def _parse_grid(text: str) -> tuple[str, dict[str, int]]:
+    name, sep, body = text.partition(":")
+    where = f"--grid {text}"
+    if sep and name:
+        check_module_name(name, where)
+    if not sep or not MODULE_NAME.fullmatch(name):
+        raise LayoutError(f"{where}: expected NAME:key=value,... (e.g. {GRID_EXAMPLE})")
+    values: dict[str, int] = {}
+    for item in body.split(",") if body else []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise LayoutError(f"{where}: expected key=value, got {item!r} (e.g. {GRID_EXAMPLE})")
+        if key not in GRID_KEYS:
+            raise LayoutError(f"{where}: unknown key {key!r}; use keys {', '.join(GRID_KEYS)}")
+        if key in values:
+            raise LayoutError(f"{where}: {key} given twice; give each key once")
+        values[key] = _parse_size(value, f"{where}: {key}={value}")
+    return name, values
+
+
+def _grid_specs(args: Any) -> list[tuple[str, dict[str, int], str | None, str]]:
+    """(name, sizes, provider, source) per module, in rank order, from --grid or alias flags."""
+    encoders: dict[str, str] = {}
+    for text in getattr(args, "mimo_encoders", None) or []:
+        name, provider = _parse_encoder(text)
+        if name in encoders:
+            raise LayoutError(f"--encoder {name} given twice; give each encoder once")
+        encoders[name] = provider
+    grids = getattr(args, "mimo_grids", None) or []
+    aliases = {flag: getattr(args, _dest(flag), None) for flag in _ALIAS_FLAGS}
+    used_aliases = [flag for flag, value in aliases.items() if value is not None]
+
+    if used_aliases:
+        if grids:
+            raise LayoutError(
+                f"{used_aliases[0]} cannot be combined with --grid; describe every module "
+                f"with --grid (e.g. {GRID_EXAMPLE}) or use only the alias flags"
+            )
+        if len(encoders) > 1:
+            raise LayoutError(
+                f"{used_aliases[0]} describes a single encoder but --encoder gives "
+                f"{', '.join(encoders)}; use one --grid per encoder instead"
+            )
+        encoder, provider = next(iter(encoders.items()), ALIAS_ENCODER)
+        sizes: dict[str, dict[str, int]] = {"encoder": {}, LANGUAGE: {}}
+        for flag in used_aliases:
+            module, key = _ALIAS_FLAGS[flag]
+            sizes[module][key] = _parse_size(aliases[flag], f"{flag} {aliases[flag]}")
+        encoder_flags = "/".join(f for f, (m, _) in _ALIAS_FLAGS.items() if m == "encoder")
+        language_flags = "/".join(f for f, (m, _) in _ALIAS_FLAGS.items() if m == LANGUAGE)
+        return [
+            (encoder, sizes["encoder"], provider, f"--grid {encoder} (from {encoder_flags})"),
+            (LANGUAGE, sizes[LANGUAGE], None, f"--grid {LANGUAGE} (from {language_flags})"),
+        ]
+
+    specs = []
+    for text in grids:
+        name, values = _parse_grid(text)
+        if name != LANGUAGE and name not in encoders:
+            raise LayoutError(
+                f"--grid {name} has no --encoder {name}=PROVIDER; add one "
+                f"(e.g. --encoder {name}=vit) or drop the grid"
+            )
+        specs.append((name, values, encoders.get(name), f"--grid {name}"))
+    gridded = {spec[0] for spec in specs}
+    for name in encoders:
+        if name not in gridded:
+            raise LayoutError(
+                f"--encoder {name} has no --grid; add one (e.g. --grid {name}:tp=1,dp=1)"
+            )
+    return specs
+
+
+def _check_llm_offset(layout: ParallelLayout, offset: str | None) -> None:
+    """Upstream's ``--llm-offset``: accepted when it names where the language grid starts here."""
+    start = layout.language.rank_offset
+    if offset is not None and offset != str(start):
+        raise LayoutError(
+            f"--llm-offset {offset}: the language grid starts at rank {start}, right after "
+            f"the encoders' ranks; drop --llm-offset or give {start}"
+        )
+
+
+def required_world_size(args: Any) -> int:
+    """Ranks the layout flags describe (their grids' sizes summed), before any other check."""
+    total = 0
+    for _, sizes, _, _ in _grid_specs(args):
+        total += math.prod(sizes.get(key, 1) for key in ("tp", "pp", "cp", "dp"))
+    return total
+
+
+def layout_from_args(
+    args: Any, world_size: int, encoder_heads: Mapping[str, int] | None = None
+) -> ParallelLayout:
+    """Build the layout from parsed flags and check that it can run on ``world_size`` ranks.
+
+    ``args`` holds the layout flags plus the stock model flags that
+    :func:`~megatron_plugins.layout.check_layout` reads. ``encoder_heads`` maps encoder names to
+    attention-head counts known from the encoder plugins; call again once they are known.
+    """
+    modules = []
+    offset = 0
+    for name, sizes, provider, source in _grid_specs(args):
+        module = ModulePlacement(name=name, rank_offset=offset, provider=provider, source=source,
+                            **{key: sizes.get(key, 1) for key in GRID_KEYS})
+        modules.append(module)
+        offset += module.size
+    layout = ParallelLayout(tuple(modules))
+    _check_llm_offset(layout, getattr(args, "llm_offset", None))
+    check_layout(layout, args, world_size, encoder_heads)
+    return layout
+
+
+@contextmanager
+def apply_language_grid(args: Any, layout: ParallelLayout) -> Iterator[None]:
+    """Write the language grid into Megatron's stock parallel args so stock validation checks it.
+
+    Tensor/pipeline/context/expert(-tensor) parallel sizes are set for good. Inside the block,
+    ``args.world_size`` is the language module's size: stock ``validate_args`` derives (and checks)
+    ``data_parallel_size`` from it. On exit the real world size is back, which stock
+    ``initialize_megatron`` passes to ``init_process_group``. Use as
+    ``with apply_language_grid(args, layout): validate_args(args)``. A stock parallel flag given
+    with another value than the grid's is an error naming both.
+    """
+    language = layout.language
+    for attr, flag, default, key in _STOCK_PARALLEL_FLAGS:
+        wanted = getattr(language, key)
+        given = getattr(args, attr, default)
+        if given != default and given != wanted:
+            raise LayoutError(
+                f"{flag} {given} disagrees with {language.source}: {key}={wanted}; drop "
+                f"{flag} (the language grid sets it) or change the grid"
+            )
+    for attr, _, _, key in _STOCK_PARALLEL_FLAGS:
+        setattr(args, attr, getattr(language, key))
+    world_size = args.world_size
+    args.world_size = language.size
+    try:
+        yield
+    finally:
+        args.world_size = world_size

@@ -72,9 +72,9 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args()
 if ARGS.smoke:
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

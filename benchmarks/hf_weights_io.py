@@ -76,9 +76,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     options = parser.parse_args()
     rounds = 1 if options.smoke else options.rounds
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing

@@ -29,8 +29,10 @@ def run_entry_point(mode: str, argv: list[str]) -> None:
     """Run a stock entry point as ``__main__`` with the probe on when requested."""
     from megatron_plugins import cpu_simulation
 
-    if cpu_simulation.CLI_FLAG in argv:
-        cpu_simulation.activate()
+    if cpu_simulation.FLAG in argv:
+        from megatron_plugins.cpu_simulation import patches
+
+        patches.activate()
     out = os.environ.get("STEP_PROBE_OUT")
     if out:
         import collective_probe
@@ -45,9 +47,9 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     precision wrapper and DDP, on one rank) and on its own data (the run's source through the
     encoder's preprocessor), as stock's language step includes its data; writes
     ``<STEP_PROBE_OUT>.encoder.json`` with each step's total and its data part."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     import torch
     import torch.distributed as dist
     from megatron.core import tensor_parallel

@@ -151,10 +151,10 @@ def _names(steps: Any) -> str:
     return ", ".join(f"iter_{step:07d}" for step in sorted(steps))
 
 
-def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> str | None:
+def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> ResumePoint | None:
     """Before any process group: refuse an unsavable model, an unwritable ``--save`` and a
-    missing, incomplete or other-layout checkpoint; point ``args.ckpt_step`` at the iteration to
-    resume from. Returns the one-line notice to show when resuming is not the stock choice."""
+    missing, incomplete or other-layout checkpoint. With ``--load``, returns the ``--ckpt-step``
+    to resume from and the one-line notice to show when resuming is not the stock choice."""
     if (args.save is not None and layout.language.pp > 1
             and not args.untie_embeddings_and_output_weights):
         raise CheckpointError(
@@ -170,8 +170,8 @@ def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> str | None:
     auto_resume = args.save is not None and Path(args.save).resolve() == load.resolve()
     point = resume_point(load, getattr(args, "ckpt_step", None), auto_resume)
     if point.step is None and _tracker(load) is None:
-        return point.notice  # auto-resume before any save: stock starts fresh
-    args.ckpt_step = point.step
+        # Auto-resume before any save: stock starts fresh.
+        return ResumePoint(getattr(args, "ckpt_step", None), point.notice)
     saved = load / LAYOUT_FILE
     if not saved.exists():
         raise CheckpointError(f"--load {args.load}: no {LAYOUT_FILE}; it was not written by a "
@@ -184,7 +184,7 @@ def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> str | None:
             "supported: use the saved --grid flags, or load only the weights (--no-load-optim "
             "--no-load-rng, e.g. with --finetune)"
         )
-    return point.notice
+    return point
 
 
 def _check_writable(save: Path) -> None:

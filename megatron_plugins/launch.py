@@ -1,9 +1,10 @@
 """What ``examples/mimo/pretrain_mimo.py`` does around stock ``pretrain()``.
 
-:func:`parse_mimo_args` reads stock and plugin flags and checks the whole run before any process
-group exists (every rank computes the same verdict); :func:`start` brings up torch.distributed
-without Megatron's global model-parallel state, the topology, the cross-grid communicator, the
-data provider and the build config; :func:`pretrain_kwargs` is what stock ``pretrain()`` takes;
+:func:`parse_mimo_args` reads stock and plugin flags, settles the run's values
+(:mod:`megatron_plugins.run_settings`) and checks the whole run before any process group exists
+(every rank computes the same verdict); :func:`start` brings up torch.distributed without
+Megatron's global model-parallel state, the topology, the cross-grid communicator and the build
+config; :func:`pretrain_kwargs` is what stock ``pretrain()`` takes, the data provider included;
 :func:`train` is the whole sequence after parsing, which the entry point and the tests run.
 """
 
@@ -23,45 +24,34 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator,
 )
-from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args
 from megatron.training.global_vars import set_global_variables
 
 from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.data.addressing import AlignmentGuard
-from megatron_plugins.data.sources import add_data_args, build_source
+from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
-from megatron_plugins.encoders import (
-    EncoderPlugin,
-    add_encoder_args,
-    check_hooks,
-    instantiate,
-)
+from megatron_plugins.encoders import EncoderPlugin, add_encoder_args
 from megatron_plugins.errors import FlagError
 from megatron_plugins.language import language_config_from_args
 from megatron_plugins.layout import ParallelLayout
-from megatron_plugins.layout_flags import ALIAS_ENCODER, add_layout_args, apply_language_grid
+from megatron_plugins.layout_flags import ALIAS_ENCODER, add_layout_args
+from megatron_plugins.optimizer_config import add_optimizer_args
 from megatron_plugins.preflight import (
+    Preflight,
     add_mimo_args,
+    asks_help,
     check_run,
-    refuse_upstream_flags,
-    resolve_freeze,
+    world_size_from_env,
 )
-from megatron_plugins.optimizer_config import (
-    add_optimizer_args,
-    apply_optimizer_args,
-)
+from megatron_plugins.run_settings import settle
 from megatron_plugins.topology import HeteroTopology, build_topology, pipeline_communicator
-from megatron_plugins.weights.flags import (
-    add_weights_args,
-    apply_language_config,
-    encoder_folders,
-)
-from megatron_plugins.weights.megatron_checkpoint import add_checkpoint_init_args, check_init_flags
 from megatron_plugins.training_step import forward_step
+from megatron_plugins.weights.flags import add_weights_args
+from megatron_plugins.weights.megatron_checkpoint import add_checkpoint_init_args
 
 HELP_DESCRIPTION = (
     "Heterogeneous MiMo pretraining through stock Megatron pretrain(). MiMo flags come first, "
@@ -72,31 +62,6 @@ HELP_DESCRIPTION = (
 HELP_USAGE = ("%(prog)s [--encoder NAME=PROVIDER ...] --grid NAME:tp=T,pp=P,dp=D ... "
               "[MiMo, encoder and stock Megatron flags]")
 """Stock's usage line lists ~800 flags; this one says what a launch needs."""
-
-CPU_SIMULATION_VALUES = (
-    ("transformer_impl", "local", "--transformer-impl local", "Transformer Engine needs a GPU"),
-    ("gradient_accumulation_fusion", False, "--no-gradient-accumulation-fusion",
-     "a fused CUDA kernel"),
-    ("masked_softmax_fusion", False, "--no-masked-softmax-fusion", "a fused CUDA kernel"),
-    ("bias_gelu_fusion", False, "--no-bias-gelu-fusion", "a fused CUDA kernel"),
-    ("bias_swiglu_fusion", False, "--no-bias-swiglu-fusion", "a fused CUDA kernel"),
-    ("bias_dropout_fusion", False, "--no-bias-dropout-fusion", "a fused CUDA kernel"),
-    ("apply_rope_fusion", False, "--no-rope-fusion", "a fused CUDA kernel"),
-    ("no_persist_layer_norm", True, "--no-persist-layer-norm",
-     "the persistent layer norm needs Apex on a GPU"),
-    ("distributed_backend", "gloo", "--distributed-backend gloo", "NCCL needs GPUs"),
-    ("moe_grouped_gemm", False, "drop the flag", "it needs Transformer Engine on a GPU"),
-    ("moe_permute_fusion", False, "drop the flag",
-     "it needs Transformer Engine on a GPU"),
-    ("moe_router_fusion", False, "drop the flag", "it needs Transformer Engine on a GPU"),
-    ("sequence_parallel", False, "drop the flag",
-     "the local spec's torch norms cannot split the sequence; MoE at TP > 1, which stock allows "
-     "only with it, needs a GPU too"),
-)
-"""(args attribute, CPU-capable value, the flag that sets it, why the stock value cannot run)."""
-
-DEFAULT_EVAL_INTERVAL = 1000
-"""--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""
 
 
 def _encoder_providers(argv: Sequence[str]) -> dict[str, str]:
@@ -166,103 +131,17 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
     return args, parsers[0]
 
 
-def _given(parser: argparse.ArgumentParser, argv: Sequence[str], attr: str) -> str | None:
-    """The flag of ``attr`` as the command line spells it, or None when it was not given."""
-    spellings = {option for action in parser._actions if action.dest == attr
-                 for option in action.option_strings}
-    return next((token.partition("=")[0] for token in argv
-                 if token.partition("=")[0] in spellings), None)
-
-
-def apply_run_defaults(args: argparse.Namespace, argv: Sequence[str],
-                       parser: argparse.ArgumentParser) -> list[str]:
-    """Fill what 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run.
-
-    Returns the flags it set, for one notice line. A GPU-only value the user gave explicitly is
-    a :class:`FlagError` naming the flag.
-    """
-    chosen = []
-    if args.tokenizer_type is None:
-        if args.vocab_size is None:
-            raise FlagError("--tokenizer-type is missing: the mock data needs only a vocabulary "
-                            "size; add --vocab-size N (the NullTokenizer is then used) or give "
-                            "--tokenizer-type")
-        args.tokenizer_type = "NullTokenizer"
-        chosen.append("--tokenizer-type NullTokenizer")
-    if args.eval_interval is None:
-        args.eval_interval = DEFAULT_EVAL_INTERVAL
-        chosen.append(f"--eval-interval {DEFAULT_EVAL_INTERVAL}")
-    if cpu_simulation.is_active():
-        for attr, value, flag, reason in CPU_SIMULATION_VALUES:
-            if getattr(args, attr) == value:
-                continue
-            given = _given(parser, argv, attr)
-            if given is not None:
-                raise FlagError(f"{given} cannot run on the CPU simulation ({reason}); "
-                                f"{'use ' + flag if flag.startswith('--') else flag}")
-            setattr(args, attr, value)
-            chosen.append(flag)
-    return chosen
-
-
-def _notice(args: argparse.Namespace, text: str) -> None:
-    """One line that something was chosen for the user, shown once (rank 0)."""
-    if args.rank == 0:
-        print(f"pretrain_mimo.py: notice: {text}", file=sys.stderr, flush=True)
-
-
-def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
-    """Parse and check every flag; raises a :class:`~megatron_plugins.errors.UsageError` naming
-    the flag to fix."""
+def parse_mimo_args(argv: Sequence[str] | None = None,
+                    checked: Preflight | None = None) -> MimoRun:
+    """Parse, settle and check every flag; raises a :class:`~megatron_plugins.errors.UsageError`
+    naming the flag to fix. ``checked`` is what the entry point's pre-import checks found
+    (:func:`megatron_plugins.preflight.run`); without it they run here."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    refuse_upstream_flags(argv)
+    if checked is None and not asks_help(argv):
+        checked = check_run(argv, world_size_from_env())
     args, parser = _parse_flags(argv, _encoder_providers(argv))
-    # --language-hf-weights' config.json gives the shape flags, before anything reads them.
-    args.language_hf_family = apply_language_config(args, lambda attr: _given(parser, argv, attr))
-    # check_run is the launch's and mimo-plan's one layout check (encoder head counts included).
-    layout = check_run(argv, args.world_size)
-    resolve_freeze(args, layout)
-    plugins = {module.name: instantiate(module.provider, module.name, args, module)
-               for module in layout.encoders}
-    args.encoder_hf_weights = encoder_folders(args.encoder_hf_weights, plugins)
-    resume_notice = checkpoints.check_checkpoint_flags(args, layout)
-    if resume_notice:
-        _notice(args, resume_notice)
-    chosen = apply_run_defaults(args, argv, parser)
-    if chosen:
-        _notice(args, f"defaults set (give the flags to silence this): {', '.join(chosen)}")
-    source = build_source(args, plugins)
-    if args.data_path:
-        # Energon loader states go into each checkpoint (megatron_compat Gap 10).
-        args.dataloader_save = args.save
-    apply_optimizer_args(args, argv)
-    args.calculate_per_token_loss = True
-    args.dataloader_type = "external"
-    with apply_language_grid(args, layout):
-        try:
-            validate_args(args)
-        except (AssertionError, ValueError) as error:
-            raise FlagError(f"stock Megatron argument check failed: {error}") from None
-    if args.data_path and args.padded_vocab_size is None:
-        # Stock pads the tokenizer's vocabulary only when it builds it, after the language
-        # config below is first needed; the same function gives the same size now.
-        args.padded_vocab_size = vocab_size_with_padding(source.tokenizer.vocab_size, args,
-                                                         logging_enabled=False)
-    if args.language_megatron_checkpoint and args.padded_vocab_size is None:
-        # The checkpoint's padded vocabulary is compared below; stock's tokenizer sets ours.
-        build_tokenizer(args)
-    check_init_flags(args, plugins, layout.language.pp)
-    # The cross-grid schedule requires variable sequence lengths, which Megatron's allgather MoE
-    # dispatcher (the stock default) does not support.
-    args.variable_seq_lengths = True
-    if args.moe_token_dispatcher_type == "allgather":
-        args.moe_token_dispatcher_type = "alltoall"
-    language = language_config_from_args(args).transformer
-    for plugin in plugins.values():
-        notice = check_hooks(plugin, language)
-        if notice:
-            _notice(args, notice)
-    return MimoRun(args, layout, plugins, source)
+    settled = settle(args, argv, parser, checked)
+    return MimoRun(args, checked.layout, settled.plugins, settled.source)
 
 
 @dataclass

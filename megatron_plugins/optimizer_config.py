@@ -10,7 +10,8 @@ derives that consistent set from the training precision, in two places:
 
 * on parsed flags: :func:`add_optimizer_args` registers ``--bf16-precision-aware-optimizer`` (an
   ``extra_args_provider``) and :func:`apply_optimizer_args` fills in the stock flags before stock
-  ``validate_args`` runs. Stock ``parse_and_validate_args`` validates straight after parsing, so
+  ``validate_args`` runs (:func:`implied_stock_flags` returns them instead; the MiMo launch
+  applies them with its other settings). Stock ``parse_and_validate_args`` validates straight after parsing, so
   call its steps yourself::
 
       args = parse_args(extra_args_provider=add_optimizer_args)
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import torch
 
+from megatron_plugins.command_line import given_flag
 from megatron_plugins.errors import UsageError
 
 if TYPE_CHECKING:
@@ -210,8 +212,16 @@ def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def apply_optimizer_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> None:
-    """Set the stock flags ``--bf16-precision-aware-optimizer`` implies on parsed ``args``, in
-    place, before stock ``validate_args`` runs; a no-op without the flag or without ``--bf16``.
+    """Set :func:`implied_stock_flags` on parsed ``args``, in place, before stock
+    ``validate_args`` runs."""
+    for attr, value in implied_stock_flags(args, argv).items():
+        setattr(args, attr, value)
+
+
+def implied_stock_flags(args: argparse.Namespace,
+                        argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The stock args (attribute -> value) ``--bf16-precision-aware-optimizer`` implies on parsed
+    ``args``; empty without the flag or without ``--bf16``.
 
     A stock flag counts as chosen when it appears in ``argv`` (default ``sys.argv[1:]``), whatever
     its value: comparing with parser defaults would miss ``--exp-avg-dtype fp32`` chosen on
@@ -221,12 +231,11 @@ def apply_optimizer_args(args: argparse.Namespace, argv: Sequence[str] | None = 
     dtypes, which stock ``validate_args`` accepts as they are.
     """
     if not (args.bf16_precision_aware_optimizer and args.bf16):
-        return
-    given = {token.split("=", 1)[0] for token in (sys.argv[1:] if argv is None else argv)
-             if token.startswith("--")}
-    if {_ACCUMULATE_FP32, _REDUCE_BF16} <= given:
+        return {}
+    argv = sys.argv[1:] if argv is None else argv
+    if given_flag(argv, [_ACCUMULATE_FP32]) and given_flag(argv, [_REDUCE_BF16]):
         raise OptimizerConfigError(f"{_ACCUMULATE_FP32} and {_REDUCE_BF16} contradict each other.")
-    explicit = {field for flag, field in _FIELD_OF_FLAG.items() if flag in given}
+    explicit = {field for flag, field in _FIELD_OF_FLAG.items() if given_flag(argv, [flag])}
     current = {
         "optimizer": args.optimizer,
         "use_distributed_optimizer": args.use_distributed_optimizer,
@@ -239,6 +248,5 @@ def apply_optimizer_args(args: argparse.Namespace, argv: Sequence[str] | None = 
     }
     settings = _bf16_settings(current, explicit)
     require_te_fused_adam()
-    for field, value in settings.items():
-        if field not in explicit:
-            setattr(args, _ARG_OF_FIELD.get(field, field), value)
+    return {_ARG_OF_FIELD.get(field, field): value for field, value in settings.items()
+            if field not in explicit}

@@ -4,7 +4,8 @@ Importing Megatron's argument parser costs ~5 s per process on a small machine, 
 torchrun with several ranks. A refused layout must not wait for it: :func:`check_run` reads the
 layout flags, the MiMo flags and the few stock model flags the layout checks need from the raw
 command line (ignoring every other flag) and raises one :class:`FlagError` / ``LayoutError``.
-Only an encoder with tp > 1 imports its plugin (the head-count check needs it).
+Only an encoder with tp > 1 imports its plugin (the head-count check needs it). The result
+(:class:`Preflight`) is handed on to the launch, which does not check again.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from megatron_plugins import cpu_simulation
+from megatron_plugins.command_line import given_flag
 from megatron_plugins.errors import FlagError, UsageError, report
 from megatron_plugins.layout import ParallelLayout, encoder_micro_batch_size
 from megatron_plugins.layout_flags import add_layout_args, layout_from_args
 from megatron_plugins.weights.flags import fill_layout_flags
-
-CPU_SIMULATION_FLAG = "--cpu-simulation"
 
 EVERY_ENCODER = "*"
 """``--freeze-projection`` without a name (upstream's spelling): every encoder's projection."""
@@ -50,6 +52,15 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
     "--vision-projection-type": "the projection is a two-layer MLP (EncoderPlugin.projection_spec)",
 }
 """Upstream Megatron-LM ``examples/mimo`` flags without an equivalent here, and what to use."""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the pre-import checks settled: the checked layout and the freeze lists by name."""
+
+    layout: ParallelLayout
+    freeze_encoder: list[str]
+    freeze_projection: list[str]
 
 
 def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -110,8 +121,9 @@ def refuse_upstream_flags(argv: Sequence[str]) -> None:
                             f"equivalent here: {UPSTREAM_REFUSED[flag]}")
 
 
-def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> None:
-    """Check the freeze flags against the layout, expand a bare --freeze-projection, in place."""
+def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> list[str]:
+    """Check the freeze flags against the layout; returns the projections to freeze by name (a
+    bare --freeze-projection expanded)."""
     names = [module.name for module in layout.encoders]
     for flag, attr in (("--freeze-encoder", "freeze_encoder"),
                        ("--freeze-projection", "freeze_projection")):
@@ -119,13 +131,12 @@ def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> None:
             if name != EVERY_ENCODER and name not in names:
                 raise FlagError(f"{flag} {name}: no such encoder; encoders are "
                                 f"{', '.join(sorted(names))}")
-    if EVERY_ENCODER in args.freeze_projection:
-        args.freeze_projection = list(names)
     if args.freeze_language_model and names and set(names) <= set(args.freeze_encoder):
         raise FlagError(
             "--freeze-language-model with --freeze-encoder for every encoder "
             f"({', '.join(names)}) leaves nothing to train; unfreeze one module"
         )
+    return list(names) if EVERY_ENCODER in args.freeze_projection else list(args.freeze_projection)
 
 
 def _encoder_heads(argv: Sequence[str], layout: ParallelLayout, quiet: bool) -> dict[str, int]:
@@ -133,10 +144,8 @@ def _encoder_heads(argv: Sequence[str], layout: ParallelLayout, quiet: bool) -> 
     sharded = [module for module in layout.encoders if module.tp > 1]
     if not sharded:
         return {}
-    if quiet or CPU_SIMULATION_FLAG in argv:
-        from megatron_plugins.cpu_simulation import quiet_gpu_library_warnings
-
-        quiet_gpu_library_warnings()
+    if quiet or cpu_simulation.FLAG in argv:
+        cpu_simulation.quiet_gpu_library_warnings()
     from megatron_plugins.encoders import EncoderPluginError, resolve
 
     try:
@@ -151,8 +160,9 @@ def _encoder_heads(argv: Sequence[str], layout: ParallelLayout, quiet: bool) -> 
         raise FlagError(str(error)) from None
 
 
-def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> ParallelLayout:
-    """Every check that needs no Megatron import, on a raw command line; returns the layout.
+def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> Preflight:
+    """Every check that needs no Megatron import, on a raw command line; returns the layout and
+    the freeze lists.
 
     Flags it does not know are ignored, so the launch's and a pasted torchrun command line both
     work. Raises :class:`FlagError` or ``LayoutError`` with one line naming the flag. ``quiet``
@@ -167,14 +177,14 @@ def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> P
     heads = _encoder_heads(argv, layout, quiet)
     if heads:
         layout = layout_from_args(args, world_size, heads)
-    resolve_freeze(args, layout)
+    freeze_projection = resolve_freeze(args, layout)
     if args.micro_batch_size is not None:
         for module in layout.encoders:
             encoder_micro_batch_size(layout, module.name, args.micro_batch_size)
-    if "--encoder-ddp-overlap" in argv and not args.overlap_grad_reduce:
+    if given_flag(argv, ["--encoder-ddp-overlap"]) and not args.overlap_grad_reduce:
         raise FlagError("--encoder-ddp-overlap needs --overlap-grad-reduce (as upstream); add it "
                         "or use --encoder-overlap-grad-reduce alone")
-    return layout
+    return Preflight(layout, list(args.freeze_encoder), freeze_projection)
 
 
 def world_size_from_env() -> int:
@@ -182,12 +192,17 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def run(argv: Sequence[str], prog: str) -> int | None:
-    """The entry point's first step: 2 after printing the one-line error, None to go on."""
-    if "-h" in argv or "--help" in argv:
+def asks_help(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for --help, which stock's parser answers before any check."""
+    return "-h" in argv or "--help" in argv
+
+
+def run(argv: Sequence[str], prog: str) -> Preflight | int | None:
+    """The entry point's first step: 2 after printing the one-line error, else what it checked
+    to hand to the launch (None when --help is asked for)."""
+    if asks_help(argv):
         return None
     try:
-        check_run(argv, world_size_from_env())
+        return check_run(argv, world_size_from_env())
     except UsageError as error:
         return report(prog, error)
-    return None

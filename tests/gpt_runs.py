@@ -30,9 +30,9 @@ def load_gpt_example() -> Any:
 
 def train_gpt_rank(argv: list[str], import_plugins: bool, install_bridge: bool) -> dict[str, np.ndarray]:
     """One rank of a stock GPT run; returns this rank's parameters after training."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     if import_plugins:
         import megatron_plugins
 

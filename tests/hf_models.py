@@ -87,14 +87,15 @@ def stock_args(argv: list[str]) -> Any:
     contradicts it here), validated."""
     from megatron.training.arguments import parse_args, validate_args
 
-    from megatron_plugins.weights.flags import add_weights_args, apply_language_config
+    from megatron_plugins.weights.flags import add_weights_args, implied_language_args
 
     saved, sys.argv = sys.argv, ["test", *argv]
     try:
         args = parse_args(add_weights_args)
     finally:
         sys.argv = saved
-    apply_language_config(args, lambda attr: None)
+    for attr, value in implied_language_args(args, lambda attr: None)[1].items():
+        setattr(args, attr, value)
     validate_args(args)
     return args
 
@@ -111,9 +112,9 @@ BASE_FLAGS = ["--seq-length", "12", "--micro-batch-size", "2", "--global-batch-s
 def stock_gpt_rank(folder: str, tp: int, pp: int, extra: list[str]) -> dict[str, Any]:
     """One rank of a stock GPT (TP x PP) built by our language builder from ``folder``'s config,
     HF weights imported; returns the full-vocabulary logits on the last stage."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron.core import parallel_state
     from megatron.training.global_vars import unset_global_variables
 
@@ -204,9 +205,9 @@ VIT = ("--encoder", "vision=vit", "--grid", "vision:dp=1")
 def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
     """Build one rank of a MiMo model through the entry point's code path (HF weights loaded by
     the builder) and return the language model's logits on its last stage."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron_plugins import megatron_compat
     from megatron_plugins.launch import parse_mimo_args, start
     from megatron_plugins.weights.language_families import FAMILIES
@@ -275,9 +276,9 @@ def safetensors_of(folder: str | Path) -> dict[str, torch.Tensor]:
 def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
     """One rank of a MiMo training run (stock ``pretrain()``) started from HF weights; language
     ranks return their streamed pieces of the trained model."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron_plugins.launch import parse_mimo_args, train
     from megatron_plugins.weights.flags import encoder_family
     from megatron_plugins.weights.language_families import FAMILIES

@@ -87,9 +87,9 @@ def plugin(provider: str, folder: str | Path, tp: int = 1) -> Any:
 def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dict[str, Any]:
     """One TP rank of our encoder built from ``folder`` with its HF weights imported through the
     family table; returns its output on ``pixels`` and its streamed HF pieces (serialized)."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module

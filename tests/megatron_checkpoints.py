@@ -17,9 +17,9 @@ def _write_rank(jobs: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]])
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()  # the save synchronizes a CUDA device
+    patches.activate()  # the save synchronizes a CUDA device
     for folder, tensors, args in jobs:
         Path(folder).mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {name: ShardedTensor.from_rank_offsets(name, tensor)

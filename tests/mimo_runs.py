@@ -59,9 +59,9 @@ def _misalign_encoder_batches() -> None:
 def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool,
                     observe_keys: bool = False, misalign: bool = False) -> dict[str, Any]:
     """One rank of a MiMo run; returns its module name and what was asked to observe."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron_plugins.launch import parse_mimo_args, train
 
     models: list[Any] = []

@@ -88,7 +88,7 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float 
     """Run ``fn(*args)`` on ranks 0..world_size-1 of a fresh gloo world; results in rank order.
 
     ``fn`` must be importable by name (children unpickle it). ``simulated``: ``fn`` starts with
-    ``cpu_simulation.activate()``, so its ranks may be forked with that done and Megatron
+    ``cpu_simulation.patches.activate()``, so its ranks may be forked with that done and Megatron
     imported; they get this process's current environment, as spawned ones do. The first rank to
     raise or die fails the whole run at once, with its traceback; ranks still waiting are killed.
     """

@@ -8,9 +8,9 @@ simulation (which patches torch and then imports ``megatron.training``), then im
 checks stock behaviour without the plugins still starts without them.
 """
 
-from megatron_plugins import cpu_simulation
+from megatron_plugins.cpu_simulation import patches
 
-cpu_simulation.activate()
+patches.activate()
 
 import megatron.core  # noqa: E402,F401  (after the simulation's patches, as in every rank)
 import megatron.training  # noqa: E402,F401

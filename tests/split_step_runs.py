@@ -290,9 +290,9 @@ def _install_driver(plans: dict[str, tuple]) -> None:
 
 def gpt_rank(argv: list[str], plans: dict[str, tuple]) -> dict[str, Any]:
     """One rank of a stock GPT run (examples/gpt/pretrain_gpt.py) trained by each plan."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
@@ -309,9 +309,9 @@ def gpt_rank(argv: list[str], plans: dict[str, tuple]) -> dict[str, Any]:
 
 def mimo_rank(argv: list[str], plans: dict[str, tuple]) -> dict[str, Any]:
     """One rank of a MiMo run (the entry point's code path) trained by each plan."""
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron_plugins.launch import parse_mimo_args, train
 
     _install_driver(plans)

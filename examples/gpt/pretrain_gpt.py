@@ -8,8 +8,10 @@ import sys
 
 from megatron_plugins import cpu_simulation
 
-if cpu_simulation.CLI_FLAG in sys.argv:
-    cpu_simulation.activate()
+if cpu_simulation.FLAG in sys.argv:
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
 
 from functools import partial  # noqa: E402
 

@@ -21,8 +21,10 @@ from functools import partial
 
 from megatron_plugins import cpu_simulation
 
-if cpu_simulation.CLI_FLAG in sys.argv:
-    cpu_simulation.activate()
+if cpu_simulation.FLAG in sys.argv:
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
 
 import megatron.training.training as training  # noqa: E402
 import torch.distributed as dist  # noqa: E402

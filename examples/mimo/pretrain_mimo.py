@@ -11,17 +11,17 @@ layout does so before torch or Megatron is imported.
 
 import sys
 
-from megatron_plugins import preflight
+from megatron_plugins import cpu_simulation, preflight
 
 # The layout is checked before torch and Megatron are imported, so a refused one exits at once.
-_refused = preflight.run(sys.argv[1:], "pretrain_mimo.py") if __name__ == "__main__" else None
-if _refused is not None:
-    sys.exit(_refused)
+_checked = preflight.run(sys.argv[1:], "pretrain_mimo.py") if __name__ == "__main__" else None
+if isinstance(_checked, int):
+    sys.exit(_checked)
 
-from megatron_plugins import cpu_simulation  # noqa: E402
+if cpu_simulation.FLAG in sys.argv:
+    from megatron_plugins.cpu_simulation import patches
 
-if cpu_simulation.CLI_FLAG in sys.argv:
-    cpu_simulation.activate()
+    patches.activate()
 
 from megatron_plugins.errors import UsageError, report  # noqa: E402
 from megatron_plugins.launch import parse_mimo_args, train  # noqa: E402
@@ -30,7 +30,7 @@ from megatron_plugins.launch import parse_mimo_args, train  # noqa: E402
 def main() -> int:
     """Parse and check, bring up the grids, run stock pretrain(), tear down."""
     try:
-        run = parse_mimo_args()
+        run = parse_mimo_args(checked=_checked)
     except UsageError as error:
         return report("pretrain_mimo.py", error)
     try:

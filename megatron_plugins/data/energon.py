@@ -35,7 +35,7 @@ from megatron.energon import (
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.media import DECODERS, BadSampleError
 from megatron_plugins.data.streams import TRUNCATED, Microbatch, collate, data_state_path
-from megatron_plugins.data.text import PromptTokenizer, SampleText, special_tokens_flag
+from megatron_plugins.data.text import PromptTokenizer, SampleText
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
@@ -285,7 +285,6 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
         raise DataPathError("--rampup-batch-size cannot be used with --data-path: an Energon "
                             "batch is one global batch of fixed size")
     _check_dataset(path, plugins, args)
-    args.special_tokens = special_tokens_flag(args.special_tokens, list(plugins))
     # Without an explicit (or checkpoint-restored) --padded-vocab-size stock pads the vocabulary
     # to hold the placeholders, so only an explicit size can be too small.
     tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins),

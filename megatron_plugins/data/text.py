@@ -10,6 +10,7 @@ agree with the ids used here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,19 @@ def special_tokens_flag(existing: Sequence[str] | None, encoders: Sequence[str])
                      if placeholder_token(name) not in tokens]
 
 
+def check_tokenizer_folder(folder: str) -> None:
+    """``--tokenizer-model`` must be a folder this user can read; a :class:`FlagError` if not."""
+    path = Path(folder)
+    problem = ("no such folder" if not path.is_dir()
+               else "this user cannot read it" if not os.access(path, os.R_OK | os.X_OK) else None)
+    if problem is not None:
+        raise FlagError(f"--tokenizer-model {folder}: {problem}; give a folder holding a "
+                        f"HuggingFace tokenizer ({_EXPECTED_FILES})")
+
+
 def _load_hf(folder: str, special_tokens: Sequence[str]) -> Any:
     """The HuggingFace tokenizer of ``folder`` with ``special_tokens`` added as stock adds them."""
-    if not Path(folder).is_dir():
-        raise FlagError(f"--tokenizer-model {folder}: no such folder; give a folder holding a "
-                        f"HuggingFace tokenizer ({_EXPECTED_FILES})")
+    check_tokenizer_folder(folder)
     # Imported here: transformers takes seconds to import, and only tokenizing ranks need it.
     from transformers import AutoTokenizer
 

@@ -49,14 +49,16 @@ def language_args(folder: str) -> tuple[Family, dict[str, Any]]:
     return family, family.megatron_args(config)
 
 
-def apply_language_config(args: argparse.Namespace, given: Callable[[str], str | None]) -> str | None:
-    """Set the stock shape flags ``--language-hf-weights``' config.json implies; returns the
-    family name (None without the flag). ``given(attr)`` is the flag as the user spelled it, or
-    None when it was not given."""
+def implied_language_args(args: argparse.Namespace, given: Callable[[str], str | None]
+                          ) -> tuple[str | None, dict[str, Any]]:
+    """The family name of ``--language-hf-weights`` and the stock shape args (attribute -> value)
+    its config.json sets: (None, {}) without the flag. ``given(attr)`` is the flag as the user
+    spelled it, or None when it was not given; a given flag that contradicts is an error."""
     folder = args.language_hf_weights
     if folder is None:
-        return None
+        return None, {}
     family, implied = language_args(folder)
+    values = {}
     for attr, value in implied.items():
         if not hasattr(args, attr):
             raise ValueError(f"the {family.name} family sets args.{attr}, which stock lacks")
@@ -67,8 +69,8 @@ def apply_language_config(args: argparse.Namespace, given: Callable[[str], str |
             raise HFWeightsError(
                 f"{spelled} {_shown(getattr(args, attr))} contradicts {LANGUAGE_FLAG} "
                 f"{folder}/config.json, which gives {_shown(value)}; drop {spelled}")
-        setattr(args, attr, value)
-    return family.name
+        values[attr] = value
+    return family.name, values
 
 
 def fill_layout_flags(args: argparse.Namespace) -> None:

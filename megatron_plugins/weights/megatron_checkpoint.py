@@ -193,10 +193,10 @@ def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
 
 
 def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
-                     language_pp: int) -> None:
-    """Before any process group, after stock ``validate_args``: resolve and check the init flags
-    in place (``args.language_megatron_checkpoint`` becomes the iteration folder,
-    ``args.encoder_megatron_checkpoint`` a NAME -> iteration folder dict)."""
+                     language_pp: int) -> dict[str, Any]:
+    """Before any process group, after stock ``validate_args``: check the init flags and return
+    their resolved values (``language_megatron_checkpoint``: the iteration folder, when given;
+    ``encoder_megatron_checkpoint``: a NAME -> iteration folder dict)."""
     from megatron_plugins.weights.flags import LANGUAGE_FLAG as HF_LANGUAGE_FLAG
 
     given = [args.language_megatron_checkpoint, *args.encoder_megatron_checkpoint]
@@ -204,6 +204,7 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
         raise CheckpointInitError(f"{LANGUAGE_FLAG if given[0] else ENCODER_FLAG} cannot load "
                                   "into a model on the meta device; drop "
                                   "--init-model-with-meta-device")
+    resolved: dict[str, Any] = {}
     folder = args.language_megatron_checkpoint
     if folder is not None:
         where = f"{LANGUAGE_FLAG} {folder}"
@@ -223,9 +224,10 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
             raise CheckpointInitError(f"{where}: {chosen} holds no saved args (not written by "
                                       "stock pretrain_gpt or a MiMo run)")
         check_language_shape(args, saved, where)
-        args.language_megatron_checkpoint = str(chosen)
-    args.encoder_megatron_checkpoint = _encoder_folders(args.encoder_megatron_checkpoint,
-                                                        plugins, args.encoder_hf_weights)
+        resolved["language_megatron_checkpoint"] = str(chosen)
+    resolved["encoder_megatron_checkpoint"] = _encoder_folders(args.encoder_megatron_checkpoint,
+                                                               plugins, args.encoder_hf_weights)
+    return resolved
 
 
 def tensor_problems(pieces: Iterable[tuple[str, tuple[int, ...], Any]], keys: Mapping[str, str],

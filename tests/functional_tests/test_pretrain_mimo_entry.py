@@ -79,9 +79,9 @@ def test_bad_flags_fail_fast_with_one_line(flags: list[str], message: str) -> No
 
 
 def _parse_on_rank(flags: list[str]) -> str:
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron_plugins.errors import UsageError
     from megatron_plugins.launch import parse_mimo_args
 
@@ -158,9 +158,9 @@ CPU_DEFAULT_CASES = [
 
 
 def _verdicts(cases: list[list[str]]) -> list[str]:
-    from megatron_plugins import cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     from megatron_plugins.errors import UsageError
     from megatron_plugins.launch import parse_mimo_args
 

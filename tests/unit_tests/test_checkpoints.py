@@ -100,9 +100,9 @@ def test_a_later_interrupted_save_resumes_from_the_complete_one(tmp_path):
     _checkpoint(tmp_path, step=2)
     _iteration(tmp_path, 4, complete=False)
     args = _args(tmp_path, save=tmp_path)
-    notice = check_checkpoint_flags(args, LAYOUT)
-    assert args.ckpt_step == 2
-    assert notice == (f"--load {tmp_path}: resuming from iteration 2, the newest complete "
+    point = check_checkpoint_flags(args, LAYOUT)
+    assert point.step == 2
+    assert point.notice == (f"--load {tmp_path}: resuming from iteration 2, the newest complete "
                       "checkpoint; iter_0000004 incomplete (an interrupted save; overwritten when "
                       "training reaches it again)")
 
@@ -117,8 +117,9 @@ def test_complete_checkpoints_without_a_current_tracker_resume_from_the_newest(t
     if tracker is not None:
         (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
     args = _args(tmp_path, save=tmp_path)
-    notice = check_checkpoint_flags(args, LAYOUT)
-    assert args.ckpt_step == 4
+    point = check_checkpoint_flags(args, LAYOUT)
+    notice = point.notice
+    assert point.step == 4
     assert notice.startswith(f"--load {tmp_path}: resuming from iteration 4")
     assert "iter_0000006 incomplete" in notice
     assert {None: "is absent", "2": "says 2: a newer save completed", "6": "names 6, which is not",
@@ -129,8 +130,9 @@ def test_the_tracked_newest_checkpoint_is_stocks_choice_and_silent(tmp_path):
     _iteration(tmp_path, 2)
     _checkpoint(tmp_path, step=4)
     args = _args(tmp_path, save=tmp_path)
-    assert check_checkpoint_flags(args, LAYOUT) is None
-    assert args.ckpt_step is None
+    point = check_checkpoint_flags(args, LAYOUT)
+    assert point.notice is None
+    assert point.step is None
 
 
 def test_an_explicit_ckpt_step_must_be_complete(tmp_path):
@@ -142,7 +144,7 @@ def test_an_explicit_ckpt_step_must_be_complete(tmp_path):
 
 def test_a_launch_killed_before_its_first_save_starts_fresh_with_a_notice(tmp_path):
     write_layout(str(tmp_path), LAYOUT, rank=0)
-    notice = check_checkpoint_flags(_args(tmp_path, save=tmp_path), LAYOUT)
+    notice = check_checkpoint_flags(_args(tmp_path, save=tmp_path), LAYOUT).notice
     assert notice == f"--load {tmp_path}: a previous launch saved no checkpoint here yet; " \
                      "starting from iteration 1"
     with pytest.raises(CheckpointError, match="no checkpoint at"):

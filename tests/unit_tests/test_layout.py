@@ -241,9 +241,9 @@ def test_apply_language_grid_rejects_disagreeing_stock_flags(attr, value, flag, 
 
 def _with_stock_parser(command: str) -> dict[str, object]:
     """Stock parser + layout flags: dest clashes, then the language grid through validate_args."""
-    import megatron_plugins.cpu_simulation as cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()  # stock validate_args reads device properties
+    patches.activate()  # stock validate_args reads device properties
     from megatron.training.arguments import add_megatron_arguments, validate_args
 
     stock = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))

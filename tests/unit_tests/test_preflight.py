@@ -24,8 +24,7 @@ TWO = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "vision:
 
 def _freeze(flags: list[str]) -> list[str]:
     args, _ = check_parser().parse_known_args([*TWO, *flags])
-    resolve_freeze(args, check_run(TWO, 4))
-    return args.freeze_projection
+    return resolve_freeze(args, check_run(TWO, 4).layout)
 
 
 def test_upstream_freeze_flags_mean_what_they_mean_upstream():
@@ -46,7 +45,7 @@ def test_freezing_every_module_is_refused_in_one_line():
 
 def test_upstream_layout_flags_are_accepted_with_their_meaning():
     layout = check_run(["--encoder-tp", "2", "--encoder-dp", "2", "--llm-offset", "4",
-                        "--llm-tp", "2", "--llm-dp", "2"], 8)
+                        "--llm-tp", "2", "--llm-dp", "2"], 8).layout
     assert layout.language.rank_offset == 4 and layout.module("vision").tp == 2
     with pytest.raises(LayoutError, match="^--llm-offset 2: the language grid starts at rank 4"):
         check_run(["--encoder-tp", "2", "--encoder-dp", "2", "--llm-offset", "2",
@@ -75,7 +74,7 @@ def test_upstream_flags_without_a_meaning_here_are_refused_in_one_line(flag, ins
 def test_other_flags_of_a_full_command_line_are_ignored():
     layout = check_run(["torchrun", "--nproc-per-node", "3", "train.py", "--llm-dp", "2",
                         "--num-layers", "2", "--lr", "1e-3", "--bf16", "--micro-batch-size", "2"],
-                       3)
+                       3).layout
     assert layout.world_size == 3
     with pytest.raises(LayoutError, match="micro-batch-size 1 x --grid language"):
         check_run(["--encoder-dp", "2", "--micro-batch-size", "1"], 3)

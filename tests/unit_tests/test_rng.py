@@ -56,9 +56,9 @@ def _options(dp_random_init=False, te=False, inference=False, cuda_graph_impl="n
 
 
 def _seed_and_draw(command: str) -> dict:
-    import megatron_plugins.cpu_simulation as cpu_simulation
+    from megatron_plugins.cpu_simulation import patches
 
-    cpu_simulation.activate()
+    patches.activate()
     import random
 
     import numpy as np

@@ -1,18 +1,16 @@
-"""Opt-in CPU simulation of Megatron's stock training loop (gloo instead of NCCL, CPU as the GPU).
+"""The torch patches of the CPU simulation (gloo instead of NCCL, CPU as the GPU).
 
 Every process sees exactly one "CUDA device" and that device is the CPU: ``torch.cuda`` device,
 stream, event, memory and RNG calls get CPU stand-ins, tensors asked for on ``cuda`` land on the
 CPU, NCCL process groups become gloo groups, and the two spots of ``megatron.training`` that need a
 real GPU (the CUDA assertion in ``initialize_megatron`` and the JIT warm-up) are bypassed. Nothing
-in Megatron's files is edited. The simulation never activates on import; call :func:`activate` (or
-set ``MEGATRON_PLUGINS_CPU_SIMULATION=1`` and call :func:`activate_if_requested`) before Megatron
-is imported. ``torch.cuda.is_available()`` stays False on purpose: optimizers consult
+in Megatron's files is edited. Importing this module patches nothing; call :func:`activate` before
+Megatron is imported. ``torch.cuda.is_available()`` stays False on purpose: optimizers consult
 ``torch.accelerator`` through it and must keep running their CPU kernels.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import inspect
 import logging
@@ -26,28 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from megatron_plugins.preflight import CPU_SIMULATION_FLAG
-
-ENV_VAR = "MEGATRON_PLUGINS_CPU_SIMULATION"
+from megatron_plugins.cpu_simulation import quiet_gpu_library_warnings
 
 _active = False
 _device_mode: TorchFunctionMode | None = None
 
 
-def is_active() -> bool:
-    """Whether this process runs under the CPU simulation."""
-    return _active
-
-
-def requested() -> bool:
-    """Whether the environment asks for the simulation (``MEGATRON_PLUGINS_CPU_SIMULATION=1``)."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def activate_if_requested() -> bool:
-    """Activate when the environment asks for it; returns whether the simulation is active."""
-    if requested():
-        activate()
+def active() -> bool:
+    """Whether :func:`activate` ran in this process."""
     return _active
 
 
@@ -56,7 +40,6 @@ def activate() -> None:
     global _active
     if _active:
         return
-    os.environ[ENV_VAR] = "1"
     # Stock validate_args requires this for TP > 1; it only matters for real CUDA streams.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     quiet_gpu_library_warnings()
@@ -72,24 +55,6 @@ def activate() -> None:
         file=sys.stderr,
         flush=True,
     )
-
-
-GPU_LIBRARY_WARNINGS = (
-    r"(Transformer Engine and Apex are|Apex is) not installed",
-    r"Only transformer-engine>=.* supports MoE experts",
-    r"MimoModelConfig is experimental",
-)
-"""Import-time warnings of Megatron about GPU libraries, which the CPU simulation never has."""
-
-
-def quiet_gpu_library_warnings() -> None:
-    """Hide warnings nobody can act on on the CPU simulation (~20 lines per rank), so that errors
-    are what users see. Called by :func:`activate`, or before it by code that imports Megatron."""
-    import warnings
-
-    for message in GPU_LIBRARY_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,19 +291,3 @@ def _patch_megatron() -> None:
     initialize._warmup_jit_function = _noop
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropForkWarning())
 
-
-CLI_FLAG = CPU_SIMULATION_FLAG
-
-
-def add_cli_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Register ``--cpu-simulation`` so stock parsers accept (and document) the flag.
-
-    The flag itself is acted on before Megatron is imported, by scanning ``sys.argv`` for it.
-    """
-    group = parser.add_argument_group("megatron-plugins CPU simulation")
-    group.add_argument(
-        CLI_FLAG,
-        action="store_true",
-        help="Run the stock loop on CPU over gloo (testing and debugging; no GPU needed).",
-    )
-    return parser

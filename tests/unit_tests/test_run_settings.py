@@ -1,0 +1,40 @@
+"""The launch's settled flags: bad input that stock or the mock data would fail on without a word
+is one line naming the flag, before any process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_plugins.errors import UsageError
+from tests.mimo_runs import TINY_MIMO
+
+LAYOUT = ["--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=2"]
+NO_TOKENIZER = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "NullTokenizer")]
+
+
+def _error(monkeypatch, flags: list[str]) -> str:
+    from megatron_plugins.launch import parse_mimo_args
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UsageError) as error:
+        parse_mimo_args([*flags, *LAYOUT])
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_a_missing_tokenizer_folder_with_mock_data_names_the_flag(monkeypatch, tmp_path):
+    message = _error(monkeypatch, [*NO_TOKENIZER, "--tokenizer-type", "HuggingFaceTokenizer",
+                                   "--tokenizer-model", str(tmp_path / "none")])
+    assert message.startswith(f"--tokenizer-model {tmp_path / 'none'}: no such folder")
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--min-lr"])
+def test_a_non_finite_learning_rate_names_the_flag(monkeypatch, flag):
+    message = _error(monkeypatch, [*TINY_MIMO, flag, "nan"])
+    assert message == f"{flag} nan is not a finite number; give a learning rate such as {flag} 1e-4"
+
+
+def test_a_stock_check_without_a_message_names_its_source_line(monkeypatch):
+    message = _error(monkeypatch, [*TINY_MIMO, "--min-lr", "1", "--lr", "0.5"])
+    assert message.startswith("stock Megatron argument check failed: assert args.min_lr <= "
+                              "args.lr (arguments.py:")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,48 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.compat import model_build
+from tests.multiprocess import REPO_ROOT
+
+
+STOCK_LOCAL_ATTENTION = """
+import traceback
+from types import SimpleNamespace
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                     world_size=1)
+config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+tp = torch.distributed.new_group([0])
+attention = DotProductAttention(config, 1, AttnMaskType.causal, "self",
+                                pg_collection=SimpleNamespace(tp=tp))
+print("initialized", parallel_state.model_parallel_is_initialized())
+print("buffer", parallel_state._GLOBAL_MEMORY_BUFFER)
+qkv = torch.zeros(4, 1, 2, 4)
+try:
+    attention(qkv, qkv, qkv, None)
+except AssertionError as error:
+    frames = [frame.filename.rsplit("/", 1)[-1] + ":" + frame.name
+              for frame in traceback.extract_tb(error.__traceback__)]
+    print("raised", error, "in", frames[-2:])
+"""
+
+
+def test_gap2_canary_stock_local_attention_needs_the_buffer_only_model_parallel_init_creates():
+    """Gap 2: in a fresh process with explicit groups and no ``initialize_model_parallel`` (as on
+    disjoint grids), stock leaves the global memory buffer unset and the local attention
+    forward asserts on it."""
+    result = subprocess.run([sys.executable, "-c", STOCK_LOCAL_ATTENTION], cwd=REPO_ROOT,
+                            text=True, capture_output=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = [line for line in result.stdout.splitlines()
+                if line.startswith(("initialized ", "buffer ", "raised "))]
+    assert reported == [
+        "initialized False", "buffer None",
+        "raised global memory buffer is not initialized in "
+        "['dot_product_attention.py:forward', 'parallel_state.py:get_global_memory_buffer']"]
 
 
 def test_gap2_bridge_creates_the_global_memory_buffer_once(monkeypatch):

@@ -27,6 +27,57 @@ def test_gap9_canary_bridge_exchanges_shapes_on_every_transfer() -> None:
         inspect.getsource(schedules.forward_backward_pipelining_without_interleaving))
 
 
+def _stand_in_bridge(role: str, exchanged: list) -> SimpleNamespace:
+    """A cross-grid bridge between a 1-rank encoder grid (rank 0) and a 2-rank language grid
+    (ranks 1, 2) as seen from this rank (0 sends, 1 receives), with stock's per-peer split and a
+    shape exchange that records what it was asked to send or receive."""
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    peers = {"SENDER": ([1, 2], []), "RECEIVER": ([], [0]), "MEMBER": ([], [])}[role]
+    rank = {"SENDER": 0, "RECEIVER": 1, "MEMBER": 2}[role]
+
+    def stock(tensor_to_send_next=None, recv_next=False, recv_prev=False,
+              tensor_to_send_prev=None):
+        exchanged.append((tensor_to_send_next is not None, recv_next, recv_prev,
+                          tensor_to_send_prev is not None))
+        return ([(6, 8)] if recv_prev else []), ([(6, 8), (6, 8)] if recv_next else [])
+
+    info = SimpleNamespace(role=SimpleNamespace(name=role), send_to_ranks=peers[0],
+                           recv_from_ranks=peers[1])
+    return SimpleNamespace(_communicate_shapes=stock, src_module_name="vision",
+                           dest_module_name="language", current_rank=rank, comm_map={rank: info},
+                           _as_per_peer_tensors=BridgeCommunicator._as_per_peer_tensors)
+
+
+def test_gap9_a_bridge_exchanges_each_direction_once_and_refuses_new_shapes() -> None:
+    activation = torch.zeros(6, 8)
+    exchanged = []
+    sender = _stand_in_bridge("SENDER", exchanged)
+    communicator = SimpleNamespace(bridge_comms=[sender], rank_module_map={})
+    communication.exchange_shapes_once(communicator)
+    for _ in range(3):  # the encoder's steady state: send activations, receive their gradients
+        assert sender._communicate_shapes(activation, recv_next=True) == ([], [(6, 8), (6, 8)])
+    assert exchanged == [(True, True, False, False)] + [(False, False, False, False)] * 2
+    with pytest.raises(MegatronCompatError, match="cross-grid vision->language .* changed shape"):
+        sender._communicate_shapes(torch.zeros(7, 8))
+
+    exchanged.clear()
+    receiver = _stand_in_bridge("RECEIVER", exchanged)
+    communication.exchange_shapes_once(SimpleNamespace(bridge_comms=[receiver],
+                                                       rank_module_map={}))
+    for _ in range(3):  # the language leader: receive activations, send their gradients
+        assert receiver._communicate_shapes(recv_prev=True, tensor_to_send_prev=activation) == (
+            [(6, 8)], [])
+    assert exchanged == [(False, False, True, True)] + [(False, False, False, False)] * 2
+
+    exchanged.clear()
+    member = _stand_in_bridge("MEMBER", exchanged)
+    communication.exchange_shapes_once(SimpleNamespace(bridge_comms=[member], rank_module_map={}))
+    member._communicate_shapes(recv_prev=True)
+    member._communicate_shapes(recv_prev=True)
+    assert exchanged == [(False, False, True, False)] * 2  # not a leader: stock every time
+
+
 def test_gap13_canary_stage_links_exchange_shapes_on_every_transfer() -> None:
     """Gap 13: with variable_seq_lengths (which the multi-module schedule insists on, Gap 9)
     every stage-to-stage transfer asks for a shape handshake."""

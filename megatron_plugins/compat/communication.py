@@ -15,6 +15,7 @@ import torch
 
 from megatron_plugins.compat import MegatronCompatError
 
+
 class _ShapeMemo:
     """The shapes one side of a link exchanged on its first transfer of each kind."""
 

@@ -91,7 +91,7 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_plugins import megatron_compat  # noqa: E402
+from megatron_plugins.compat import model_build  # noqa: E402
 from megatron_plugins.encoders.audio import AudioFrameEncoder  # noqa: E402
 from megatron_plugins.encoders.vit import ViTEncoder  # noqa: E402
 from megatron_plugins.layout import ModulePlacement  # noqa: E402
@@ -334,7 +334,7 @@ def bench_encoder(name, plugin_cls, flags, batches, lang_hidden) -> dict:
     cleanup()
     m0 = mem()
     module = plugin.submodules_class.from_spec(spec)
-    megatron_compat.bind_tp_group(module, pgc.tp)
+    model_build.bind_tp_group(module, pgc.tp)
     wrapped = EncoderPrecisionWrapper(config, module)
     if not ARGS.smoke:
         wrapped = wrapped.cuda()

@@ -56,7 +56,7 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     from megatron.training.global_vars import set_global_variables
     from megatron.training.training import get_megatron_ddp_config
 
-    from megatron_plugins import megatron_compat
+    from megatron_plugins.compat import model_build
     from megatron_plugins.data.addressing import RankSlice
     from megatron_plugins.data.sources import build_source
     from megatron_plugins.language import language_config_from_args
@@ -75,7 +75,7 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     for _, view, dims in groups_of(module):
         grid.create_pg(list(dims), view=view)
     pgc = _collection(module, grid)
-    megatron_compat.ensure_global_memory_buffer()
+    model_build.ensure_global_memory_buffer()
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
     plugin = run.plugins[module.name]
     language = language_config_from_args(args).transformer

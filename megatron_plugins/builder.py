@@ -26,7 +26,7 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
-from megatron_plugins import megatron_compat
+from megatron_plugins.compat import checkpointing, training_step
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
@@ -130,8 +130,8 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         cfg = self._model_config
         topology = self._topology()
         # Stock pretrain() builds the optimizer next; its checkpoints need these bridges.
-        megatron_compat.install_checkpoint_bridges()
-        megatron_compat.install_step_bridges()
+        checkpointing.install_checkpoint_bridges()
+        training_step.install_step_bridges()
         language = cfg.language.transformer
         if not language.calculate_per_token_loss:
             raise ValueError(

@@ -11,7 +11,7 @@ language DP, TP or PP are. A per-module normalizer is the silent encoder_dp / ll
 The same all-reduce carries the data alignment guard's per-step sums
 (:class:`~megatron_plugins.data.addressing.AlignmentGuard`), so checking that encoders embedded
 the language model's samples costs no extra collective, and the stock rerun state machine's
-"rerun this step" flag, so its world-wide check costs none either (megatron_compat Gap 11).
+"rerun this step" flag, so its world-wide check costs none either (compat Gap 11).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
-from megatron_plugins import megatron_compat
+from megatron_plugins.compat import training_step
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.layout import LANGUAGE
 
@@ -88,7 +88,7 @@ class CrossGridGradSync:
                            carry_rerun_vote: bool = False) -> torch.Tensor:
         """Tokens of the whole global batch, identical on every rank, in one world all-reduce
         that also checks the step's data alignment and, with ``carry_rerun_vote`` (only after the
-        step's last result check), settles the rerun state machine's check (megatron_compat
+        step's last result check), settles the rerun state machine's check (compat
         Gap 11)."""
         if num_tokens is None:
             raise RuntimeError(
@@ -98,14 +98,14 @@ class CrossGridGradSync:
         local = num_tokens if self._counts_tokens else torch.zeros_like(num_tokens)
         parts = [local.detach().reshape(1).to(torch.int64)]
         if carry_rerun_vote:
-            vote = megatron_compat.rerun_vote()
+            vote = training_step.rerun_vote()
             parts.append(torch.tensor([vote], dtype=torch.int64, device=local.device))
         if self._guard is not None:
             parts.append(self._guard.contribution().to(local.device))
         packed = torch.cat(parts)
         dist.all_reduce(packed)
         if carry_rerun_vote:
-            megatron_compat.settle_rerun_vote(vote, int(packed[1]))
+            training_step.settle_rerun_vote(vote, int(packed[1]))
         if self._guard is not None:
             self._guard.check(packed[1 + carry_rerun_vote:].cpu())
         return packed[0].to(num_tokens.dtype).reshape(num_tokens.shape)

@@ -4,7 +4,7 @@ Dense and MoE GPT come from ``gpt_config_from_args``; ``--hybrid-layer-pattern``
 Megatron's hybrid (Mamba) model through ``hybrid_config_from_args``. Building goes through the
 stock model builder of that config, so the language model is what stock
 ``pretrain_gpt``/``pretrain_hybrid`` would build on the same groups, with the MoE and hybrid
-bridges of ``megatron_compat`` (Gaps 4-4c) applied.
+bridges of ``compat.model_build`` (Gaps 4-4c) applied.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
 from megatron.training.models.base import ModelConfig
 
-from megatron_plugins import megatron_compat
+from megatron_plugins.compat import model_build
 from megatron_plugins.errors import UsageError
 
 
@@ -52,11 +52,11 @@ class StockLanguageModel:
     def __new__(cls, config: object, model_config: ModelConfig,
                 pg_collection: ProcessGroupCollection, max_sequence_length: int) -> MegatronModule:
         # ``config`` and ``max_sequence_length`` are read from the spec by MimoModel itself.
-        model_config = megatron_compat.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
-        model_config = megatron_compat.with_local_hybrid_spec(model_config)
-        with megatron_compat.distinct_cpu_init_experts():
+        model_config = model_build.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
+        model_config = model_build.with_local_hybrid_spec(model_config)
+        with model_build.distinct_cpu_init_experts():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
-        megatron_compat.direct_single_rank_expert_output(model)
+        model_build.direct_single_rank_expert_output(model)
         return model
 
 

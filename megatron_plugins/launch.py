@@ -29,8 +29,9 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args
 from megatron.training.global_vars import set_global_variables
 
-from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
+from megatron_plugins import checkpoints, cpu_simulation
 from megatron_plugins.builder import MimoBuildConfig
+from megatron_plugins.compat import model_build, startup
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
@@ -114,7 +115,7 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
         parser._action_groups = groups[:2] + groups[stock_groups:] + groups[2:stock_groups]
         parser.description = HELP_DESCRIPTION
         parser.usage = HELP_USAGE
-        megatron_compat.escape_unformattable_help(parser)
+        startup.escape_unformattable_help(parser)
 
         def error(message: str) -> None:
             raise FlagError(_suggest(message, parser))
@@ -173,7 +174,7 @@ def start(run: MimoRun) -> MimoSession:
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     topology = build_topology(run.layout)
     checkpoints.write_layout(args.save, run.layout, dist.get_rank())
-    megatron_compat.ensure_global_memory_buffer()
+    model_build.ensure_global_memory_buffer()
     language = language_config_from_args(args)
     guard = (alignment_guard(topology, args.micro_batch_size) if args.data_alignment_check
              else None)
@@ -217,7 +218,7 @@ def pretrain_kwargs(session: MimoSession) -> dict[str, Any]:
 def train(run: MimoRun, customize: Callable[[MimoSession], None] | None = None) -> None:
     """Everything after parsing, as the entry point runs it: bridges, grids, stock ``pretrain()``,
     teardown. ``customize`` sees the live session before training (tests observe the model)."""
-    megatron_compat.install()
+    startup.install()
     session = start(run)
     try:
         if customize is not None:

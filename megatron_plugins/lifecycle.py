@@ -23,7 +23,7 @@ from megatron.training.models.dist_utils import (
     prepare_existing_model_chunks_for_distributed_training,
 )
 
-from megatron_plugins import megatron_compat
+from megatron_plugins.compat import model_build
 from megatron_plugins.layout import LANGUAGE
 
 
@@ -91,11 +91,11 @@ def prepare_module(
     """One module's stock lifecycle on its own groups: precision wrapper, materialization from
     the meta device and (with a ``ddp_config``, copied because Megatron writes its bucket size
     into it) DDP. Also serves measurements of one module alone."""
-    megatron_compat.bind_tp_group(module, pgc.tp)
+    model_build.bind_tp_group(module, pgc.tp)
     wrapper = Float16Module if name == LANGUAGE else None
     if name != LANGUAGE:
         module = EncoderPrecisionWrapper(config, module)
-    with megatron_compat.exact_fp32_router_buffers(module):
+    with model_build.exact_fp32_router_buffers(module):
         [prepared] = prepare_existing_model_chunks_for_distributed_training(
             [module], config, pgc,
             ddp_config=dataclasses.replace(ddp_config) if ddp_config is not None else None,

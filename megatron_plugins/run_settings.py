@@ -175,7 +175,7 @@ def check_mock_tokenizer(args: argparse.Namespace) -> None:
 def data_source_values(args: argparse.Namespace,
                        plugins: dict[str, EncoderPlugin]) -> list[Adjustment]:
     """Step 5: an Energon run's placeholders as tokenizer special tokens and its loader states
-    saved with each checkpoint (megatron_compat Gap 10)."""
+    saved with each checkpoint (compat Gap 10)."""
     if not args.data_path:
         return []
     return [Adjustment("special_tokens", special_tokens_flag(args.special_tokens, list(plugins)),

@@ -27,7 +27,7 @@ from megatron.core.process_groups_config import (
     ProcessGroupCollection,
 )
 
-from megatron_plugins import megatron_compat
+from megatron_plugins.compat import communication
 from megatron_plugins.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModulePlacement, ParallelLayout
 
 EXPERT_VIEW = "expert"
@@ -200,7 +200,7 @@ def pipeline_communicator(topology: HeteroTopology,
 
     Encoders hand over ``[tokens, hidden]`` (batch folded into dim 0, split per sample by the
     bridge); language stages pass ``[seq, batch, hidden]``. Shapes are exchanged once per bridge
-    or stage link and direction (megatron_compat Gaps 9, 13); a one-rank grid does not broadcast
+    or stage link and direction (compat Gaps 9, 13); a one-rank grid does not broadcast
     what it received (Gap 12). Collective: call on every rank.
     """
     encoders = [module.name for module in topology.layout.encoders]
@@ -213,7 +213,7 @@ def pipeline_communicator(topology: HeteroTopology,
     )
     # Every transfer's shape is fixed by --seq-length, the micro-batch sizes and each encoder's
     # tokens_per_sample: one shape handshake per link and direction, not one per transfer.
-    megatron_compat.exchange_shapes_once(communicator)
+    communication.exchange_shapes_once(communicator)
     # A grid of one rank needs no broadcast of what its leader received.
-    megatron_compat.skip_lone_broadcasts()
+    communication.skip_lone_broadcasts()
     return communicator

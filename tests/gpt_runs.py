@@ -41,7 +41,7 @@ def train_gpt_rank(argv: list[str], import_plugins: bool, install_bridge: bool) 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    from megatron_plugins import megatron_compat
+    from megatron_plugins.compat import startup
 
     sys.argv = ["pretrain_gpt.py", *argv]
     gpt = load_gpt_example()
@@ -49,7 +49,7 @@ def train_gpt_rank(argv: list[str], import_plugins: bool, install_bridge: bool) 
     chunks: list[Any] = []
     cfg.model.post_wrap_hooks.append(lambda model: chunks.extend(model) or model)
     if install_bridge:
-        megatron_compat.install()
+        startup.install()
     pretrain(cfg, gpt.datasets_provider, ModelType.encoder_or_decoder, gpt.forward_step)
     return {
         name: param.detach().float().cpu().numpy().copy()

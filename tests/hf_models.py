@@ -208,12 +208,12 @@ def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
-    from megatron_plugins import megatron_compat
+    from megatron_plugins.compat import startup
     from megatron_plugins.launch import parse_mimo_args, start
     from megatron_plugins.weights.language_families import FAMILIES
     from megatron_plugins.weights.local_view import unwrap
 
-    megatron_compat.install()
+    startup.install()
     session = start(parse_mimo_args(argv))
     try:
         builder = session.config.model.get_builder_cls()(session.config.model)

@@ -296,11 +296,11 @@ def gpt_rank(argv: list[str], plans: dict[str, tuple]) -> dict[str, Any]:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    from megatron_plugins import megatron_compat
+    from megatron_plugins.compat import startup
 
     sys.argv = ["pretrain_gpt.py", *argv]
     gpt = load_gpt_example()
-    megatron_compat.install()
+    startup.install()
     _install_driver(plans)
     pretrain(gpt.build_config(), gpt.datasets_provider, ModelType.encoder_or_decoder,
              gpt.forward_step)

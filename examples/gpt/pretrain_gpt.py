@@ -29,7 +29,7 @@ from megatron.training.argument_utils import (  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage  # noqa: E402
 
-from megatron_plugins import megatron_compat  # noqa: E402
+from megatron_plugins.compat import startup  # noqa: E402
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -87,7 +87,7 @@ def build_config():
 
 
 def main() -> None:
-    megatron_compat.install()
+    startup.install()
     pretrain(build_config(), datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 

@@ -32,7 +32,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, pretrain  # noqa: E402
 
-from megatron_plugins import megatron_compat  # noqa: E402
+from megatron_plugins.compat import startup  # noqa: E402
 from megatron_plugins.split_step import SplitTrainStep  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -69,7 +69,7 @@ def rl_loop(forward_step_func, model, optimizer, scheduler, train_data_iterator,
 
 
 def main() -> None:
-    megatron_compat.install()
+    startup.install()
     training.train = rl_loop
     pretrain(pretrain_gpt.build_config(), pretrain_gpt.datasets_provider,
              ModelType.encoder_or_decoder, pretrain_gpt.forward_step)

@@ -276,12 +276,12 @@ def load_module(module: Any, folder: str, module_name: str, flag: str, pg_collec
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.transformer.utils import sharded_state_dict_default
 
-    from megatron_plugins import megatron_compat
+    from megatron_plugins.compat import model_build
 
     where = f"{flag} {folder}"
     metadata = _metadata(folder)
     keys = module_keys(metadata, module_name)
-    megatron_compat.bind_tp_group(module, pg_collection.tp)  # Gap 3, as the save does
+    model_build.bind_tp_group(module, pg_collection.tp)  # Gap 3, as the save does
     own = sharded_state_dict_default(module, "", (), {"dp_cp_group": pg_collection.dp_cp},
                                      tp_group=pg_collection.tp)
     sharded = {name: value for name, value in own.items() if not name.endswith(EXTRA_STATE)}

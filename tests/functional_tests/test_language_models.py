@@ -1,6 +1,6 @@
 """The language models the README promises train on the CPU simulation: MoE GPT on one expert
 rank with biases, MoE GPT whose CPU-initialized experts are the same model at EP 1 and EP 2, and
-hybrid attention/MLP/MoE patterns (``megatron_compat`` Gaps 4-4c).
+hybrid attention/MLP/MoE patterns (``compat.model_build`` Gaps 4-4c).
 
 Each run is the tiny MiMo model (vision encoder on rank 0) for 6 iterations.
 """

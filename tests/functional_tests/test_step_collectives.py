@@ -22,7 +22,7 @@ import step_overhead  # noqa: E402
 ENCODERS = 1
 MICROBATCHES = 4
 WORLD_WIDE_TARGET = 2
-"""The global token count, which also carries the rerun state machine's check (megatron_compat
+"""The global token count, which also carries the rerun state machine's check (compat
 Gap 11; gradients are divided by the count before the grad norm is taken, so it cannot join the
 optimizer's reduction without changing results), and the MiMo optimizer's folded scalars."""
 

@@ -1,0 +1,114 @@
+"""Bridges over gaps in the released megatron-core 0.19.2 wheel, one module per area.
+
+A *gap* is a place where the stock wheel fails or costs needlessly in our runs; a *bridge* is the
+smallest change that closes it, applied explicitly by the code path that needs it (importing
+this package or any of its modules applies nothing); a *canary* is the unit test that exercises
+the stock behaviour behind the gap and fails once a release closes it, so the bridge is noticed
+and removed. :data:`GAPS` indexes them. Callers import the area they need, e.g.
+``from megatron_plugins.compat import model_build``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class MegatronCompatError(RuntimeError):
+    """A bridge found the installed wheel, or a runtime invariant the bridge relies on (a static
+    transfer shape, a settled rerun flag, an always-succeeding optimizer step), not as it
+    expects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """One gap of the wheel and where it is handled.
+
+    ``area`` is the compat module holding the bridge (its docstring explains the gap),
+    ``installed_by`` the functions of ``megatron_plugins`` that apply it (comma-separated,
+    relative to the package), ``canary`` the node id of the test that fails once the wheel
+    closes the gap.
+    """
+
+    id: str
+    summary: str
+    area: str
+    installed_by: str
+    canary: str
+
+
+def _canary(area: str, test: str) -> str:
+    return f"tests/unit_tests/compat/test_{area}.py::{test}"
+
+
+_BUILD = "builder.MimoModelBuilder.build_distributed_models"
+
+GAPS: tuple[Gap, ...] = (
+    Gap("1", "stock pretrain() runs make for the dataset helpers; the wheel ships no Makefile",
+        "startup", "launch.train",
+        _canary("startup", "test_gap1_canary_wheel_ships_prebuilt_helpers_but_no_makefile")),
+    Gap("2", "local attention needs the global memory buffer only initialize_model_parallel makes",
+        "model_build", "launch.start",
+        _canary("model_build", "test_gap2_canary_stock_local_attention_needs_the_buffer_only_"
+                               "model_parallel_init_creates")),
+    Gap("3", "modules without their own tp_group shard checkpoints on parallel_state's TP group",
+        "model_build", "lifecycle.prepare_module, weights.megatron_checkpoint.load_module",
+        _canary("model_build", "test_gap3_canary_vit_has_no_explicit_tp_group_and_the_bridge_"
+                               "binds_one")),
+    Gap("4", "the stock MoE GPT block spec reads parallel_state's pipeline rank",
+        "model_build", "language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap4_canary_stock_moe_spec_consults_the_global_pipeline_"
+                               "rank")),
+    Gap("4a", "expert bias added in place into the identity TP reduce's view (one expert rank)",
+        "model_build", "language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap4a_canary_expert_bias_add_on_one_expert_rank_hits_the_"
+                               "identity_reduce_view")),
+    Gap("4b", "CPU initialization gives every expert-parallel rank the same expert weights",
+        "model_build", "language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap4b_canary_stock_cpu_init_copies_the_experts_of_every_"
+                               "expert_rank")),
+    Gap("4c", "the stock hybrid stack spec and final norm are Transformer Engine only",
+        "model_build", "language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap4c_canary_stock_hybrid_stack_is_transformer_engine_"
+                               "only")),
+    Gap("5", "plain optimizer values of every module but rank 0's are lost in MiMo checkpoints",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap5_canary_mimo_optimizer_keeps_plain_state_in_rank_"
+                                 "zero_common_state")),
+    Gap("6", "distributed-optimizer resume on torch Adam asserts, shares and resets the step",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap6_canary_stock_distributed_optimizer_resume_without_"
+                                 "te_or_apex")),
+    Gap("7", "a bare % in one stock help string makes --help raise",
+        "startup", "launch._parse_flags",
+        _canary("startup", "test_gap7_canary_stock_help_breaks_argparse_and_the_bridge_"
+                           "escapes_only_that_string")),
+    Gap("8", "MimoOptimizer.step makes three world-wide all-reduces per step",
+        "training_step", _BUILD,
+        _canary("training_step", "test_gap8_canary_mimo_optimizer_issues_separate_world_"
+                                 "reductions")),
+    Gap("9", "cross-grid bridges exchange shapes before every transfer",
+        "communication", "topology.pipeline_communicator",
+        _canary("communication", "test_gap9_canary_bridge_exchanges_shapes_on_every_"
+                                 "transfer")),
+    Gap("10", "every module's DP rank writes the same data loader state file",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap10_canary_stock_names_dataloader_state_by_dp_rank_"
+                                 "only")),
+    Gap("11", "the rerun state machine all-reduces its flag over the world every step",
+        "training_step", f"{_BUILD}, grad_sync.CrossGridGradSync.global_token_count",
+        _canary("training_step", "test_gap11_canary_stock_rerun_check_is_a_world_all_reduce_"
+                                 "after_the_result_checks")),
+    Gap("12", "bridges broadcast received tensors inside one-rank grids",
+        "communication", "topology.pipeline_communicator",
+        _canary("communication", "test_gap12_canary_bridge_broadcasts_after_every_transfer_in_"
+                                 "its_grid_group")),
+    Gap("13", "pipeline-stage links exchange shapes before every transfer",
+        "communication", "topology.pipeline_communicator",
+        _canary("communication", "test_gap13_canary_stage_links_exchange_shapes_on_every_"
+                                 "transfer")),
+    Gap("14", "the precision wrapper rounds fp32 router buffers set before the wrap",
+        "model_build", "lifecycle.prepare_module",
+        _canary("model_build", "test_gap14_canary_float16_module_rounds_a_router_bias_set_"
+                               "before_the_wrap")),
+)
+"""Every gap in the order the bridges were added."""

@@ -1,0 +1,212 @@
+"""Checkpoint bridges for MiMo processes (Gaps 5, 6 and 10), applied together by
+:func:`install_checkpoint_bridges`; stock callers keep stock checkpoint behaviour."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+COMMON_STATE_KEY = "_mimo_module_common_state"
+"""Where the per-module ShardedObject sits inside a module's optimizer state dict."""
+
+_checkpoint_bridges_installed = False
+
+
+def _is_sharded(value: Any) -> bool:
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    return isinstance(value, (ShardedBase, LocalNonpersistentObject))
+
+
+def _holds_sharded(value: Any) -> bool:
+    if _is_sharded(value):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_sharded(item) for item in value.values())
+    if isinstance(value, list):
+        return any(_holds_sharded(item) for item in value)
+    return False
+
+
+def plain_values(tree: Any, path: tuple = ()) -> dict[tuple, Any]:
+    """Copies of every largest subtree of ``tree`` holding no sharded object, by path."""
+    found: dict[tuple, Any] = {}
+    for key, value in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+        if _is_sharded(value):
+            continue
+        if isinstance(value, (dict, list)) and _holds_sharded(value):
+            found.update(plain_values(value, path + (key,)))
+        else:
+            found[path + (key,)] = copy.deepcopy(value)
+    return found
+
+
+def put_plain_values(tree: Any, values: dict[tuple, Any], module: str) -> None:
+    """Write ``values`` (from :func:`plain_values`) back into ``tree`` at their paths."""
+    for path, value in values.items():
+        node = tree
+        for key in path[:-1]:
+            if isinstance(node, dict):
+                node = node.setdefault(key, {})
+            elif isinstance(node, list) and isinstance(key, int) and key < len(node):
+                node = node[key]
+            else:
+                raise ValueError(
+                    f"optimizer checkpoint of MiMo module {module!r}: the saved value at {path} "
+                    "does not fit this run's optimizer (other optimizer settings or layout?)"
+                )
+        node[path[-1]] = value
+
+
+def _install_mimo_module_common_state() -> None:
+    """Gap 5 (MiMo optimizer checkpoints, any precision): keep every module's plain optimizer
+    values in a sharded object of that module.
+
+    ``dist_checkpointing.save`` writes the *common* (non-sharded) part of the state dict from
+    global rank 0 only (core/dist_checkpointing/serialization.py:439-445) and every rank reads
+    that copy back (serialization.py:151-152). On disjoint grids rank 0 runs the first encoder, so
+    every optimizer value another module keeps as a plain object is dropped.
+    ``MimoOptimizer.sharded_state_dict`` moves ``param_groups`` into a ``ShardedObject`` only when
+    the module dict has an ``'optimizer'`` key (core/models/mimo/optimizer.py:233-235);
+    ``FP32Optimizer`` (fp32 params) returns torch's flat ``{'state', 'param_groups'}`` and both
+    ``FP32Optimizer`` and ``Float16OptimizerWithFloat16Params`` keep the Adam step as a plain
+    ``state['common_step']`` (core/optimizer/optimizer.py:1176-1188, 1368-1377). The language
+    model then resumes with ``param_groups == [{'params': [...]}]`` (fp32: "Could not find
+    parameter group with key ...") or without a step (bf16: ``KeyError: 'step'``).
+    Bridge: every plain value of each active module's optimizer dict is also saved in one
+    ``ShardedObject`` per module (sharded over the module's (pp, tp), replicated over its
+    dp x cp, like the stock RNG state) and written back at its path before the stock load.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    stock_sharded_state_dict = MimoOptimizer.sharded_state_dict
+    stock_load_state_dict = MimoOptimizer.load_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        state = stock_sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        for name, info in self.module_infos.items():
+            module_sd = state.get(name)
+            if not (info.is_active and info.optimizer and isinstance(module_sd, dict)):
+                continue
+            pgc = info.pg_collection
+            # Always added, even empty: a load template (fresh optimizer, no step yet) must ask
+            # for the object whenever a save wrote it.
+            module_sd[COMMON_STATE_KEY] = ShardedObject(
+                f"optimizer.mimo.{name}.module_common_state",
+                plain_values(module_sd),
+                (pgc.pp.size(), pgc.tp.size()),
+                (pgc.pp.rank(), pgc.tp.rank()),
+                replica_id=pgc.dp_cp.rank(),
+            )
+        return state
+
+    def load_state_dict(self, state_dict):
+        for name, info in self.module_infos.items():
+            module_sd = state_dict.get(name)
+            if info.is_active and info.optimizer and isinstance(module_sd, dict):
+                values = module_sd.pop(COMMON_STATE_KEY, None)
+                if values is not None:
+                    put_plain_values(module_sd, values, name)
+        return stock_load_state_dict(self, state_dict)
+
+    sharded_state_dict.__doc__ = stock_sharded_state_dict.__doc__
+    load_state_dict.__doc__ = stock_load_state_dict.__doc__
+    MimoOptimizer.sharded_state_dict = sharded_state_dict
+    MimoOptimizer.load_state_dict = load_state_dict
+
+
+def _install_distributed_optimizer_resume() -> None:
+    """Gap 6 (``--use-distributed-optimizer`` resume): resume Adam at the saved step.
+
+    With plain ``torch.optim.Adam/AdamW`` (no Transformer Engine / Apex:
+    ``distrib_optimizer.HAVE_APEX_OR_TE`` False, always on the CPU simulation)
+    ``DistributedOptimizer.state_dict()`` asserts on a fresh optimizer (distrib_optimizer.py:
+    837-840), which the load template always is (:1532); its ``load_state_dict()`` gives every
+    parameter one shared step tensor (:1024-1032) that the param-state load then overwrites with
+    the template's step (:1949-1953, :1219-1225), so the resumed run restarts Adam at step 0 and
+    counts once per parameter. Independently of TE, fp32 main params are views of the model
+    params and the ``dp_reshardable`` param-state load ``copy_``s into them outside
+    ``torch.no_grad`` ("a view of a leaf Variable that requires grad is being used in an in-place
+    operation").
+    Bridge: load under ``torch.no_grad()``; without TE/Apex a fresh optimizer reports step 0 and
+    after loading each parameter gets its own step tensor holding the step saved in
+    ``param_groups``.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    torch_adam = not distrib_optimizer.HAVE_APEX_OR_TE
+    stock_state_dict = DistributedOptimizer.state_dict
+    stock_load_state_dict = DistributedOptimizer.load_state_dict
+
+    def state_dict(self):
+        inner = self.optimizer
+        if not torch_adam or inner is None or any("step" in s for s in inner.state.values()):
+            return stock_state_dict(self)
+        # Fresh torch Adam (no step taken, nothing loaded): stock asserts on the empty step set.
+        result = {"optimizer": {k: v for k, v in inner.state_dict().items() if k != "state"}}
+        for group in result["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = 0.0
+        if self.grad_scaler:
+            result["grad_scaler"] = self.grad_scaler.state_dict()
+        return result
+
+    def load_state_dict(self, state_dict):
+        with torch.no_grad():
+            stock_load_state_dict(self, state_dict)
+        if torch_adam and self.optimizer is not None and not self.ddp_config.use_megatron_fsdp:
+            steps = {group.get("step") for group in state_dict["optimizer"]["param_groups"]}
+            steps.discard(None)
+            if len(steps) != 1:
+                raise ValueError(f"DistributedOptimizer checkpoint holds steps {sorted(steps)}")
+            step = float(steps.pop())
+            for param_state in self.optimizer.state.values():
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)
+
+    state_dict.__doc__ = stock_state_dict.__doc__
+    load_state_dict.__doc__ = stock_load_state_dict.__doc__
+    DistributedOptimizer.state_dict = state_dict
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _install_module_data_state() -> None:
+    """Gap 10 (data loader state on disjoint grids): let a module's stream save its own state.
+
+    Stock ``save_checkpoint`` hands the training iterator to ``maybe_save_dataloader_state``
+    (training/checkpointing.py:1218-1293), which writes ``train_dataloader_dprank{dp}.pt`` from
+    tensor rank 0 of the first pipeline stage of every DP replica, named by the DP rank alone. On
+    disjoint grids every module has a DP rank 0, so encoder and language replicas write the same
+    file and the last writer wins. Bridge: an iterator that knows its module
+    (``MicrobatchStream.save_data_state``) writes ``dataloader/<module>_dp<rank>.pt`` inside the
+    iteration folder, before the folder's ``metadata.json``; any other iterator gets stock's
+    function.
+    """
+    from megatron.training import checkpointing
+
+    stock = checkpointing.maybe_save_dataloader_state
+
+    def maybe_save_dataloader_state(train_iterator, iteration, dataloader_save_path, **groups):
+        save = getattr(getattr(train_iterator, "iterable", None), "save_data_state", None)
+        if save is None or not dataloader_save_path:
+            return stock(train_iterator, iteration, dataloader_save_path, **groups)
+        save(checkpointing.get_checkpoint_name(dataloader_save_path, iteration,
+                                               return_base_dir=True))
+
+    maybe_save_dataloader_state.__doc__ = stock.__doc__
+    checkpointing.maybe_save_dataloader_state = maybe_save_dataloader_state
+
+
+def install_checkpoint_bridges() -> None:
+    """Apply Gaps 5, 6 and 10. Idempotent; the MiMo builder calls it before stock ``pretrain()``
+    builds the optimizer (MiMo processes only: stock callers keep stock checkpoint behaviour)."""
+    global _checkpoint_bridges_installed
+    if _checkpoint_bridges_installed:
+        return
+    _install_mimo_module_common_state()
+    _install_distributed_optimizer_resume()
+    _install_module_data_state()
+    _checkpoint_bridges_installed = True

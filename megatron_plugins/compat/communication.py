@@ -1,0 +1,148 @@
+"""Bridges that drop needless handshakes and broadcasts from MiMo's pipeline communication
+(Gaps 9, 12 and 13), applied by our pipeline communicator's builder in MiMo processes only.
+
+Shared context of Gaps 9 and 13: the multi-module schedule refuses pipelines without
+``variable_seq_lengths`` (schedules.py:2182), so every transfer is preceded by a shape handshake,
+though MiMo transfer shapes are fixed by ``--seq-length``, the micro-batch sizes and each
+encoder's ``tokens_per_sample``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_plugins.compat import MegatronCompatError
+
+
+class _ShapeMemo:
+    """The shapes one side of a link exchanged on its first transfer of each kind."""
+
+    def __init__(self, link: str) -> None:
+        self.link = link
+        self.known: dict[str, Any] = {}
+
+    def sent_before(self, kind: str, shapes: Any) -> bool:
+        """True when ``kind`` was exchanged before (and ``shapes`` match it); remembers them."""
+        if kind not in self.known:
+            self.known[kind] = shapes
+            return False
+        if shapes != self.known[kind]:
+            raise MegatronCompatError(
+                f"{self.link} transfer changed shape {self.known[kind]} -> {shapes}; the layout "
+                "declared static shapes")
+        return True
+
+    def new(self, kind: str, receiving: bool) -> bool:
+        """Whether a receive of ``kind`` still needs the peer's shape."""
+        return receiving and kind not in self.known
+
+
+def exchange_shapes_once(communicator: Any) -> None:
+    """Make each cross-grid bridge (Gap 9) and each pipeline-stage link (Gap 13) of this rank's
+    modules exchange each direction's shapes once.
+
+    For layouts whose transfer shapes never change (fixed ``--seq-length``, micro-batch sizes and
+    tokens per encoder sample). A later transfer of another shape raises instead of hanging.
+    """
+    for bridge in communicator.bridge_comms:
+        _static_bridge_shapes(bridge)
+    for name, info in communicator.rank_module_map.items():
+        if info.pp_size > 1:
+            _static_stage_shapes(info.p2p_communicator, name)
+
+
+def _static_bridge_shapes(bridge: Any) -> None:
+    """Gap 9 (cross-grid shape handshake): ``BridgeCommunicator`` exchanges tensor shapes before
+    every activation and gradient transfer (``_communicate_shapes``, core/pipeline_parallel/
+    bridge_communicator.py:864), whatever ``tensor_shape`` the schedule passes. Bridge: ``bridge``
+    exchanges each direction's shapes on its first transfer and reuses them; a transfer of
+    another shape raises."""
+    stock = bridge._communicate_shapes
+    memo = _ShapeMemo(f"cross-grid {bridge.src_module_name}->{bridge.dest_module_name}")
+
+    def communicate_shapes(tensor_to_send_next=None, recv_next=False, recv_prev=False,
+                           tensor_to_send_prev=None):
+        info = bridge.comm_map.get(bridge.current_rank)
+        if not info or info.role.name == "MEMBER":
+            return stock(tensor_to_send_next, recv_next, recv_prev, tensor_to_send_prev)
+
+        def sent_before(kind: str, tensors: Any, peers: list[int]) -> bool:
+            return memo.sent_before(kind, [tuple(t.shape) for t in
+                                           bridge._as_per_peer_tensors(tensors, len(peers))])
+
+        if tensor_to_send_next is not None and sent_before("fwd", tensor_to_send_next,
+                                                           info.send_to_ranks):
+            tensor_to_send_next = None
+        if tensor_to_send_prev is not None and sent_before("grad", tensor_to_send_prev,
+                                                           info.recv_from_ranks):
+            tensor_to_send_prev = None
+        new_next, new_prev = memo.new("grad", recv_next), memo.new("fwd", recv_prev)
+        forward, grads = stock(tensor_to_send_next, new_next, new_prev, tensor_to_send_prev)
+        if new_next:
+            memo.known["grad"] = grads
+        if new_prev:
+            memo.known["fwd"] = forward
+        return (memo.known["fwd"] if recv_prev else [], memo.known["grad"] if recv_next else [])
+
+    bridge._communicate_shapes = communicate_shapes
+
+
+def _static_stage_shapes(p2p: Any, module: str) -> None:
+    """Gap 13 (pipeline-stage shape handshake): with ``variable_seq_lengths`` each language
+    pipeline stage's ``P2PCommunicator`` exchanges shapes before every stage-to-stage transfer
+    (``_communicate_shapes``, core/pipeline_parallel/p2p_communication.py:186, called from
+    ``_communicate`` at :322), though MiMo stage activations are always ``[seq, micro-batch,
+    hidden]``. Bridge: ``p2p`` exchanges each direction's shapes on its first transfer and reuses
+    them; a transfer of another shape raises."""
+    stock = p2p._communicate_shapes
+    memo = _ShapeMemo(f"{module} pipeline-stage")
+
+    def communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        if tensor_send_next is not None and memo.sent_before("fwd out", list(tensor_send_next.shape)):
+            tensor_send_next = None
+        if tensor_send_prev is not None and memo.sent_before("grad out", list(tensor_send_prev.shape)):
+            tensor_send_prev = None
+        new_prev, new_next = memo.new("fwd in", recv_prev), memo.new("grad in", recv_next)
+        prev_shape, next_shape = stock(tensor_send_next, tensor_send_prev, new_prev, new_next)
+        if new_prev:
+            memo.known["fwd in"] = prev_shape
+        if new_next:
+            memo.known["grad in"] = next_shape
+        return (memo.known["fwd in"] if recv_prev else [0, 0, 0],
+                memo.known["grad in"] if recv_next else [0, 0, 0])
+
+    p2p._communicate_shapes = communicate_shapes
+
+
+class _LoneBroadcastSkipping:
+    """``torch.distributed`` as the bridge module sees it: a broadcast in a one-member group,
+    the identity, is skipped; everything else is torch's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
+                  async_op: bool = False, **kwargs: Any) -> Any:
+        if group is not None and not async_op and torch.distributed.get_world_size(group) == 1:
+            return None
+        return torch.distributed.broadcast(tensor, src=src, group=group, async_op=async_op,
+                                           **kwargs)
+
+
+def skip_lone_broadcasts() -> None:
+    """Apply Gap 12 to every ``BridgeCommunicator``. Idempotent; MiMo processes only.
+
+    Gap 12 (bridge broadcasts inside one-rank grids): after every cross-grid transfer the
+    receiving grid's leader broadcasts the shape and then the tensor to the rest of its grid
+    (bridge_communicator.py:436-446 and the same pair in each transfer method), also when that
+    grid is the leader alone, where a broadcast is the identity. Bridge: the
+    ``torch.distributed`` the bridge module sees skips broadcasts in one-member groups; every
+    other call is torch's.
+    """
+    from megatron.core.pipeline_parallel import bridge_communicator
+
+    if not isinstance(bridge_communicator.dist, _LoneBroadcastSkipping):
+        bridge_communicator.dist = _LoneBroadcastSkipping()

@@ -1,0 +1,256 @@
+"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14).
+
+Shared context: on disjoint grids (every heterogeneous run, ``skip_model_parallel_init=True``)
+``parallel_state`` is never initialized, so stock code that falls back to its globals instead of
+the module's own process groups finds nothing or the wrong thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def ensure_global_memory_buffer() -> None:
+    """Create ``parallel_state``'s global memory buffer unless it exists (Gap 2).
+
+    Gap 2 (disjoint grids): the local attention kernel borrows scratch space from
+    ``parallel_state``'s global memory buffer, which only ``initialize_model_parallel`` creates.
+    With ``skip_model_parallel_init=True`` (every heterogeneous run) nothing creates it, so the
+    first local attention forward asserts. This creates it, once.
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def bind_tp_group(module: torch.nn.Module, tp_group: torch.distributed.ProcessGroup) -> None:
+    """Give every ``MegatronModule`` inside ``module`` lacking a ``tp_group`` this one (Gap 3).
+
+    Gap 3 (explicit groups in checkpoints): ``MegatronModule.sharded_state_dict`` shards a
+    module's own parameters on ``self.tp_group`` and falls back to ``parallel_state``'s
+    (uninitialized on disjoint grids) when a module has none, as ``CLIPViTModel`` and other
+    modules not yet ported to explicit process groups do.
+    """
+    from megatron.core.transformer.module import MegatronModule
+
+    for child in module.modules():
+        if isinstance(child, MegatronModule) and not hasattr(child, "tp_group"):
+            child.tp_group = tp_group
+
+
+def with_explicit_moe_spec(model_config: Any, pp_rank: int) -> Any:
+    """``model_config`` itself, or for a stock-spec MoE GPT a copy with its block spec resolved
+    for pipeline rank ``pp_rank`` (Gap 4).
+
+    Gap 4 (MoE block spec per pipeline stage): for an MoE GPT without an explicit layer spec the
+    stock builder calls ``get_gpt_decoder_block_spec`` without ``pp_rank`` (training/models/
+    gpt.py, ``default_layer_spec``), which then reads ``parallel_state``'s pipeline rank,
+    uninitialized on disjoint grids. Hybrid models need no such bridge: ``HybridModel`` picks
+    each stage's layers from ``pg_collection.pp`` and its MoE layer spec does not depend on the
+    stage.
+    """
+    transformer = model_config.transformer
+    # Hybrid configs have no layer spec (HybridModelConfig raises AttributeError for it).
+    if (transformer.num_moe_experts is None or not hasattr(model_config, "transformer_layer_spec")
+            or model_config.transformer_layer_spec is not None):
+        return model_config
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    resolved = copy.copy(model_config)
+    resolved.transformer_layer_spec = get_gpt_decoder_block_spec(
+        transformer, use_transformer_engine=transformer.transformer_impl == "transformer_engine",
+        normalization=transformer.normalization, qk_l2_norm=transformer.qk_l2_norm,
+        pp_rank=pp_rank,
+    )
+    return resolved
+
+
+def direct_single_rank_expert_output(model: torch.nn.Module) -> None:
+    """Route every expert ``RowParallelLinear`` whose TP reduce is the identity (one expert-TP
+    rank, EP 1) past that reduce, as stock does for EP > 1 (Gap 4a).
+
+    Gap 4a (MoE experts on one expert rank with biases): an expert ``RowParallelLinear`` skips
+    its TP reduce only when ``explicit_expert_comm`` (expert TP > 1 or EP > 1, tensor_parallel/
+    layers.py:1326). With one expert-TP rank and EP 1 it calls ``reduce_from_tensor_model_
+    parallel_region``, whose autograd function returns its input as is (mappings.py:27-28,
+    230-232), so the output is a custom-Function view; ``MLP.forward`` then adds the expert bias
+    into it in place (transformer/mlp.py:350-354, ``output += output_bias * per_token_scale``)
+    and autograd refuses: "Output 0 of _ReduceFromModelParallelRegion is a view and is being
+    modified inplace". It is not specific to the CPU simulation: stock GPT with the local spec,
+    ``--num-experts`` and the default ``--add-bias-linear`` crashes the same way. Such experts'
+    ``RowParallelLinear`` take the ``explicit_expert_comm`` path, which hands the matmul output
+    on unchanged; the skipped reduce is the identity on one rank (forward and backward), so
+    results are unchanged.
+    """
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    for module in model.modules():
+        if (isinstance(module, RowParallelLinear) and module.is_expert
+                and not module.explicit_expert_comm and module.skip_bias_add):
+            module.explicit_expert_comm = True
+
+
+@contextlib.contextmanager
+def exact_fp32_router_buffers(module: torch.nn.Module) -> Iterator[None]:
+    """While open, a precision wrapper's cast leaves the routers' fp32 buffers exact (Gap 14).
+
+    Gap 14 (fp32 router buffers under ``--bf16`` / ``--fp16``): a router keeps its
+    ``expert_bias`` in fp32 (``TopKRouter._maintain_float32_expert_bias``, core/transformer/moe/
+    router.py:259), but only casts it back on its next forward, load or save; ``Float16Module``
+    (transformer/module.py:458-464) first casts the whole module, so a bias set before the wrap
+    (imported HF weights, a Megatron checkpoint init) is rounded to bf16 and routes differently.
+    Stock ``--load`` runs after the wrap and is exact. Around the wrap, every router buffer that
+    is fp32 before and kept fp32 by the router is put back to its exact value.
+    """
+    kept = [(router, {name: buffer.clone() for name, buffer in router.named_buffers(recurse=False)
+                      if buffer.dtype == torch.float32 and not buffer.is_meta})
+            for router in module.modules() if hasattr(router, "_maintain_float32_expert_bias")]
+    yield
+    with torch.no_grad():
+        for router, buffers in kept:
+            router._maintain_float32_expert_bias()
+            for name, value in buffers.items():
+                buffer = getattr(router, name)
+                if buffer.dtype == torch.float32:
+                    buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def distinct_cpu_init_experts() -> Iterator[None]:
+    """While open, CPU-initialized ``SequentialMLP`` experts get per-expert weights (Gap 4b).
+
+    Gap 4b (``--use-cpu-initialization`` with EP > 1): CPU initialization draws every weight
+    from the default CPU generator (``_initialize_affine_weight_cpu``, tensor_parallel/
+    layers.py:184-227), seeded identically on every expert-parallel rank of a pipeline stage, and
+    ``SequentialMLP`` builds its local experts from it in order (transformer/moe/experts.py:
+    1293-1302): the experts of ep rank 1 are exact copies of ep rank 0's. (GPU initialization
+    forks the expert-parallel RNG tracker instead.) Each ``SequentialMLP`` built here draws one
+    layer seed from the default generator (the same draw on every rank, so non-expert weights
+    stay replicated) and builds global expert ``g`` from a generator seeded with ``layer seed +
+    g``, then restores the default generator. Every expert gets its own weights, the same for a
+    given ``--seed`` whatever the EP size.
+    """
+    from megatron.core.transformer.moe import experts
+
+    stock_init = experts.SequentialMLP.__init__
+    stock_mlp = experts.MLP
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+        if not (config.use_cpu_initialization and config.perform_initialization):
+            stock_init(self, num_local_experts, config, submodules, pg_collection, name)
+            return
+        generator = torch.default_generator
+        layer_seed = int(torch.randint(2**62, (1,), generator=generator))
+        global_index = itertools.count(pg_collection.ep.rank() * num_local_experts)
+
+        def expert(*args, **kwargs):
+            state = generator.get_state()
+            generator.manual_seed(layer_seed + next(global_index))
+            try:
+                return stock_mlp(*args, **kwargs)
+            finally:
+                generator.set_state(state)
+
+        experts.MLP = expert
+        try:
+            stock_init(self, num_local_experts, config, submodules, pg_collection, name)
+        finally:
+            experts.MLP = stock_mlp
+
+    experts.SequentialMLP.__init__ = __init__
+    try:
+        yield
+    finally:
+        experts.SequentialMLP.__init__ = stock_init
+
+
+def _local_norm(config: Any) -> type:
+    from megatron.core.models.backends import LocalSpecProvider
+
+    return LocalSpecProvider().layer_norm(rms_norm=config.normalization == "RMSNorm")
+
+
+@functools.cache
+def _local_norm_hybrid_stack() -> type:
+    """``HybridStack`` with the local spec's final norm in place of its hard-wired ``TENorm``."""
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+
+    class LocalNormHybridStack(HybridStack):
+        """``HybridStack`` whose final norm is the local spec's norm (Gap 4c)."""
+
+        def __init__(self, *args: Any, post_layer_norm: bool = True, **kwargs: Any) -> None:
+            super().__init__(*args, post_layer_norm=False, **kwargs)
+            self.post_layer_norm = post_layer_norm
+            if self.post_process and post_layer_norm:
+                self.final_norm = _local_norm(self.config)(
+                    config=self.config, hidden_size=self.config.hidden_size,
+                    eps=self.config.layernorm_epsilon,
+                )
+
+    return LocalNormHybridStack
+
+
+def with_local_hybrid_spec(model_config: Any) -> Any:
+    """``model_config`` itself, or for a hybrid model with ``--transformer-impl local`` and no
+    explicit stack spec a copy whose stack spec uses no Transformer Engine module (Gap 4c).
+
+    Gap 4c (hybrid models without Transformer Engine): the wheel's only training stack spec for
+    ``HybridModel`` (models/hybrid/hybrid_layer_specs.py, ``hybrid_stack_spec``) is built from TE
+    modules whatever ``--transformer-impl`` says, and ``HybridStack`` builds its final norm as
+    ``TENorm`` unconditionally (models/hybrid/hybrid_block.py:213-219). Without TE those names
+    are ``MagicMock`` stand-ins or raise ``ImportError`` (``StopIteration`` inside ``MLPLayer``).
+    With ``--transformer-impl local`` and no ``--spec``, attention, MLP and MoE layers come from
+    the GPT local spec's modules and the final norm is the local norm; other layer types (Mamba,
+    GDN, MLA, DSA, MTP) keep the stock spec.
+    """
+    transformer = model_config.transformer
+    if (not hasattr(model_config, "hybrid_stack_spec") or model_config.hybrid_stack_spec is not None
+            or transformer.transformer_impl != "local"):
+        return model_config
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    local = dict(qk_layernorm=transformer.qk_layernorm, normalization=transformer.normalization,
+                 qk_l2_norm=transformer.qk_l2_norm)
+    dense = get_gpt_layer_local_submodules(**local)
+    # The TE spec's layers fuse these norms into their first linear; keep its checkpoint keys.
+    attention_norm_key = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    mlp_norm_key = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    submodules = dataclasses.replace(
+        hybrid_stack_spec.submodules,
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
+            self_attn_bda=dense.self_attn_bda,
+            sharded_state_dict_keys_map=attention_norm_key,
+        )),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
+            sharded_state_dict_keys_map=mlp_norm_key,
+        )),
+    )
+    if transformer.num_moe_experts is not None:
+        moe = get_gpt_layer_local_submodules(num_experts=transformer.num_moe_experts,
+                                             moe_grouped_gemm=transformer.moe_grouped_gemm, **local)
+        submodules.moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=(
+            TransformerLayerSubmodules(pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp,
+                                       mlp_bda=moe.mlp_bda)))
+    resolved = copy.copy(model_config)
+    resolved.hybrid_stack_spec = ModuleSpec(module=_local_norm_hybrid_stack(),
+                                            submodules=submodules)
+    return resolved

@@ -1,0 +1,282 @@
+"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14): canaries that the stock wheel still has
+each gap, and the bridges' tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_plugins.compat import model_build
+from tests.multiprocess import REPO_ROOT
+
+
+STOCK_LOCAL_ATTENTION = """
+import traceback
+from types import SimpleNamespace
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                     world_size=1)
+config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+tp = torch.distributed.new_group([0])
+attention = DotProductAttention(config, 1, AttnMaskType.causal, "self",
+                                pg_collection=SimpleNamespace(tp=tp))
+print("initialized", parallel_state.model_parallel_is_initialized())
+print("buffer", parallel_state._GLOBAL_MEMORY_BUFFER)
+qkv = torch.zeros(4, 1, 2, 4)
+try:
+    attention(qkv, qkv, qkv, None)
+except AssertionError as error:
+    frames = [frame.filename.rsplit("/", 1)[-1] + ":" + frame.name
+              for frame in traceback.extract_tb(error.__traceback__)]
+    print("raised", error, "in", frames[-2:])
+"""
+
+
+def test_gap2_canary_stock_local_attention_needs_the_buffer_only_model_parallel_init_creates():
+    """Gap 2: in a fresh process with explicit groups and no ``initialize_model_parallel`` (as on
+    disjoint grids), stock leaves the global memory buffer unset and the local attention
+    forward asserts on it."""
+    result = subprocess.run([sys.executable, "-c", STOCK_LOCAL_ATTENTION], cwd=REPO_ROOT,
+                            text=True, capture_output=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = [line for line in result.stdout.splitlines()
+                if line.startswith(("initialized ", "buffer ", "raised "))]
+    assert reported == [
+        "initialized False", "buffer None",
+        "raised global memory buffer is not initialized in "
+        "['dot_product_attention.py:forward', 'parallel_state.py:get_global_memory_buffer']"]
+
+
+def test_gap2_bridge_creates_the_global_memory_buffer_once(monkeypatch):
+    monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    assert not parallel_state.model_parallel_is_initialized()
+    model_build.ensure_global_memory_buffer()
+    buffer = parallel_state.get_global_memory_buffer()
+    model_build.ensure_global_memory_buffer()
+    assert parallel_state.get_global_memory_buffer() is buffer
+
+
+def test_gap3_canary_vit_has_no_explicit_tp_group_and_the_bridge_binds_one():
+    assert "tp_group" not in inspect.getsource(CLIPViTModel)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    outer, inner = MegatronModule(config), MegatronModule(config)
+    outer.inner = inner
+    inner.tp_group = own = object()
+    group = object()
+    model_build.bind_tp_group(outer, group)
+    assert outer.tp_group is group and inner.tp_group is own
+
+
+def test_gap4_canary_stock_moe_spec_consults_the_global_pipeline_rank():
+    from megatron.training.models import gpt
+
+    assert "pp_rank" not in inspect.getsource(gpt.default_layer_spec)
+
+
+def test_gap4_bridge_leaves_hybrid_configs_to_their_own_builder():
+    from megatron.training.models.hybrid import HybridModelConfig
+
+    config = HybridModelConfig(transformer=_moe_config(ep_size=1), hybrid_layer_pattern="*E")
+    assert not hasattr(config, "transformer_layer_spec")
+    assert model_build.with_explicit_moe_spec(config, pp_rank=0) is config
+
+
+class _Group:
+    """A process group stand-in: the expert modules only ask it for rank and size."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _moe_config(ep_size: int) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=1,
+        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep_size,
+        use_cpu_initialization=True, add_bias_linear=True, gradient_accumulation_fusion=False)
+
+
+def _experts(ep_rank: int, ep_size: int, seed: int = 1234):
+    """The local experts of one expert-parallel rank of a 4-expert layer, built after ``seed``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    torch.manual_seed(seed)
+    groups = SimpleNamespace(ep=_Group(ep_rank, ep_size), expt_tp=_Group(0, 1),
+                             expt_dp=_Group(0, 1))
+    experts = SequentialMLP(4 // ep_size, _moe_config(ep_size),
+                            MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                          linear_fc2=RowParallelLinear),
+                            pg_collection=groups)
+    return experts
+
+
+def _expert_weights(experts) -> list[torch.Tensor]:
+    return [torch.cat([p.detach().flatten() for p in expert.parameters()])
+            for expert in experts.local_experts]
+
+
+def _expert_forward(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output of local expert 0 for fixed tokens and routing probabilities, and its input grad."""
+    tokens = torch.linspace(-1, 1, 5 * 8).reshape(5, 8).requires_grad_()
+    probs = torch.linspace(0.1, 0.9, 5)
+    output, bias = experts.local_experts[0](tokens, probs)
+    assert bias is None
+    output.sum().backward()
+    return output.detach(), tokens.grad
+
+
+def test_gap4a_canary_expert_bias_add_on_one_expert_rank_hits_the_identity_reduce_view(one_rank_world):
+    experts = _experts(ep_rank=0, ep_size=1)
+    assert not experts.local_experts[0].linear_fc2.explicit_expert_comm
+    with pytest.raises(RuntimeError, match="_ReduceFromModelParallelRegion is a view"):
+        _expert_forward(experts)
+
+
+def test_gap4a_bridge_skips_only_the_identity_reduce(one_rank_world):
+    experts = _experts(ep_rank=0, ep_size=1)
+    model_build.direct_single_rank_expert_output(experts)
+    output, grad = _expert_forward(experts)
+    expert = experts.local_experts[0]
+    tokens = torch.linspace(-1, 1, 5 * 8).reshape(5, 8).requires_grad_()
+    probs = torch.linspace(0.1, 0.9, 5)
+    hidden = torch.nn.functional.gelu(tokens @ expert.linear_fc1.weight.T + expert.linear_fc1.bias)
+    expected = (hidden @ expert.linear_fc2.weight.T + expert.linear_fc2.bias) * probs[:, None]
+    expected.sum().backward()
+    torch.testing.assert_close(output, expected.detach())
+    torch.testing.assert_close(grad, tokens.grad)
+    # Expert layers with a real reduce (EP > 1) are left as stock built them.
+    assert _experts(ep_rank=0, ep_size=2).local_experts[0].linear_fc2.explicit_expert_comm
+
+
+def test_gap4b_canary_stock_cpu_init_copies_the_experts_of_every_expert_rank():
+    first, second = _expert_weights(_experts(0, 2)), _expert_weights(_experts(1, 2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_gap4b_bridge_gives_every_expert_its_own_deterministic_weights():
+    from megatron.core.transformer.moe import experts as experts_module
+
+    stock_init, stock_mlp = experts_module.SequentialMLP.__init__, experts_module.MLP
+    with model_build.distinct_cpu_init_experts():
+        ep0 = _experts(0, 2)
+        after_ep0 = torch.default_generator.get_state()
+        ep1 = _experts(1, 2)
+        after_ep1 = torch.default_generator.get_state()
+        again = _expert_weights(_experts(1, 2))
+        one_rank = _expert_weights(_experts(0, 1))
+        other_seed = _expert_weights(_experts(1, 2, seed=4321))
+    assert experts_module.SequentialMLP.__init__ is stock_init and experts_module.MLP is stock_mlp
+    weights = _expert_weights(ep0) + _expert_weights(ep1)
+    assert all(not torch.equal(weights[i], weights[j]) for i in range(4) for j in range(i))
+    # Deterministic for a seed, distinct for another, independent of the EP size.
+    assert all(torch.equal(a, b) for a, b in zip(_expert_weights(ep1), again))
+    assert not any(torch.equal(a, b) for a, b in zip(again, other_seed))
+    assert all(torch.equal(a, b) for a, b in zip(weights, one_rank))
+    # Every expert rank leaves the default generator in the same state (replicated weights next).
+    assert torch.equal(after_ep0, after_ep1)
+
+
+def test_gap4c_canary_stock_hybrid_stack_is_transformer_engine_only():
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    attention = hybrid_stack_spec.submodules.attention_layer.submodules.self_attention
+    assert attention.submodules.linear_qkv is TELayerNormColumnParallelLinear
+    assert "self.final_norm = TENorm(" in inspect.getsource(HybridStack.__init__)
+
+
+def _spec_classes(spec) -> set[type]:
+    """Every class a spec tree names (modules, submodules, partial targets)."""
+    if isinstance(spec, functools.partial):
+        return {spec.func.__self__ if inspect.ismethod(spec.func) else spec.func} | _spec_classes(
+            spec.keywords.get("submodules"))
+    if isinstance(spec, type):
+        return {spec}
+    if hasattr(spec, "module"):
+        return _spec_classes(spec.module) | _spec_classes(getattr(spec, "submodules", None))
+    if dataclasses.is_dataclass(spec):
+        fields = dataclasses.fields(spec)
+        return set().union(*(_spec_classes(getattr(spec, field.name)) for field in fields))
+    return set()
+
+
+def test_gap4c_bridge_builds_attention_mlp_and_moe_layers_from_local_modules():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.training.models.hybrid import HybridModelConfig
+
+    transformer = _moe_config(ep_size=1)
+    transformer.transformer_impl = "local"
+    config = HybridModelConfig(transformer=transformer, hybrid_layer_pattern="*-E")
+    resolved = model_build.with_local_hybrid_spec(config)
+    assert config.hybrid_stack_spec is None and resolved.hybrid_stack_spec is not None
+    layers = resolved.hybrid_stack_spec.submodules
+    used = set().union(*(_spec_classes(getattr(layers, name))
+                         for name in ("attention_layer", "mlp_layer", "moe_layer")))
+    assert SequentialMLP in used
+    assert not [c for c in used if c.__module__.endswith("transformer_engine")]
+    source = inspect.getsource(resolved.hybrid_stack_spec.module.__init__)
+    assert "TENorm" not in source
+    # Transformer Engine runs and explicit specs keep the stock stack.
+    transformer.transformer_impl = "transformer_engine"
+    assert model_build.with_local_hybrid_spec(config) is config
+
+
+def _bf16_router() -> tuple[TransformerConfig, MegatronModule]:
+    """A module with a router's fp32 expert bias (set before the wrap, as an import does), its
+    token counter, and stock's own keep-fp32 method."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class Router(MegatronModule):
+        _maintain_float32_expert_bias = TopKRouter._maintain_float32_expert_bias
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
+                               params_dtype=torch.bfloat16)
+    router = Router(config)
+    router.register_buffer("expert_bias", torch.tensor([0.1234567, -0.7654321]))
+    router.register_buffer("local_tokens_per_expert", torch.zeros(2), persistent=False)
+    return config, router
+
+
+def test_gap14_canary_float16_module_rounds_a_router_bias_set_before_the_wrap():
+    from megatron.core.transformer.module import Float16Module
+
+    config, router = _bf16_router()
+    exact = router.expert_bias.clone()
+    Float16Module(config, router)
+    router._maintain_float32_expert_bias()  # what the router's next forward does
+    assert router.expert_bias.dtype == torch.float32
+    assert not torch.equal(router.expert_bias, exact)
+
+
+def test_gap14_bridge_puts_back_exactly_the_buffers_the_router_keeps_fp32():
+    from megatron.core.transformer.module import Float16Module
+
+    config, router = _bf16_router()
+    exact = router.expert_bias.clone()
+    with model_build.exact_fp32_router_buffers(router):
+        Float16Module(config, router)
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, exact)
+    assert router.local_tokens_per_expert.dtype == torch.bfloat16  # stock keeps it in bf16

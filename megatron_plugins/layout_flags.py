@@ -239,17 +239,10 @@ def layout_from_args(
     return layout
 
 
-@contextmanager
-def apply_language_grid(args: Any, layout: ParallelLayout) -> Iterator[None]:
-    """Write the language grid into Megatron's stock parallel args so stock validation checks it.
-
-    Tensor/pipeline/context/expert(-tensor) parallel sizes are set for good. Inside the block,
-    ``args.world_size`` is the language module's size: stock ``validate_args`` derives (and checks)
-    ``data_parallel_size`` from it. On exit the real world size is back, which stock
-    ``initialize_megatron`` passes to ``init_process_group``. Use as
-    ``with apply_language_grid(args, layout): validate_args(args)``. A stock parallel flag given
-    with another value than the grid's is an error naming both.
-    """
+def language_grid_flags(args: Any, layout: ParallelLayout) -> list[tuple[str, str, int | None]]:
+    """``(args attribute, stock flag, value)`` for each stock parallel flag the language grid
+    sets, so stock validation checks the grid. A stock parallel flag given with another value
+    than the grid's is an error naming both."""
     language = layout.language
     for attr, flag, default, key in _STOCK_PARALLEL_FLAGS:
         wanted = getattr(language, key)
@@ -259,10 +252,16 @@ def apply_language_grid(args: Any, layout: ParallelLayout) -> Iterator[None]:
                 f"{flag} {given} disagrees with {language.source}: {key}={wanted}; drop "
                 f"{flag} (the language grid sets it) or change the grid"
             )
-    for attr, _, _, key in _STOCK_PARALLEL_FLAGS:
-        setattr(args, attr, getattr(language, key))
+    return [(attr, flag, getattr(language, key)) for attr, flag, _, key in _STOCK_PARALLEL_FLAGS]
+
+
+@contextmanager
+def language_world_size(args: Any, layout: ParallelLayout) -> Iterator[None]:
+    """Inside the block ``args.world_size`` is the language module's size: stock
+    ``validate_args`` derives (and checks) ``data_parallel_size`` from it. On exit the real world
+    size is back, which stock ``initialize_megatron`` passes to ``init_process_group``."""
     world_size = args.world_size
-    args.world_size = language.size
+    args.world_size = layout.language.size
     try:
         yield
     finally:

@@ -11,8 +11,8 @@ them in this order, once, keeps the record and prints the launch's notices from 
    stock's choice);
 4. defaults: what 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run;
 5. the data source's values and the optimizer flags ``--bf16-precision-aware-optimizer`` implies;
-6. the fixed MiMo settings stock validation checks, then stock validation with the language grid
-   written into the stock parallel flags;
+6. the fixed MiMo settings stock validation checks and the language grid written into the stock
+   parallel flags, then stock validation;
 7. what follows from validated flags (padded vocabulary, checkpoint folders) and the fixed MiMo
    settings stock validation must not see.
 """
@@ -38,7 +38,7 @@ from megatron_plugins.data.streams import DataSource
 from megatron_plugins.data.text import check_tokenizer_folder, special_tokens_flag
 from megatron_plugins.encoders import EncoderPlugin, check_hooks, instantiate
 from megatron_plugins.language import language_config_from_args
-from megatron_plugins.layout_flags import apply_language_grid
+from megatron_plugins.layout_flags import language_grid_flags, language_world_size
 from megatron_plugins.optimizer_config import implied_stock_flags
 from megatron_plugins.errors import FlagError
 from megatron_plugins.preflight import Preflight
@@ -102,7 +102,7 @@ def _spelling(parser: argparse.ArgumentParser, attr: str) -> str:
 
 def language_shape(args: argparse.Namespace, parser: argparse.ArgumentParser,
                    given: Callable[[str], str | None]) -> list[Adjustment]:
-    """Step 1: the stock shape flags and the family of ``--language-hf-weights``' config.json."""
+    """The stock shape flags and the family of ``--language-hf-weights``' config.json."""
     family, implied = implied_language_args(args, given)
     why = f"{LANGUAGE_FLAG} {args.language_hf_weights}/config.json"
     return [Adjustment("language_hf_family", family, LANGUAGE_FLAG, why),
@@ -111,20 +111,20 @@ def language_shape(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 
 def freeze_lists(checked: Preflight) -> list[Adjustment]:
-    """Step 2: the projections to freeze by name (a bare --freeze-projection means all)."""
+    """The projections to freeze by name (a bare --freeze-projection means all)."""
     return [Adjustment("freeze_projection", list(checked.freeze_projection), "--freeze-projection",
                        "the pre-import checks resolved the encoder names")]
 
 
 def encoder_weights(args: argparse.Namespace,
                     plugins: dict[str, EncoderPlugin]) -> list[Adjustment]:
-    """Step 3: ``--encoder-hf-weights NAME=DIR`` values checked, as a NAME -> DIR dict."""
+    """``--encoder-hf-weights NAME=DIR`` values checked, as a NAME -> DIR dict."""
     return [Adjustment("encoder_hf_weights", encoder_folders(args.encoder_hf_weights, plugins),
                        "--encoder-hf-weights", "checked against the run's encoders")]
 
 
 def resume(args: argparse.Namespace, checked: Preflight) -> list[Adjustment]:
-    """Step 3: the iteration ``--load`` resumes from; told when it is not stock's choice."""
+    """The iteration ``--load`` resumes from; told when it is not stock's choice."""
     point = checkpoints.check_checkpoint_flags(args, checked.layout)
     if point is None:
         return []
@@ -133,7 +133,7 @@ def resume(args: argparse.Namespace, checked: Preflight) -> list[Adjustment]:
 
 
 def defaults(args: argparse.Namespace, given: Callable[[str], str | None]) -> list[Adjustment]:
-    """Step 4: what 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run. A
+    """What 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run. A
     GPU-only value the user gave explicitly is a :class:`FlagError` naming the flag."""
     chosen = []
     if args.tokenizer_type is None:
@@ -174,7 +174,7 @@ def check_mock_tokenizer(args: argparse.Namespace) -> None:
 
 def data_source_values(args: argparse.Namespace,
                        plugins: dict[str, EncoderPlugin]) -> list[Adjustment]:
-    """Step 5: an Energon run's placeholders as tokenizer special tokens and its loader states
+    """An Energon run's placeholders as tokenizer special tokens and its loader states
     saved with each checkpoint (compat Gap 10)."""
     if not args.data_path:
         return []
@@ -187,14 +187,14 @@ def data_source_values(args: argparse.Namespace,
 
 def optimizer_flags(args: argparse.Namespace, parser: argparse.ArgumentParser,
                     argv: Sequence[str]) -> list[Adjustment]:
-    """Step 5: the stock flags ``--bf16-precision-aware-optimizer`` implies."""
+    """The stock flags ``--bf16-precision-aware-optimizer`` implies."""
     return [Adjustment(attr, value, _spelling(parser, attr),
                        "--bf16-precision-aware-optimizer implies it")
             for attr, value in implied_stock_flags(args, argv).items()]
 
 
 def mimo_before_validation() -> list[Adjustment]:
-    """Step 6: fixed MiMo settings stock validation checks (the loss is summed per token; data
+    """Fixed MiMo settings stock validation checks (the loss is summed per token; data
     comes from MiMo's provider)."""
     return [Adjustment("calculate_per_token_loss", True, "--calculate-per-token-loss",
                        "MiMo's loss is a per-token sum"),
@@ -225,11 +225,17 @@ def _stock_reason(error: BaseException) -> str:
     return f"{frame.line or type(error).__name__} ({Path(frame.filename).name}:{frame.lineno})"
 
 
+def language_grid(args: argparse.Namespace, checked: Preflight) -> list[Adjustment]:
+    """The language grid written into stock's parallel flags, so stock validation checks it."""
+    return [Adjustment(attr, value, flag, f"{checked.layout.language.source} sets it")
+            for attr, flag, value in language_grid_flags(args, checked.layout)]
+
+
 def validate(args: argparse.Namespace, checked: Preflight,
              given: Callable[[str], str | None]) -> None:
-    """Step 6: stock ``validate_args`` with the language grid written into the stock parallel
-    flags, its failures as one :class:`FlagError` line."""
-    with apply_language_grid(args, checked.layout):
+    """Stock ``validate_args`` over the language grid's world size, its failures as one
+    :class:`FlagError` line."""
+    with language_world_size(args, checked.layout):
         _check_learning_rates(args, given)
         try:
             validate_args(args)
@@ -239,7 +245,7 @@ def validate(args: argparse.Namespace, checked: Preflight,
 
 
 def padded_vocabulary(args: argparse.Namespace, source: DataSource) -> list[Adjustment]:
-    """Step 7: stock pads the tokenizer's vocabulary only when it builds it, after the language
+    """Stock pads the tokenizer's vocabulary only when it builds it, after the language
     config is first needed; the same function gives the same size now."""
     if not args.data_path or args.padded_vocab_size is not None:
         return []
@@ -251,7 +257,7 @@ def padded_vocabulary(args: argparse.Namespace, source: DataSource) -> list[Adju
 
 def init_checkpoints(args: argparse.Namespace, plugins: dict[str, EncoderPlugin],
                      checked: Preflight) -> list[Adjustment]:
-    """Step 7: the Megatron checkpoints that initialize modules, as iteration folders."""
+    """The Megatron checkpoints that initialize modules, as iteration folders."""
     if args.language_megatron_checkpoint and args.padded_vocab_size is None:
         # The checkpoint's padded vocabulary is compared below; stock's tokenizer sets ours.
         build_tokenizer(args)
@@ -261,7 +267,7 @@ def init_checkpoints(args: argparse.Namespace, plugins: dict[str, EncoderPlugin]
 
 
 def mimo_after_validation(args: argparse.Namespace) -> list[Adjustment]:
-    """Step 7: the cross-grid schedule requires variable sequence lengths, which Megatron's
+    """The cross-grid schedule requires variable sequence lengths, which Megatron's
     allgather MoE dispatcher (the stock default) does not support."""
     fixed = [Adjustment("variable_seq_lengths", True, "--variable-seq-lengths",
                         "the cross-grid schedule needs it")]
@@ -297,6 +303,7 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.apply(data_source_values(args, plugins))
     record.apply(optimizer_flags(args, parser, argv))
     record.apply(mimo_before_validation())
+    record.apply(language_grid(args, checked))
     validate(args, checked, given)
     record.apply(padded_vocabulary(args, source))
     record.apply(init_checkpoints(args, plugins, checked))

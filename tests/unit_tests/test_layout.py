@@ -10,7 +10,12 @@ import shlex
 import pytest
 
 from megatron_plugins.layout import LANGUAGE, LayoutError, ModulePlacement, ParallelLayout
-from megatron_plugins.layout_flags import add_layout_args, apply_language_grid, layout_from_args
+from megatron_plugins.layout_flags import (
+    add_layout_args,
+    language_grid_flags,
+    language_world_size,
+    layout_from_args,
+)
 from tests.multiprocess import run_in_processes
 
 
@@ -216,7 +221,9 @@ def test_apply_language_grid_sets_stock_parallel_args():
     args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
                               context_parallel_size=1, expert_model_parallel_size=1,
                               expert_tensor_parallel_size=None, world_size=10)
-    with apply_language_grid(args, layout):
+    for attr, _, value in language_grid_flags(args, layout):
+        setattr(args, attr, value)
+    with language_world_size(args, layout):
         assert args.world_size == 8  # stock validate_args derives data_parallel_size from it
     assert args.world_size == 10  # stock init_process_group needs the real one
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -233,8 +240,7 @@ def test_apply_language_grid_rejects_disagreeing_stock_flags(attr, value, flag, 
     layout = layout_from_args(parse("--grid language:tp=2"), 2)
     args = argparse.Namespace(world_size=2, **{attr: value})
     with pytest.raises(LayoutError) as error:
-        with apply_language_grid(args, layout):
-            pass
+        language_grid_flags(args, layout)
     assert flag in str(error.value)
     assert f"--grid language: {grid}" in str(error.value)
 
@@ -254,7 +260,10 @@ def _with_stock_parser(command: str) -> dict[str, object]:
     args = parser.parse_args(shlex.split(command))
     args.rank, args.world_size = 0, 10
     unvalidated_dp = args.world_size // args.tensor_model_parallel_size
-    with apply_language_grid(args, layout_from_args(args, args.world_size)):
+    layout = layout_from_args(args, args.world_size)
+    for attr, _, value in language_grid_flags(args, layout):
+        setattr(args, attr, value)
+    with language_world_size(args, layout):
         validate_args(args)
     return {
         "clashes": clashes,

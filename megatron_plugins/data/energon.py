@@ -4,10 +4,10 @@ Every rank opens the same global stream: Energon with one data rank, the run's `
 ``--num-workers``, batched into global microbatches of ``micro_batch_size x language dp``
 samples, so sample order never depends on the layout. Energon's decoder is off; in the loader
 workers each rank keeps only its positions of the microbatch (:class:`RankSlice`) and does only
-its own work on them: language ranks tokenize text and never decode media, an encoder rank
-decodes and preprocesses only its own modality. Errors are never skipped (Energon would skip a
-failing sample on one rank only, which is silent misalignment): a sample that cannot be used
-stops training with its key.
+its own work on them: language ranks tokenize text (read as UTF-8 where a ``field_map`` hands
+its parts over as bytes) and never decode media, an encoder rank decodes and preprocesses only its
+own modality. Errors are never skipped (Energon would skip a failing sample on one rank only,
+which is silent misalignment): a sample that cannot be used stops training with its key.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class SampleKind:
     @property
     def fields(self) -> tuple[str, ...]:
         """Every field training reads, so every field a dataset's ``field_map`` must fill."""
-        return (*self.media, *filter(None, (self.prompt, self.target)))
+        return (*self.media, *([self.prompt] if self.prompt else []), self.target)
 
     def text(self, sample: Any) -> SampleText:
         """The sample's text as ``str``: a ``field_map`` hands text parts over as raw bytes."""

@@ -3,12 +3,15 @@ or written as plain WebDataset shards and prepared by stock ``energon prepare``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 SAMPLES = 300
 
@@ -29,6 +32,24 @@ def energon_flags(root: Path, *, workers: int = 0) -> tuple[str, ...]:
     """Flags that put the tiny model on the real data (they override the mock's NullTokenizer)."""
     return ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tokenizer"),
             "--data-path", str(root / "energon"), "--num-workers", str(workers))
+
+
+def source_args(root: Path, encoders: Iterable[Any], **overrides: Any) -> argparse.Namespace:
+    """The flags an Energon run on ``root`` (its ``energon/`` and ``tokenizer/``) holds once parsed,
+    with the ``encoders``' own flags at their defaults."""
+    parser = argparse.ArgumentParser()
+    for encoder in encoders:
+        encoder.add_arguments(parser)
+    args = parser.parse_args([])
+    values = dict(data_path=[str(root / "energon")], tokenizer_type="HuggingFaceTokenizer",
+                  tokenizer_model=str(root / "tokenizer"), seed=1234, seq_length=32,
+                  num_workers=0, global_batch_size=8, micro_batch_size=2, eval_iters=1,
+                  eval_interval=5, rampup_batch_size=None, special_tokens=None,
+                  padded_vocab_size=None, vocab_size=None)
+    values.update(overrides)
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
 
 
 STOCK_SAMPLES = 120

@@ -5,6 +5,7 @@ a field map that cannot fill a sample is refused in one line before any process 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import tarfile
@@ -22,10 +23,15 @@ from megatron_plugins.data.text import SampleText
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from tests.energon_data import STOCK_FIELD_MAPS, energon_prepare, stock_prepared_dataset
+from tests.energon_data import (
+    STOCK_FIELD_MAPS,
+    energon_prepare,
+    source_args,
+    stock_prepared_dataset,
+)
 
-MEDIA_ENCODERS = {"image": ("vision", "vit", ViTEncoder), "audio": ("audio", "audio",
-                                                                     AudioFrameEncoder)}
+ENCODERS = {"image": ("vision", "vit", ViTEncoder), "audio": ("audio", "audio", AudioFrameEncoder)}
+"""Media kind -> (module name, provider, plugin class) of the encoder that reads it."""
 
 
 class _RawSamples(DefaultTaskEncoder):
@@ -38,12 +44,7 @@ def _raw_samples(dataset: Path, count: int) -> list:
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
     loader = get_loader(get_val_dataset(str(dataset), split_part="val", batch_size=None,
                                         worker_config=worker_config, task_encoder=_RawSamples()))
-    samples = []
-    for sample in loader:
-        samples.append(sample)
-        if len(samples) == count:
-            return samples
-    return samples
+    return list(itertools.islice(loader, count))
 
 
 def _annotations(root: Path) -> list[dict]:
@@ -52,27 +53,13 @@ def _annotations(root: Path) -> list[dict]:
 
 def _source(root: Path, kind: str, **overrides):
     """The run's source on the stock folder, with an encoder for each media kind it carries."""
-    media = SAMPLE_KINDS[STOCK_FIELD_MAPS[kind][0]].media
-    placements = [ModulePlacement(name=MEDIA_ENCODERS[m][0], tp=1, pp=1, cp=1, dp=1,
-                                  rank_offset=i, provider=MEDIA_ENCODERS[m][1])
-                  for i, m in enumerate(media)]
-    layout = ParallelLayout((*placements, ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1,
-                                                          rank_offset=len(media))))
-    parser = argparse.ArgumentParser()
-    for m in media:
-        MEDIA_ENCODERS[m][2].add_arguments(parser)
-    args = parser.parse_args([])
-    values = dict(data_path=[str(root / "energon")], tokenizer_type="HuggingFaceTokenizer",
-                  tokenizer_model=str(root / "tokenizer"), seed=1234, seq_length=32,
-                  num_workers=0, global_batch_size=8, micro_batch_size=2, eval_iters=1,
-                  eval_interval=5, rampup_batch_size=None, special_tokens=None,
-                  padded_vocab_size=None, vocab_size=None)
-    values.update(overrides)
-    for name, value in values.items():
-        setattr(args, name, value)
-    plugins = {MEDIA_ENCODERS[m][0]: MEDIA_ENCODERS[m][2](MEDIA_ENCODERS[m][0], args,
-                                                           layout.module(MEDIA_ENCODERS[m][0]))
-               for m in media}
+    encoders = [ENCODERS[m] for m in SAMPLE_KINDS[STOCK_FIELD_MAPS[kind][0]].media]
+    layout = ParallelLayout((
+        *(ModulePlacement(name=name, tp=1, pp=1, cp=1, dp=1, rank_offset=i, provider=provider)
+          for i, (name, provider, _) in enumerate(encoders)),
+        ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=len(encoders))))
+    args = source_args(root, (plugin for *_, plugin in encoders), **overrides)
+    plugins = {name: plugin(name, args, layout.module(name)) for name, _, plugin in encoders}
     return build_source(args, plugins), layout, args, plugins
 
 
@@ -84,7 +71,7 @@ def caption_root() -> Path:
 def test_the_stock_cli_writes_a_field_map_and_training_reads_its_text_as_str(caption_root):
     spec = yaml.safe_load((caption_root / "energon" / ".nv-meta" / "dataset.yaml").read_text())
     assert spec["field_map"] == {"image": "png", "caption": "txt"} and "sample_loader" not in spec
-    captions = {f"{i:06d}": record["caption"] for i, record in enumerate(_annotations(caption_root))}
+    captions = {f"{i:06d}": r["caption"] for i, r in enumerate(_annotations(caption_root))}
     [sample] = _raw_samples(caption_root / "energon", 1)
     assert isinstance(sample.caption, bytes)  # what Energon hands over with its decoder off
     assert SAMPLE_KINDS["CaptioningSample"].text(sample) == SampleText("", captions[sample.__key__])

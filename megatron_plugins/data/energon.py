@@ -4,15 +4,17 @@ Every rank opens the same global stream: Energon with one data rank, the run's `
 ``--num-workers``, batched into global microbatches of ``micro_batch_size x language dp``
 samples, so sample order never depends on the layout. Energon's decoder is off; in the loader
 workers each rank keeps only its positions of the microbatch (:class:`RankSlice`) and does only
-its own work on them: language ranks tokenize text and never decode media, an encoder rank
-decodes and preprocesses only its own modality. Errors are never skipped (Energon would skip a
-failing sample on one rank only, which is silent misalignment): a sample that cannot be used
-stops training with its key.
+its own work on them: language ranks tokenize text (read as UTF-8 where a ``field_map`` hands
+its parts over as bytes) and never decode media, an encoder rank decodes and preprocesses only its
+own modality. Errors are never skipped (Energon would skip a failing sample on one rank only,
+which is silent misalignment): a sample that cannot be used stops training with its key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sqlite3
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +35,7 @@ from megatron.energon import (
 )
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.media import DECODERS, BadSampleError
+from megatron_plugins.data.media import DECODERS, BadSampleError, decode_text
 from megatron_plugins.data.streams import TRUNCATED, Microbatch, collate, data_state_path
 from megatron_plugins.data.text import PromptTokenizer, SampleText
 from megatron_plugins.encoders import EncoderPlugin
@@ -47,14 +49,39 @@ MAX_SAMPLES_PER_SEQUENCE = 100
 ENERGON_SPLITS = {"train": "train", "valid": "val", "test": "test"}
 """Stock split name -> Energon split part."""
 
-SAMPLE_KINDS: dict[str, tuple[tuple[str, ...], Any]] = {
-    "CaptioningSample": (("image",), lambda s: SampleText("", s.caption)),
-    "VQASample": (("image",), lambda s: SampleText(
-        s.context, s.answers[0] if isinstance(s.answers, (list, tuple)) else s.answers)),
-    "AudioTranscriptSample": (("audio",), lambda s: SampleText("", s.transcript)),
-    "ImageAudioCaptionSample": (("image", "audio"), lambda s: SampleText("", s.caption)),
+@dataclasses.dataclass(frozen=True)
+class SampleKind:
+    """What one sample type carries: its media fields and the text fields its loss target (and
+    prompt) come from."""
+
+    media: tuple[str, ...]
+    target: str
+    prompt: str | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Every field training reads, so every field a dataset's ``field_map`` must fill."""
+        return (*self.media, *([self.prompt] if self.prompt else []), self.target)
+
+    def text(self, sample: Any) -> SampleText:
+        """The sample's text as ``str``: a ``field_map`` hands text parts over as raw bytes."""
+        key = sample.__key__
+        prompt = decode_text(getattr(sample, self.prompt), key, self.prompt) if self.prompt else ""
+        target = getattr(sample, self.target)
+        if isinstance(target, (list, tuple)):  # VQA answers: the first one is the target.
+            if not target:
+                raise BadSampleError(key, self.target, "is an empty list")
+            target = target[0]
+        return SampleText(prompt, decode_text(target, key, self.target))
+
+
+SAMPLE_KINDS: dict[str, SampleKind] = {
+    "CaptioningSample": SampleKind(("image",), "caption"),
+    "VQASample": SampleKind(("image",), "answers", prompt="context"),
+    "AudioTranscriptSample": SampleKind(("audio",), "transcript"),
+    "ImageAudioCaptionSample": SampleKind(("image", "audio"), "caption"),
 }
-"""Sample types read here: the media each carries and how its text is laid out."""
+"""Sample types read here, by class name."""
 
 
 class DataPathError(UsageError):
@@ -62,7 +89,7 @@ class DataPathError(UsageError):
 
 
 def _sample_text(sample: Any) -> SampleText:
-    return SAMPLE_KINDS[type(sample).__name__][1](sample)
+    return SAMPLE_KINDS[type(sample).__name__].text(sample)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +183,63 @@ class _GlobalBatches(Iterator[Microbatch]):
         return self._loader.save_state_rank()
 
 
-def dataset_sample_type(path: Path) -> str:
-    """The sample class a prepared dataset folder declares in ``.nv-meta/dataset.yaml``."""
-    spec = yaml.safe_load((path / ".nv-meta" / "dataset.yaml").read_text())
+def dataset_spec(path: Path) -> dict[str, Any]:
+    """A prepared dataset folder's ``.nv-meta/dataset.yaml``."""
+    return yaml.safe_load((path / ".nv-meta" / "dataset.yaml").read_text()) or {}
+
+
+def dataset_sample_type(spec: dict[str, Any]) -> str:
+    """The sample class a ``dataset.yaml`` declares."""
     sample_type = spec.get("sample_type") or {}
     return sample_type.get("__class__") or spec.get("__class__", "").replace("Webdataset",
                                                                                "Sample")
+
+
+def _other_parts(path: Path, parts: list[str]) -> list[str] | None:
+    """The part names the folder's samples hold when none holds any of ``parts``; None when one
+    does, or without Energon's index to ask (a cheap query: it stops at the first match)."""
+    index = path / ".nv-meta" / "index.sqlite"
+    if not index.is_file():
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)) as db:
+            marks = ",".join("?" * len(parts))
+            if db.execute(f"SELECT 1 FROM sample_parts WHERE part_name IN ({marks}) LIMIT 1",
+                          parts).fetchone():
+                return None
+            return [name for (name,) in db.execute(
+                "SELECT DISTINCT part_name FROM sample_parts ORDER BY part_name LIMIT 20")]
+    except sqlite3.Error:
+        return None  # An index of another Energon version: Energon itself reads the parts.
+
+
+def _check_field_map(path: Path, sample_type: str, spec: dict[str, Any]) -> None:
+    """Refuse a ``field_map`` (what ``energon prepare --field-map`` writes) that leaves a field
+    training reads unfilled, looks inside a part, or names parts no sample holds: Energon would
+    fail on every rank at the first sample."""
+    if spec.get("sample_loader"):
+        return  # The loader fills the fields itself (tools.make_energon_dataset writes one).
+    where = f"--data-path {path}: its .nv-meta/dataset.yaml"
+    field_map = spec.get("field_map") or {}
+    for field in SAMPLE_KINDS[sample_type].fields:
+        if field not in field_map:
+            raise DataPathError(
+                f"{where} maps no tar part to the {field!r} field of {sample_type}; add "
+                f"\"{field}\": \"<part extension>\" to its field_map (or re-run `energon "
+                "prepare --force-overwrite` with that entry in --field-map)")
+        parts = str(field_map[field]).split(",")
+        nested = next((part for part in parts if "[" in part), None)
+        if nested is not None:
+            raise DataPathError(
+                f"{where} maps {field!r} to {nested!r}, inside a part, which needs Energon's "
+                "decoder (off in training); map it to a whole part holding just that text, or "
+                "write a sample_loader (as python -m tools.make_energon_dataset does)")
+        held = _other_parts(path, parts)
+        if held is not None:
+            raise DataPathError(
+                f"{where} maps {field!r} to {field_map[field]!r}, but no sample of its shards "
+                f"holds such a part (they hold: {', '.join(held) or 'none'}); map {field!r} to "
+                "one of those in its field_map")
 
 
 def split_sizes(path: Path) -> dict[str, int | None]:
@@ -251,11 +329,13 @@ def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> 
         raise DataPathError(
             f"{flag} is not a prepared Energon dataset (no .nv-meta/dataset.yaml); prepare it "
             f"with `energon prepare {path}` or `python -m tools.make_energon_dataset`")
-    sample_type = dataset_sample_type(path)
+    spec = dataset_spec(path)
+    sample_type = dataset_sample_type(spec)
     if sample_type not in SAMPLE_KINDS:
         raise DataPathError(f"{flag} holds {sample_type or 'unknown'} samples; supported: "
                             f"{', '.join(SAMPLE_KINDS)}")
-    carried = SAMPLE_KINDS[sample_type][0]
+    _check_field_map(path, sample_type, spec)
+    carried = SAMPLE_KINDS[sample_type].media
     for name, plugin in plugins.items():
         media = plugin.preprocessor().media
         if media not in carried:

@@ -1,4 +1,5 @@
-"""Media bytes <-> decoded media: the one place that reads and writes images and WAV audio.
+"""Sample part bytes <-> decoded values: the one place that reads and writes images and WAV audio,
+and reads text parts.
 
 Decoded kinds (the contract with the data sources and the encoders' preprocessors): ``"image"`` is
 a ``numpy.ndarray`` uint8 ``[H, W, 3]`` RGB; ``"audio"`` is a :class:`Waveform`. The dataset tools
@@ -34,6 +35,20 @@ class Waveform:
 
 def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def decode_text(data: bytes | str, key: str, field: str) -> str:
+    """A text part as ``str``: Energon hands parts over as raw bytes with its decoder off (UTF-8 is
+    read; a ``str``, already decoded by a sample loader, is kept)."""
+    if isinstance(data, str):
+        return data
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadSampleError(key, field, f"is {type(data).__name__}, not text")
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadSampleError(key, field, f"is not UTF-8 text ({error.reason} at byte "
+                                         f"{error.start})") from None
 
 
 def decode_image(data: bytes, key: str, field: str = "image") -> np.ndarray:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 from megatron.energon import Sample
 from megatron.energon.edataclass import edataclass
 
+from megatron_plugins.data.media import BadSampleError, decode_text
+
 #: Tar part extensions an image may be stored under (the source file's own encoding is kept).
 IMAGE_PARTS = ("jpg", "png")
 #: Tar part extension of audio.
@@ -42,14 +44,19 @@ class ImageAudioCaptionSample(Sample):
     caption: str
 
 
-def _text(part: bytes | str) -> str:
-    """A ``txt`` part as ``str``, whether Energon's decoder already decoded it or not."""
-    return part.decode("utf-8") if isinstance(part, bytes) else part
+def _text(raw: dict[str, Any], part: str) -> str:
+    """A text part as ``str``, whether Energon's decoder already decoded it or not."""
+    return decode_text(raw[part], raw["__key__"], part)
 
 
-def _json(part: bytes | dict) -> dict:
+def _json(raw: dict[str, Any], part: str) -> dict:
     """A ``json`` part as a dict, whether Energon's decoder already parsed it or not."""
-    return json.loads(part) if isinstance(part, bytes) else part
+    if isinstance(raw[part], dict):
+        return raw[part]
+    try:
+        return json.loads(_text(raw, part))
+    except json.JSONDecodeError as error:
+        raise BadSampleError(raw["__key__"], part, f"is not JSON ({error.msg})") from None
 
 
 def _image(raw: dict[str, Any]) -> Any:
@@ -59,23 +66,23 @@ def _image(raw: dict[str, Any]) -> Any:
 
 def load_caption(raw: dict[str, Any]) -> dict[str, Any]:
     """Fields of Energon's ``CaptioningSample`` from an image part and a ``txt`` caption."""
-    return dict(image=_image(raw), caption=_text(raw["txt"]))
+    return dict(image=_image(raw), caption=_text(raw, "txt"))
 
 
 def load_vqa(raw: dict[str, Any]) -> dict[str, Any]:
     """Fields of Energon's ``VQASample`` from an image part and a ``json`` {question, answer}."""
-    qa = _json(raw["json"])
+    qa = _json(raw, "json")
     return dict(image=_image(raw), context=qa["question"], answers=[qa["answer"]])
 
 
 def load_transcript(raw: dict[str, Any]) -> dict[str, Any]:
     """Fields of ``AudioTranscriptSample`` from a ``wav`` part and a ``txt`` transcript."""
-    return dict(audio=raw[AUDIO_PART], transcript=_text(raw["txt"]))
+    return dict(audio=raw[AUDIO_PART], transcript=_text(raw, "txt"))
 
 
 def load_image_audio_caption(raw: dict[str, Any]) -> dict[str, Any]:
     """Fields of ``ImageAudioCaptionSample`` from image, ``wav`` and ``txt`` parts."""
-    return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw["txt"]))
+    return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw, "txt"))
 
 
 #: The loader for each dataset kind of ``tools.make_energon_dataset``.

@@ -9,11 +9,23 @@ reads one global stream (one Energon batch per step) and keeps its positions of 
 
 from __future__ import annotations
 
-import pytest
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-from tests.energon_data import energon_flags, synthetic_dataset
-from tests.mimo_runs import train_mimo
-from tests.multiprocess import WorkerFailure
+import pytest
+import yaml
+
+from tests.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
+from tests.mimo_runs import TINY_MIMO, train_mimo
+from tests.multiprocess import REPO_ROOT, WorkerFailure, run_script
+from tests.tensorboard_scalars import read_scalars
+
+SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 VISION = ("--encoder", "vision=vit", "--grid")
@@ -72,3 +84,37 @@ def test_a_misaligned_encoder_is_stopped_at_the_first_step_naming_both_ranks() -
                        r"encoder 'vision' dp rank 0 \(global rank 0\) embedded sample "
                        r"'train/1' at position 0, but language global rank 1 holds 'train/0'"):
         train_mimo(2, (*VISION, "vision:", "--grid", "language:"), misalign=True, timeout=120)
+
+
+def test_a_folder_prepared_by_stock_energon_prepare_trains(tmp_path: Path) -> None:
+    """The README's `energon prepare --field-map` caption folder: its text parts reach the
+    language rank as bytes and train."""
+    root = stock_prepared_dataset("caption")
+    run = run_script(SCRIPT, [*TINY_MIMO, *SGD, *VISION, "vision:", "--grid", "language:",
+                              *energon_flags(root), "--train-iters", "4", "--eval-interval", "2",
+                              "--tensorboard-dir", str(tmp_path)], nproc=2, timeout=240)
+    assert run.returncode == 0, run.output[-4000:]
+    losses = read_scalars(tmp_path, "lm loss")
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    assert "Traceback" not in run.output
+
+
+def test_a_field_map_missing_a_field_exits_2_in_one_line_before_any_process_group(
+        tmp_path: Path) -> None:
+    shutil.copytree(stock_prepared_dataset("caption"), tmp_path / "copy")
+    spec_file = tmp_path / "copy" / "energon" / ".nv-meta" / "dataset.yaml"
+    spec = yaml.safe_load(spec_file.read_text())
+    spec["field_map"] = {"image": "png"}
+    spec_file.write_text(yaml.safe_dump(spec))
+    # One plain process, no rendezvous address: it could not even form a process group.
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    run = subprocess.run([sys.executable, str(SCRIPT), *TINY_MIMO, *VISION, "vision:", "--grid",
+                          "language:", *energon_flags(tmp_path / "copy")],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.stderr, flags=re.M)
+    assert errors == [f"--data-path {tmp_path / 'copy' / 'energon'}: its .nv-meta/dataset.yaml "
+                      "maps no tar part to the 'caption' field of CaptioningSample; add "
+                      '"caption": "<part extension>" to its field_map (or re-run `energon '
+                      'prepare --force-overwrite` with that entry in --field-map)'], run.stderr
+    assert "Traceback" not in run.stderr

@@ -18,7 +18,7 @@ from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from tests.energon_data import synthetic_dataset
+from tests.energon_data import source_args, synthetic_dataset
 
 LAYOUT = ParallelLayout((
     ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
@@ -28,19 +28,7 @@ LAYOUT = ParallelLayout((
 
 
 def _args(root: Path, **overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    ViTEncoder.add_arguments(parser)
-    AudioFrameEncoder.add_arguments(parser)
-    args = parser.parse_args([])
-    values = dict(data_path=[str(root / "energon")], tokenizer_type="HuggingFaceTokenizer",
-                  tokenizer_model=str(root / "tokenizer"), seed=1234, seq_length=32,
-                  num_workers=0, global_batch_size=8, micro_batch_size=2, eval_iters=1,
-                  eval_interval=5, rampup_batch_size=None, special_tokens=None,
-                  padded_vocab_size=None, vocab_size=None)
-    values.update(overrides)
-    for name, value in values.items():
-        setattr(args, name, value)
-    return args
+    return source_args(root, (ViTEncoder, AudioFrameEncoder), **overrides)
 
 
 def _plugins(args: argparse.Namespace, names=("vision", "audio")) -> dict:

@@ -29,7 +29,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
 
-from megatron_plugins import checkpoints, cpu_simulation, megatron_compat
+from megatron_plugins import checkpoint_guards, cpu_simulation, megatron_compat
 from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.data.sources import add_data_args, build_source
@@ -64,7 +64,7 @@ from megatron_plugins.weights.flags import (
     apply_language_config,
     encoder_folders,
 )
-from megatron_plugins.weights.megatron_checkpoint import add_checkpoint_init_args, check_init_flags
+from megatron_plugins.weights.megatron_init import add_checkpoint_init_args, check_init_flags
 from megatron_plugins.training_step import forward_step
 
 HELP_DESCRIPTION = (
@@ -229,7 +229,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None) -> MimoRun:
     plugins = {module.name: instantiate(module.provider, module.name, args, module)
                for module in layout.encoders}
     args.encoder_hf_weights = encoder_folders(args.encoder_hf_weights, plugins)
-    resume_notice = checkpoints.check_checkpoint_flags(args, layout)
+    resume_notice = checkpoint_guards.check_checkpoint_flags(args, layout)
     if resume_notice:
         _notice(args, resume_notice)
     chosen = apply_run_defaults(args, argv, parser)
@@ -297,7 +297,7 @@ def start(run: MimoRun) -> MimoSession:
                                 world_size=args.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     topology = build_topology(run.layout)
-    checkpoints.write_layout(args.save, run.layout, dist.get_rank())
+    checkpoint_guards.write_layout(args.save, run.layout, dist.get_rank())
     megatron_compat.ensure_global_memory_buffer()
     language = language_config_from_args(args)
     guard = (alignment_guard(topology, args.micro_batch_size) if args.data_alignment_check

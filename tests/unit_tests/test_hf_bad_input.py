@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_plugins.weights.checkpoint import HFCheckpoint
+from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.flags import LANGUAGE_FLAG, fill_layout_flags
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES

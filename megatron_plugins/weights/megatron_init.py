@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_plugins.checkpoints import DONE_FILE, TRACKER_FILE, is_complete
+from megatron_plugins.checkpoint_guards import DONE_FILE, TRACKER_FILE, is_complete
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
 

@@ -49,14 +49,24 @@ def language_args(folder: str) -> tuple[Family, dict[str, Any]]:
     return family, family.megatron_args(config)
 
 
+def check_safetensors(folder: str, flag: str) -> None:
+    """Before any process group: every safetensors file of ``folder`` is there and readable, so a
+    truncated one stops every rank with the same line instead of leaving the others in a
+    collective. The launch calls it; the pre-import layout checks do not (it imports torch)."""
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+
+    HFCheckpoint(folder, flag).check_files()
+
+
 def apply_language_config(args: argparse.Namespace, given: Callable[[str], str | None]) -> str | None:
-    """Set the stock shape flags ``--language-hf-weights``' config.json implies; returns the
-    family name (None without the flag). ``given(attr)`` is the flag as the user spelled it, or
-    None when it was not given."""
+    """Set the stock shape flags ``--language-hf-weights``' config.json implies, after checking
+    its safetensors files; returns the family name (None without the flag). ``given(attr)`` is
+    the flag as the user spelled it, or None when it was not given."""
     folder = args.language_hf_weights
     if folder is None:
         return None
     family, implied = language_args(folder)
+    check_safetensors(folder, LANGUAGE_FLAG)
     for attr, value in implied.items():
         if not hasattr(args, attr):
             raise ValueError(f"the {family.name} family sets args.{attr}, which stock lacks")
@@ -114,5 +124,6 @@ def encoder_folders(values: list[str], plugins: Mapping[str, Any]) -> dict[str, 
                                  f"({type(plugins[name]).__name__}) has no HF weight mapping")
         config = read_config(folder, f"{ENCODER_FLAG} {name}=")
         find_family(config, (family,), f"{ENCODER_FLAG} {value}/config.json")
+        check_safetensors(folder, f"{ENCODER_FLAG} {name}=")
         folders[name] = folder
     return folders

@@ -36,7 +36,7 @@ from megatron_plugins.lifecycle import Freeze, prepare_active_modules
 from megatron_plugins.rng import rng_state_key_prefix, seed_module
 from megatron_plugins.topology import HeteroTopology
 from megatron_plugins.weights import load_pretrained
-from megatron_plugins.weights.megatron_checkpoint import load_megatron_checkpoints
+from megatron_plugins.weights.megatron_init import load_megatron_checkpoints
 
 
 @dataclass

@@ -29,7 +29,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args
 from megatron.training.global_vars import set_global_variables
 
-from megatron_plugins import checkpoints, cpu_simulation
+from megatron_plugins import checkpoint_guards, cpu_simulation
 from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.compat import model_build, startup
 from megatron_plugins.data.addressing import AlignmentGuard
@@ -52,7 +52,7 @@ from megatron_plugins.run_settings import settle
 from megatron_plugins.topology import HeteroTopology, build_topology, pipeline_communicator
 from megatron_plugins.training_step import forward_step
 from megatron_plugins.weights.flags import add_weights_args
-from megatron_plugins.weights.megatron_checkpoint import add_checkpoint_init_args
+from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
 
 HELP_DESCRIPTION = (
     "Heterogeneous MiMo pretraining through stock Megatron pretrain(). MiMo flags come first, "
@@ -173,7 +173,7 @@ def start(run: MimoRun) -> MimoSession:
                                 world_size=args.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     topology = build_topology(run.layout)
-    checkpoints.write_layout(args.save, run.layout, dist.get_rank())
+    checkpoint_guards.write_layout(args.save, run.layout, dist.get_rank())
     model_build.ensure_global_memory_buffer()
     language = language_config_from_args(args)
     guard = (alignment_guard(topology, args.micro_batch_size) if args.data_alignment_check

@@ -31,7 +31,7 @@ from typing import Any
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.arguments import validate_args
 
-from megatron_plugins import checkpoints, cpu_simulation
+from megatron_plugins import checkpoint_guards, cpu_simulation
 from megatron_plugins.command_line import given_flag, spellings_of
 from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.streams import DataSource
@@ -43,7 +43,7 @@ from megatron_plugins.optimizer_config import implied_stock_flags
 from megatron_plugins.errors import FlagError
 from megatron_plugins.preflight import Preflight
 from megatron_plugins.weights.flags import LANGUAGE_FLAG, encoder_folders, implied_language_args
-from megatron_plugins.weights.megatron_checkpoint import check_init_flags
+from megatron_plugins.weights.megatron_init import check_init_flags
 
 DEFAULT_EVAL_INTERVAL = 1000
 """--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""
@@ -125,7 +125,7 @@ def encoder_weights(args: argparse.Namespace,
 
 def resume(args: argparse.Namespace, checked: Preflight) -> list[Adjustment]:
     """The iteration ``--load`` resumes from; told when it is not stock's choice."""
-    point = checkpoints.check_checkpoint_flags(args, checked.layout)
+    point = checkpoint_guards.check_checkpoint_flags(args, checked.layout)
     if point is None:
         return []
     return [Adjustment("ckpt_step", point.step, "--ckpt-step", point.notice or "",

@@ -41,7 +41,7 @@ def read_rank(jobs: list[tuple[str, str]]) -> list[dict[str, np.ndarray]]:
     Arrays, not tensors: a tensor's shared memory would not outlive this process."""
     from megatron.core import dist_checkpointing
 
-    from megatron_plugins.weights.megatron_checkpoint import module_keys
+    from megatron_plugins.weights.megatron_init import module_keys
     from tools.export_hf import Checkpoint, iteration_folder
 
     found = []

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import psutil
 import torch.distributed as dist
 
-from tools.functional_tests import free_port
+from tools.functional_tests.runner import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.functional_tests import read_metrics
+from tools.functional_tests.runner import read_metrics
 
 
 def read_scalars(logdir: str | Path, tag: str) -> dict[int, float]:

@@ -28,7 +28,7 @@ import torch
 from megatron_plugins.errors import UsageError, report
 from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
-from megatron_plugins.weights.megatron_checkpoint import split_key
+from megatron_plugins.weights.megatron_init import split_key
 from megatron_plugins.weights.streaming import WeightPiece, assemble, pieces_of
 from megatron_plugins.weights.vision_families import untrained_tensors
 
@@ -48,13 +48,21 @@ def parse_size(text: str) -> int:
 
 def iteration_folder(checkpoint: Path, iteration: int | None) -> Path:
     """The complete iteration folder to export: the one given, or the tracker's newest."""
-    from megatron_plugins.checkpoints import TRACKER_FILE, is_complete, resume_point
+    from megatron_plugins.checkpoint_guards import (
+        TRACKER_FILE,
+        FolderFlags,
+        is_complete,
+        resume_point,
+    )
 
     if is_complete(checkpoint):
         return checkpoint
     if not checkpoint.is_dir():
         raise HFWeightsError(f"--checkpoint {checkpoint}: no such folder")
-    step = resume_point(checkpoint, iteration, auto_resume=False).step
+    fix = ("point --checkpoint at a --save folder holding a complete checkpoint, or at an iter_* "
+           "folder")
+    flags = FolderFlags("--checkpoint", "--iteration", empty=fix, broken=fix)
+    step = resume_point(checkpoint, iteration, auto_resume=False, flags=flags).step
     if step is None:
         step = int((checkpoint / TRACKER_FILE).read_text().strip())
     return checkpoint / f"iter_{step:07d}"

@@ -51,7 +51,7 @@ GAPS: tuple[Gap, ...] = (
         _canary("model_build", "test_gap2_canary_stock_local_attention_needs_the_buffer_only_"
                                "model_parallel_init_creates")),
     Gap("3", "modules without their own tp_group shard checkpoints on parallel_state's TP group",
-        "model_build", "lifecycle.prepare_module, weights.megatron_checkpoint.load_module",
+        "model_build", "lifecycle.prepare_module, weights.megatron_init.load_module",
         _canary("model_build", "test_gap3_canary_vit_has_no_explicit_tp_group_and_the_bridge_"
                                "binds_one")),
     Gap("4", "the stock MoE GPT block spec reads parallel_state's pipeline rank",

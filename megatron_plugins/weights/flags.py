@@ -49,6 +49,15 @@ def language_args(folder: str) -> tuple[Family, dict[str, Any]]:
     return family, family.megatron_args(config)
 
 
+def check_safetensors(folder: str, flag: str) -> None:
+    """Before any process group: every safetensors file of ``folder`` is there and readable, so a
+    truncated one stops every rank with the same line instead of leaving the others in a
+    collective. The launch calls it; the pre-import layout checks do not (it imports torch)."""
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+
+    HFCheckpoint(folder, flag).check_files()
+
+
 def implied_language_args(args: argparse.Namespace, given: Callable[[str], str | None]
                           ) -> tuple[str | None, dict[str, Any]]:
     """The family name of ``--language-hf-weights`` and the stock shape args (attribute -> value)
@@ -58,6 +67,7 @@ def implied_language_args(args: argparse.Namespace, given: Callable[[str], str |
     if folder is None:
         return None, {}
     family, implied = language_args(folder)
+    check_safetensors(folder, LANGUAGE_FLAG)
     values = {}
     for attr, value in implied.items():
         if not hasattr(args, attr):
@@ -116,5 +126,6 @@ def encoder_folders(values: list[str], plugins: Mapping[str, Any]) -> dict[str, 
                                  f"({type(plugins[name]).__name__}) has no HF weight mapping")
         config = read_config(folder, f"{ENCODER_FLAG} {name}=")
         find_family(config, (family,), f"{ENCODER_FLAG} {value}/config.json")
+        check_safetensors(folder, f"{ENCODER_FLAG} {name}=")
         folders[name] = folder
     return folders

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_plugins.weights.checkpoint import HFCheckpoint
 from megatron_plugins.weights.hf_config import find_family
+from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.local_view import LocalParam, heads_of, local_params, names_text
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.slicing import combine, source_slices

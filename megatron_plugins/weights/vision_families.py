@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_plugins.weights.checkpoint import HFCheckpoint
+from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
 LAYER = "decoder.layers.{layer}."

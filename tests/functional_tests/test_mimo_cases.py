@@ -1,4 +1,4 @@
-"""Every Megatron-format MiMo case against its goldens (tools/functional_tests.py rules)."""
+"""Every Megatron-format MiMo case against its goldens (tools/functional_tests/ rules)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from tools.functional_tests import (
+from tools.functional_tests.comparison import compare
+from tools.functional_tests.runner import (
     all_cases,
     check_case,
-    compare,
     free_port,
     load_case,
-    platform_signature,
     read_metrics,
     run_command,
     run_environment,
-    signature_differences,
 )
+from tools.functional_tests.signature import platform_signature, signature_differences
 
 UPSTREAM_LAUNCH = Path(__file__).with_name("upstream_launch.sh")
 

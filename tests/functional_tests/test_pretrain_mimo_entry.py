@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hf_models import MIMO_FLAGS, VIT, save_tiny
 from tests.mimo_runs import TINY_MIMO
 from tests.multiprocess import REPO_ROOT, run_in_processes, run_script
 from tests.tensorboard_scalars import read_scalars
@@ -96,6 +97,24 @@ def test_every_rank_reaches_the_same_verdict() -> None:
     flags, message = BAD_FLAGS[1]
     verdicts = run_in_processes(_parse_on_rank, 3, args=(flags,), timeout=90)
     assert len(set(verdicts)) == 1 and message in verdicts[0]
+
+
+def test_a_truncated_safetensors_file_stops_every_rank_before_any_process_group(
+        tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    run = run_script(SCRIPT, [*MIMO_FLAGS, *VIT, "--grid", "language:dp=1",
+                              "--language-hf-weights", str(folder)], nproc=2, timeout=90)
+    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
+    assert errors and set(errors) == {
+        f"--language-hf-weights {weights}: not a readable safetensors file (Error while "
+        "deserializing header: incomplete metadata, file not fully covered); copy the folder "
+        "again"}, run.output[-3000:]
+    assert "[rank" not in run.output and "Connection closed" not in run.output, run.output[-3000:]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.output)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
+    assert run.seconds < 60
 
 
 

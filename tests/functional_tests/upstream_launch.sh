@@ -41,7 +41,7 @@ while IFS= read -r line; do
 done < <(entries MODEL_ARGS)
 
 nproc=$(cd "$root" && "$python" -c 'import sys
-from tools.functional_tests import load_case, CASES_ROOT
+from tools.functional_tests.runner import load_case, CASES_ROOT
 from pathlib import Path
 print(load_case(str(Path(sys.argv[1]).relative_to(CASES_ROOT))).nproc)' "$case_dir")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.functional_tests import compare, golden_values
+from tools.functional_tests.comparison import compare, golden_values
 
 DATA = Path(__file__).resolve().parents[1] / "functional_tests" / "data" / "cross_host"
 METRICS = ["lm loss", "num-zeros"]

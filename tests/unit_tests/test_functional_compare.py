@@ -8,17 +8,9 @@ import re
 import pytest
 import yaml
 
-from tools.functional_tests import (
-    CASES_ROOT,
-    CaseError,
-    all_cases,
-    compare,
-    flags,
-    golden_values,
-    load_case,
-    resume_failures,
-    signature_differences,
-)
+from tools.functional_tests.comparison import compare, golden_values, resume_failures
+from tools.functional_tests.runner import CASES_ROOT, CaseError, all_cases, flags, load_case
+from tools.functional_tests.signature import signature_differences
 
 STEPS = range(1, 21)
 LOSS = {s: 5.0 - 0.1 * s + 1.234e-7 * s for s in STEPS}
@@ -114,7 +106,7 @@ def test_model_args_become_argv_as_upstreams_launcher_builds_it():
 
 
 def test_upstream_only_keys_are_accepted_and_others_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("tools.functional_tests.CASES_ROOT", tmp_path)
+    monkeypatch.setattr("tools.functional_tests.runner.CASES_ROOT", tmp_path)
     base = {"MODEL_ARGS": {"--train-iters": 2}, "TEST_TYPE": "regular"}
     (tmp_path / "ok").mkdir()
     (tmp_path / "ok" / "model_config.yaml").write_text(yaml.safe_dump(

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_plugins.weights.checkpoint import HFCheckpoint
-from megatron_plugins.weights.flags import LANGUAGE_FLAG, fill_layout_flags
+from megatron_plugins.weights.flags import LANGUAGE_FLAG, check_safetensors, fill_layout_flags
 from megatron_plugins.weights.hf_config import find_family, read_config
+from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import HFWeightsError
 from tests.hf_models import BASE_FLAGS, import_errors, save_tiny, stock_args
@@ -154,3 +154,62 @@ def test_dots1_configs_megatron_would_route_or_attend_differently_are_refused(tm
     with pytest.raises(HFWeightsError, match=r"^--moe-layer-freq \[1, 0, 1\]: dots1 has only "
                                              "dense layers first"):
         DOTS1.hf_config(args, 100)
+
+
+def _safetensors_folder(folder, files):
+    """A HF folder whose safetensors ``files`` (name -> bytes) are written as given."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def test_truncated_or_corrupt_safetensors_are_one_line_naming_the_file(tmp_path):
+    save_file({"a": torch.ones(64, 64), "b": torch.ones(8)}, str(tmp_path / "good.safetensors"))
+    good = (tmp_path / "good.safetensors").read_bytes()
+    header = b'{"a": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}}'
+    bad = {
+        "half": (good[: len(good) // 2], "incomplete metadata, file not fully covered"),
+        "short_header": (good[:20], "invalid header length"),
+        "eight_bytes": (good[:4], "header too small"),
+        "json": (len(header).to_bytes(8, "little") + header[:-1] + b" " + bytes(64),
+                 "invalid JSON in header"),
+        "offsets": (len(header).to_bytes(8, "little") + header + bytes(16),
+                    "incomplete metadata, file not fully covered"),
+    }
+    for name, (data, reason) in bad.items():
+        folder = _safetensors_folder(tmp_path / name, {"model.safetensors": data})
+        with pytest.raises(HFWeightsError) as error:
+            check_safetensors(str(folder), LANGUAGE_FLAG)
+        assert str(error.value).startswith(f"{LANGUAGE_FLAG} {folder / 'model.safetensors'}: not a "
+                                           "readable safetensors file ("), name
+        assert reason in str(error.value) and str(error.value).endswith("; copy the folder again")
+    sharded = _safetensors_folder(tmp_path / "sharded", {"model-1.safetensors": good,
+                                                         "model-2.safetensors": good[:-1]})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    with pytest.raises(HFWeightsError, match="model-2.safetensors: not a readable safetensors "
+                                             "file .*file not fully covered"):
+        check_safetensors(str(sharded), "--encoder-hf-weights vision=")
+    (sharded / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(HFWeightsError, match=r"^--encoder-hf-weights vision= .*index.json: not a "
+                                             r"JSON index with a weight_map \("):
+        check_safetensors(str(sharded), "--encoder-hf-weights vision=")
+    check_safetensors(str(_safetensors_folder(tmp_path / "ok", {"model.safetensors": good})),
+                      LANGUAGE_FLAG)
+
+
+def test_a_truncated_encoder_folder_is_named_by_the_launchs_flag_checks(tmp_path):
+    from megatron_plugins.weights.flags import encoder_folders
+    from tests.hf_vision_models import plugin
+    from tests.hf_vision_models import save_tiny as save_tiny_vision
+
+    folder = save_tiny_vision("clip", tmp_path / "clip", num_hidden_layers=1)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])
+    with pytest.raises(HFWeightsError) as error:
+        encoder_folders([f"vision={folder}"], {"vision": plugin("clip", folder)})
+    assert str(error.value) == (f"--encoder-hf-weights vision= {weights}: not a readable "
+                                "safetensors file (Error while deserializing header: incomplete "
+                                "metadata, file not fully covered); copy the folder again")

@@ -98,6 +98,25 @@ def test_cli_refuses_a_missing_checkpoint_and_a_bad_shard_size_in_one_line(tmp_p
         export_hf.parse_size("5XB")
 
 
+def test_cli_names_checkpoint_not_load_and_what_is_missing(tmp_path, capsys):
+    empty, broken = tmp_path / "empty", tmp_path / "broken"
+    empty.mkdir()
+    (broken / "iter_0000002").mkdir(parents=True)
+    fix = ("point --checkpoint at a --save folder holding a complete checkpoint, or at an iter_* "
+           "folder")
+    for folder, missing in ((empty, f"no checkpoint at {empty}/latest_checkpointed_iteration.txt"),
+                            (broken, "no complete checkpoint to resume from (iter_0000002 lack "
+                                     "metadata.json: an interrupted save; "
+                                     "latest_checkpointed_iteration.txt is absent)")):
+        assert export_hf.main(["--checkpoint", str(folder), "--output", str(tmp_path / "o")]) == 2
+        assert capsys.readouterr().err == (
+            f"export_hf: error: --checkpoint {folder}: {missing}; {fix}\n")
+    assert export_hf.main(["--checkpoint", str(broken), "--iteration", "3", "--output",
+                           str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (f"export_hf: error: --checkpoint {broken} --iteration 3: no "
+                                       f"checkpoint at {broken}/iter_0000003\n")
+
+
 def test_fp32_expert_bias_of_a_bf16_moe_stays_fp32_and_exact_through_training_and_export(tmp_path):
     """dots1 saved in bf16 with its router expert bias in fp32 (as transformers keeps it), trained
     3 steps in --bf16 with a visible bias update rate, saved, streamed live and exported. The rate

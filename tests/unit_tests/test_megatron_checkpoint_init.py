@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_plugins.weights.megatron_checkpoint import (
+from megatron_plugins.weights.megatron_init import (
     SHAPE_FLAGS,
     CheckpointInitError,
     check_init_flags,

@@ -51,6 +51,19 @@ class CheckpointError(UsageError):
 FRESH = "to start fresh on purpose, give --load/--save a new folder (or remove this one)"
 
 
+@dataclass(frozen=True)
+class FolderFlags:
+    """How a caller of :func:`resume_point` spells its folder and step flags in the one-line
+    errors, and what it suggests for a folder without a checkpoint (``empty``) or without a
+    complete one (``broken``); the defaults are training's ``--load``."""
+
+    folder: str = "--load"
+    step: str = "--ckpt-step"
+    empty: str = ("point --load at a checkpoint folder (or give --load and --save the same folder "
+                  "to start fresh and resume later)")
+    broken: str = FRESH
+
+
 def layout_record(layout: ParallelLayout) -> list[dict[str, Any]]:
     """What identifies a layout for resuming: every module's name, provider and split."""
     return [{"name": m.name, "provider": m.provider, "tp": m.tp, "pp": m.pp, "cp": m.cp,
@@ -95,21 +108,24 @@ def _tracker(load: Path) -> str | None:
         return None
 
 
-def resume_point(load: Path, ckpt_step: int | None, auto_resume: bool) -> ResumePoint:
-    """Choose the iteration ``--load`` resumes from, or raise :class:`CheckpointError` in one line."""
+def resume_point(load: Path, ckpt_step: int | None, auto_resume: bool,
+                 flags: FolderFlags = FolderFlags()) -> ResumePoint:
+    """Choose the iteration ``--load`` resumes from, or raise :class:`CheckpointError` in one line
+    naming ``flags``."""
     iterations = _iterations(load)
+    given = f"{flags.folder} {load}"
     if ckpt_step:
         folder = load / f"iter_{ckpt_step:07d}"
         if ckpt_step not in iterations:
-            raise CheckpointError(f"--load {load} --ckpt-step {ckpt_step}: no checkpoint at {folder}")
+            raise CheckpointError(f"{given} {flags.step} {ckpt_step}: no checkpoint at {folder}")
         if not iterations[ckpt_step]:
-            raise CheckpointError(f"--load {load} --ckpt-step {ckpt_step}: {folder} is incomplete "
-                              f"(no {DONE_FILE}: an interrupted save); pick another --ckpt-step")
+            raise CheckpointError(f"{given} {flags.step} {ckpt_step}: {folder} is incomplete "
+                              f"(no {DONE_FILE}: an interrupted save); pick another {flags.step}")
         return ResumePoint(ckpt_step)
     tracker = _tracker(load)
     if tracker == "release":
         if not is_complete(load / "release"):
-            raise CheckpointError(f"--load {load}: {TRACKER_FILE} names release, but {load}/release "
+            raise CheckpointError(f"{given}: {TRACKER_FILE} names release, but {load}/release "
                               f"is not a complete checkpoint (no {DONE_FILE})")
         return ResumePoint(None)
     tracked = int(tracker) if tracker is not None and tracker.isdigit() else None
@@ -117,19 +133,17 @@ def resume_point(load: Path, ckpt_step: int | None, auto_resume: bool) -> Resume
     if not complete:
         if iterations:
             raise CheckpointError(
-                f"--load {load}: no complete checkpoint to resume from ({_names(iterations)} "
+                f"{given}: no complete checkpoint to resume from ({_names(iterations)} "
                 f"lack {DONE_FILE}: an interrupted save; {TRACKER_FILE} is "
-                f"{'absent' if tracker is None else 'stale'}); {FRESH}")
+                f"{'absent' if tracker is None else 'stale'}); {flags.broken}")
         if tracker is not None:
-            raise CheckpointError(f"--load {load}: {TRACKER_FILE} names iteration {tracker}, which is "
-                              f"not in {load}; {FRESH}")
+            raise CheckpointError(f"{given}: {TRACKER_FILE} names iteration {tracker}, which is "
+                              f"not in {load}; {flags.broken}")
         if auto_resume:
             earlier = (load / LAYOUT_FILE).exists()
-            return ResumePoint(None, f"--load {load}: a previous launch saved no checkpoint here "
+            return ResumePoint(None, f"{given}: a previous launch saved no checkpoint here "
                                      "yet; starting from iteration 1" if earlier else None)
-        raise CheckpointError(
-            f"--load {load}: no checkpoint at {load / TRACKER_FILE}; point --load at a checkpoint "
-            "folder (or give --load and --save the same folder to start fresh and resume later)")
+        raise CheckpointError(f"{given}: no checkpoint at {load / TRACKER_FILE}; {flags.empty}")
     newest = complete[-1]
     newer = [step for step in iterations if step > newest]
     reasons = [f"{_names(newer)} incomplete (an interrupted save; overwritten when training "
@@ -143,7 +157,7 @@ def resume_point(load: Path, ckpt_step: int | None, auto_resume: bool) -> Resume
                        "tracker was updated")
     if not reasons:
         return ResumePoint(None)
-    return ResumePoint(newest, f"--load {load}: resuming from iteration {newest}, the newest "
+    return ResumePoint(newest, f"{given}: resuming from iteration {newest}, the newest "
                                f"complete checkpoint; {'; '.join(reasons)}")
 
 

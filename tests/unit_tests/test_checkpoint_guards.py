@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_plugins.checkpoints import (
+from megatron_plugins.checkpoint_guards import (
     check_checkpoint_flags,
     is_complete,
     layout_record,
     write_layout,
 )
-from megatron_plugins.checkpoints import CheckpointError
+from megatron_plugins.checkpoint_guards import CheckpointError
 from megatron_plugins.layout import ModulePlacement, ParallelLayout
 
 LAYOUT = ParallelLayout((

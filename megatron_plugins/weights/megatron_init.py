@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_plugins.checkpoints import DONE_FILE, TRACKER_FILE, is_complete
+from megatron_plugins.checkpoint_guards import DONE_FILE, TRACKER_FILE, is_complete
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
 
@@ -213,7 +213,7 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
                                       "both initialize the language model; give one")
         if language_pp > 1 and not args.untie_embeddings_and_output_weights:
             # megatron-core 0.19.2 builds a tied output layer's sharded state dict from the
-            # uninitialized global parallel_state (as for --save, see checkpoints.py).
+            # uninitialized global parallel_state (as for --save, see checkpoint_guards.py).
             raise CheckpointInitError(f"{where}: a pipelined language model (pp={language_pp}) "
                                       "with tied embeddings cannot load it on disjoint grids with "
                                       "megatron-core 0.19.2; add "

@@ -1,38 +1,15 @@
-"""Megatron-style functional tests for heterogeneous MiMo: run cases, compare with goldens, record.
-
-A case is ``tests/functional_tests/test_cases/<model>/<case>/model_config.yaml`` in upstream
-Megatron-LM's format: ``ENV_VARS``, ``MODEL_ARGS`` (one value per flag, ``true`` for a bare flag,
-``${TENSORBOARD_PATH}``-style variables filled in per run), ``TEST_TYPE`` (regular or ckpt-resume),
-``METRICS``, and optionally ``MODEL_ARGS_2`` for the resumed run; upstream's other keys (``MODE``,
-``LAUNCHER``, ...) are accepted and not used. Goldens are upstream's
-``golden_values_{environment}_{platform}.json`` (``{metric: {start_step, end_step, step_interval,
-values}}``, values rounded to 5 decimals as upstream records them); beside each lies
-``golden_signature_{environment}_{platform}.json``: what the values depend on (CPU, instruction set
-torch dispatches to, math libraries, versions, threads, dispatch switches).
-
-Comparison:
-
-* Same signature as the goldens (the host that recorded them, or one indistinguishable from it):
-  upstream's deterministic rule, run values rounded to 5 decimals and compared exactly.
-* Another signature: float results of the same run differ in the last bits between CPUs and math
-  library kernels, so the cross-host rule of :data:`CROSS_HOST_TOLERANCE` applies (measured drift
-  and the mutations it must still catch are in ``tests/functional_tests/data/cross_host/``).
-* Either way: ``iteration-time`` as the median of the steady window within rtol 0.05, memory
-  within rtol 0.05, a missing metric fails, NaN/inf goldens are rejected.
+"""Run functional test cases: load a case, build its flags as upstream's launcher does, launch it
+under torchrun, read its TensorBoard metrics, and check them against its goldens (or record them).
 
 ``ckpt-resume`` cases run as upstream runs them: run 1 trains ``--train-iters`` saving every
 ``--save-interval``; its last checkpoint is removed and the tracker set to the halfway iteration;
 run 2 resumes from there, and every step after the resume must equal run 1's bit for bit.
-
-    python -m tools.functional_tests run mimo_hetero/language_tp2   # one case
-    python -m tools.functional_tests run --all [--record]           # every case
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -43,73 +20,24 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tools.functional_tests.comparison import compare, golden_values, resume_failures
+from tools.functional_tests.signature import platform_signature, signature_differences
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES_ROOT = REPO_ROOT / "tests" / "functional_tests" / "test_cases"
 ENTRY_POINT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 ENVIRONMENT = "dev"
 """Upstream's environment label (its ``dev`` container: current dependency pins)."""
 DEFAULT_PLATFORM = "cpu"
-DIGITS = 5
-"""Upstream rounds logged values to 5 decimals before recording or comparing them."""
-
-APPROXIMATE_RTOL = {"lm loss": 0.05, "num-zeros": 0.20}
-"""Upstream's approximate relative tolerances; other metrics (memory, time) use 0.05."""
-DEFAULT_RTOL = 0.05
-
-CROSS_HOST_TOLERANCE = {"lm loss": ("atol", 2e-5), "num-zeros": ("rtol", 0.20)}
-"""The rule for goldens recorded on a host with another signature, every step checked.
-
-``lm loss``: at most 2e-5 absolute after rounding to 5 decimals. Measured: the same 20-step cases
-on an AMD EPYC (AVX-512) host and under other kernel dispatch settings here drift by at most
-2e-7 relative (1e-6 absolute), which rounding can turn into one unit of the 5th decimal (1e-5);
-the known silent bugs move the loss by 3.6e-5 or more at their first affected step and by
-1e-3 or more later (figures in ``tests/functional_tests/data/cross_host/README.md``).
-``num-zeros`` counts gradient entries that are exactly zero, which depends on how each CPU rounds
-the smallest values (up to 6% apart between hosts): only upstream's approximate 0.20 applies.
-"""
 
 UPSTREAM_ONLY_KEYS = re.compile(r"[A-Z][A-Z0-9_]*")
 """Upstream's case files use upper-case keys; those this runner does not use are accepted."""
 TEST_TYPES = ("regular", "ckpt-resume")
-
-NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_NUM_THREADS",
-                "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS")
-"""Environment switches that change which kernels (and so which float rounding) a run gets."""
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
-
-_SIGNATURE_PROBE = """
-import json, os, re, torch
-from importlib.metadata import version
-info = {}
-for line in open("/proc/cpuinfo"):
-    key, _, value = line.partition(":")
-    info.setdefault(key.strip(), value.strip())
-config = torch.__config__.show()
-def find(pattern):
-    match = re.search(pattern, config)
-    return match.group(1).strip() if match else None
-flags = set(info.get("flags", "").split())
-print(json.dumps({
-    "cpu_vendor": info.get("vendor_id"),
-    "cpu_model": info.get("model name"),
-    "cpu_isa_flags": [f for f in ISA_FLAGS if f in flags],
-    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    "torch": torch.__version__,
-    "megatron_core": version("megatron-core"),
-    "mkl": find(r"Math Kernel Library Version ([^\\n]+)"),
-    "onednn": find(r"MKL-DNN (v[^ \\n]+)"),
-    "torch_threads": torch.get_num_threads(),
-    "numerics_env": {name: os.environ.get(name) for name in NUMERICS_ENV},
-}, sort_keys=True))
-"""
 
 
 class CaseError(ValueError):
@@ -230,24 +158,6 @@ def run_environment(case: Case, extra_env: dict[str, str] | None = None) -> dict
     return env
 
 
-def platform_signature(env: dict[str, str]) -> dict[str, Any]:
-    """What a run's float results depend on, probed in a process with the ranks' environment."""
-    numerics = tuple((name, env.get(name)) for name in NUMERICS_ENV)
-    return json.loads(_probe_signature(numerics, env.get("PYTHONPATH")))
-
-
-@lru_cache(maxsize=None)
-def _probe_signature(numerics: tuple[tuple[str, str | None], ...], pythonpath: str | None) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in NUMERICS_ENV}
-    env.update({k: v for k, v in numerics if v is not None})
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    prelude = f"ISA_FLAGS = {ISA_FLAGS!r}\nNUMERICS_ENV = {NUMERICS_ENV!r}\n"
-    result = subprocess.run([sys.executable, "-c", prelude + _SIGNATURE_PROBE], env=env,
-                            capture_output=True, text=True, timeout=120, check=True)
-    return result.stdout.strip().splitlines()[-1]
-
-
 def free_port() -> int:
     """A loopback TCP port nothing listens on right now."""
     with socket.socket() as sock:
@@ -342,96 +252,6 @@ def run_case(case: Case, workdir: Path, extra_env: dict[str, str] | None = None,
     return metrics
 
 
-def resume_failures(original: dict[str, dict[int, float]], resumed: dict[str, dict[int, float]],
-                    half: int, end: int) -> list[str]:
-    """Steps after the resume that differ (bit for bit) from the uninterrupted run."""
-    failures = []
-    for metric, values in original.items():
-        if metric == "iteration-time":
-            continue
-        for step in range(half + 1, end + 1):
-            got = resumed.get(metric, {}).get(step)
-            if got != values.get(step):
-                failures.append(f"{metric} step {step}: resumed {got} != original {values.get(step)}")
-    return failures
-
-
-def _tolerated(count: int) -> int:
-    return min(max(count // 100, 1), 50)
-
-
-def signature_differences(recorded: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
-    """Keys where the goldens' signature and this run's differ (all of them if none recorded)."""
-    if recorded is None:
-        return ["no recorded signature"]
-    return sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
-
-
-def compare(golden: dict[str, Any], actual: dict[str, dict[int, float]],
-            metrics: list[str], same_platform: bool = True) -> list[str]:
-    """Upstream's rules (module docstring), exact on the recording platform, else the cross-host
-    rule; returns one line per failing metric."""
-    failures = []
-    for metric in metrics:
-        expected = golden.get(metric)
-        if expected is None:
-            failures.append(f"{metric}: no golden values")
-            continue
-        values = {int(step): float(v) for step, v in expected["values"].items()}
-        bad = [s for s, v in values.items() if not math.isfinite(v)]
-        if bad:
-            failures.append(f"{metric}: golden has NaN/inf at steps {bad} (rejected)")
-            continue
-        got = actual.get(metric)
-        if not got:
-            failures.append(f"{metric}: missing from the run")
-            continue
-        missing = sorted(set(values) - set(got))
-        if missing:
-            failures.append(f"{metric}: steps {missing[:5]} missing from the run")
-            continue
-        if metric == "iteration-time":
-            steady = sorted(values)[len(values) // 4:]
-            want, have = median(values[s] for s in steady), median(got[s] for s in steady)
-            if abs(have - want) > DEFAULT_RTOL * abs(want):
-                failures.append(f"{metric}: median {have:.4g} vs golden {want:.4g} (rtol 0.05)")
-            continue
-        rounded = {s: round(got[s], DIGITS) for s in values}
-        if metric in APPROXIMATE_RTOL and same_platform:
-            wrong = [s for s in sorted(values) if rounded[s] != values[s]]
-            if wrong:
-                s = wrong[0]
-                failures.append(f"{metric}: {len(wrong)} steps differ exactly, first step {s}: "
-                                f"{rounded[s]!r} vs golden {values[s]!r}")
-            continue
-        if metric in CROSS_HOST_TOLERANCE and not same_platform:
-            kind, tolerance = CROSS_HOST_TOLERANCE[metric]
-            limit = {s: tolerance if kind == "atol" else tolerance * abs(values[s]) for s in values}
-            wrong = [s for s in sorted(values) if abs(rounded[s] - values[s]) > limit[s] + 1e-12]
-            if wrong:
-                s = wrong[0]
-                failures.append(f"{metric}: {len(wrong)} of {len(values)} steps outside the "
-                                f"cross-host {kind} {tolerance:g}, first step {s}: "
-                                f"{rounded[s]!r} vs golden {values[s]!r}")
-            continue
-        rtol = APPROXIMATE_RTOL.get(metric, DEFAULT_RTOL)
-        wrong = [s for s in sorted(values) if abs(got[s] - values[s]) > rtol * abs(values[s])]
-        if len(wrong) > _tolerated(len(values)):
-            failures.append(f"{metric}: {len(wrong)} of {len(values)} steps outside rtol {rtol} "
-                            f"(tolerated {_tolerated(len(values))}), first step {wrong[0]}")
-    return failures
-
-
-def golden_values(actual: dict[str, dict[int, float]], metrics: list[str]) -> dict[str, Any]:
-    """A golden file for ``actual`` as upstream records one (values rounded to 5 decimals)."""
-    golden: dict[str, Any] = {}
-    for metric in metrics:
-        steps = sorted(actual[metric])
-        golden[metric] = {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
-                          "values": {str(s): round(actual[metric][s], DIGITS) for s in steps}}
-    return golden
-
-
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=False) + "\n")
 
@@ -494,6 +314,3 @@ def main(argv: list[str] | None = None) -> int:
         failed += bool(failures)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

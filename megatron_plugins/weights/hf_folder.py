@@ -35,7 +35,11 @@ class HFCheckpoint:
         self.config = read_config(folder, flag)
         index = self.folder / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise HFWeightsError(f"{flag} {index}: not a JSON index with a weight_map "
+                                     f"({error}); copy the folder again") from None
         elif (self.folder / SINGLE).is_file():
             weight_map = None
         else:
@@ -55,8 +59,15 @@ class HFCheckpoint:
                 self._handles[file] = safe_open(str(self.folder / file), framework="pt")
             except Exception as error:  # noqa: BLE001 - safetensors raises several kinds
                 raise HFWeightsError(f"{self.flag} {self.folder / file}: not a readable "
-                                     f"safetensors file ({error})") from None
+                                     f"safetensors file ({error}); copy the folder again") from None
         return self._handles[file]
+
+    def check_files(self) -> None:
+        """Open every safetensors file now, so a truncated or corrupt one is one line before any
+        process group: safetensors checks the header length, that the JSON header parses, and
+        that the tensors' data offsets cover the file exactly."""
+        for file in sorted(set(self.weight_map.values())):
+            self._open(file)
 
     def names(self) -> set[str]:
         return set(self.weight_map)

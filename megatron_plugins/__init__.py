@@ -3,3 +3,5 @@
 Importing the package (or any module of it) changes nothing in torch or Megatron: the CPU
 simulation and the wheel bridges act only when an entry point calls them. See README.md.
 """
+
+__all__ = []

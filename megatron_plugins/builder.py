@@ -38,6 +38,8 @@ from megatron_plugins.topology import HeteroTopology
 from megatron_plugins.weights import load_pretrained
 from megatron_plugins.weights.megatron_init import load_megatron_checkpoints
 
+__all__ = ["MimoBuildConfig", "MimoModelBuilder"]
+
 
 @dataclass
 class MimoBuildConfig(ModelConfig):

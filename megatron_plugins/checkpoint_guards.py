@@ -37,6 +37,11 @@ from typing import Any
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import ParallelLayout
 
+__all__ = [
+    "CheckpointError", "DONE_FILE", "FolderFlags", "ResumePoint", "TRACKER_FILE",
+    "check_checkpoint_flags", "is_complete", "layout_record", "resume_point", "write_layout"
+]
+
 LAYOUT_FILE = "mimo_layout.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 DONE_FILE = "metadata.json"

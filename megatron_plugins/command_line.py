@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Sequence
 
+__all__ = ["given_flag", "spellings_of"]
+
 
 def given_flag(argv: Sequence[str], spellings: Iterable[str]) -> str | None:
     """The first of ``spellings`` on the command line as written there, or None."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 
+__all__ = ["DataFlagError", "FlagError", "UsageError", "report"]
+
 
 class UsageError(ValueError):
     """A flag or setting that cannot run; the message names it and what would fix it."""

@@ -31,6 +31,8 @@ from megatron_plugins.compat import training_step
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.layout import LANGUAGE
 
+__all__ = ["CrossGridGradSync", "counts_tokens", "install_grad_sync", "scale_module_gradients"]
+
 
 def _active_modules(model: MimoModel, names: Mapping[str, object]) -> Iterator[tuple[str, torch.nn.Module]]:
     for name in names:

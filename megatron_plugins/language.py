@@ -22,6 +22,10 @@ from megatron.training.models.base import ModelConfig
 from megatron_plugins.compat import model_build
 from megatron_plugins.errors import UsageError
 
+__all__ = [
+    "LanguageModelError", "StockLanguageModel", "language_config_from_args", "language_model_spec"
+]
+
 
 class LanguageModelError(UsageError):
     """A language model that cannot be built here; the message names the flag."""

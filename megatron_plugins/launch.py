@@ -54,6 +54,8 @@ from megatron_plugins.training_step import forward_step
 from megatron_plugins.weights.flags import add_weights_args
 from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
 
+__all__ = ["MimoRun", "MimoSession", "parse_mimo_args", "pretrain_kwargs", "start", "train"]
+
 HELP_DESCRIPTION = (
     "Heterogeneous MiMo pretraining through stock Megatron pretrain(). MiMo flags come first, "
     "then each named encoder's (name one with --encoder NAME=PROVIDER before --help to see its "

@@ -19,6 +19,12 @@ from typing import Any
 
 from megatron_plugins.errors import UsageError
 
+__all__ = [
+    "DENSE_DIMS", "EXPERT_DIMS", "GRID_EXAMPLE", "GRID_KEYS", "LANGUAGE", "LayoutError",
+    "MODULE_NAME", "ModulePlacement", "ParallelLayout", "check_layout", "check_module_name",
+    "encoder_micro_batch_size"
+]
+
 LANGUAGE = "language"
 """Megatron's fixed MiMo key for the language module (``MIMO_LANGUAGE_MODULE_KEY``)."""
 

@@ -26,6 +26,11 @@ from megatron_plugins.layout import (
     check_module_name,
 )
 
+__all__ = [
+    "ALIAS_ENCODER", "add_layout_args", "language_grid_flags", "language_world_size",
+    "layout_from_args", "required_world_size"
+]
+
 ALIAS_ENCODER = ("vision", "vit")
 """Name and provider of the encoder that the alias flags describe when no ``--encoder`` is given."""
 

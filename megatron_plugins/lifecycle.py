@@ -26,6 +26,8 @@ from megatron.training.models.dist_utils import (
 from megatron_plugins.compat import model_build
 from megatron_plugins.layout import LANGUAGE
 
+__all__ = ["EncoderPrecisionWrapper", "Freeze", "prepare_active_modules", "prepare_module"]
+
 
 class EncoderPrecisionWrapper(Float16Module):
     """Runs an encoder in model precision and returns its output in that precision.

@@ -43,6 +43,11 @@ import torch
 from megatron_plugins.command_line import given_flag
 from megatron_plugins.errors import UsageError
 
+__all__ = [
+    "FLAG", "OptimizerConfigError", "add_optimizer_args", "apply_optimizer_args",
+    "derive_optimizer_configs", "implied_stock_flags", "require_te_fused_adam"
+]
+
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig

@@ -23,6 +23,8 @@ from megatron_plugins.layout import (
 )
 from megatron_plugins.preflight import check_parser, check_run
 
+__all__ = ["main"]
+
 SMALL = 64
 """Layouts up to this many ranks get the per-rank table without ``--ranks``."""
 

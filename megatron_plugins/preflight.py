@@ -22,6 +22,11 @@ from megatron_plugins.layout import ParallelLayout, encoder_micro_batch_size
 from megatron_plugins.layout_flags import add_layout_args, layout_from_args
 from megatron_plugins.weights.flags import fill_layout_flags
 
+__all__ = [
+    "EVERY_ENCODER", "Preflight", "add_mimo_args", "asks_help", "check_parser", "check_run",
+    "resolve_freeze", "run", "world_size_from_env"
+]
+
 EVERY_ENCODER = "*"
 """``--freeze-projection`` without a name (upstream's spelling): every encoder's projection."""
 

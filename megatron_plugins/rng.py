@@ -27,6 +27,8 @@ from megatron.training.initialize import _set_random_seed
 from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from megatron_plugins.topology import HeteroTopology
 
+__all__ = ["MODULE_SEED_STRIDE", "module_seed", "rng_state_key_prefix", "seed_module"]
+
 MODULE_SEED_STRIDE = 10_000_000
 
 

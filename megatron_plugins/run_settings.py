@@ -45,6 +45,8 @@ from megatron_plugins.preflight import Preflight
 from megatron_plugins.weights.flags import LANGUAGE_FLAG, encoder_folders, implied_language_args
 from megatron_plugins.weights.megatron_init import check_init_flags
 
+__all__ = ["Adjustment", "Settled", "settle"]
+
 DEFAULT_EVAL_INTERVAL = 1000
 """--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""
 

@@ -46,6 +46,8 @@ from megatron.training.utils.common_utils import (
 
 from megatron_plugins.grad_sync import CrossGridGradSync, counts_tokens, scale_module_gradients
 
+__all__ = ["SplitStepError", "SplitTrainStep", "StepMetrics", "StepState", "sequence_loss_func"]
+
 LOSS_KINDS = ("tokens", "sequences")
 """What the loss function's second return value counts, and so what divides the gradients."""
 

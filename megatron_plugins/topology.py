@@ -30,6 +30,8 @@ from megatron.core.process_groups_config import (
 from megatron_plugins.compat import communication
 from megatron_plugins.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModulePlacement, ParallelLayout
 
+__all__ = ["HeteroTopology", "build_topology", "groups_of", "pipeline_communicator"]
+
 EXPERT_VIEW = "expert"
 """Grid view name ``get_mimo_optimizer`` reads expert groups from."""
 

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+__all__ = ["forward_step"]
+
 
 def _to_device(value: Any) -> Any:
     if isinstance(value, torch.Tensor):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+__all__ = ["GAPS", "Gap", "MegatronCompatError"]
+
 
 class MegatronCompatError(RuntimeError):
     """A bridge found the installed wheel, or a runtime invariant the bridge relies on (a static

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["install_checkpoint_bridges", "plain_values", "put_plain_values"]
+
 COMMON_STATE_KEY = "_mimo_module_common_state"
 """Where the per-module ShardedObject sits inside a module's optimizer state dict."""
 

@@ -15,6 +15,8 @@ import torch
 
 from megatron_plugins.compat import MegatronCompatError
 
+__all__ = ["exchange_shapes_once", "skip_lone_broadcasts"]
+
 
 class _ShapeMemo:
     """The shapes one side of a link exchanged on its first transfer of each kind."""

@@ -17,6 +17,12 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "bind_tp_group", "direct_single_rank_expert_output", "distinct_cpu_init_experts",
+    "ensure_global_memory_buffer", "exact_fp32_router_buffers", "with_explicit_moe_spec",
+    "with_local_hybrid_spec"
+]
+
 
 def ensure_global_memory_buffer() -> None:
     """Create ``parallel_state``'s global memory buffer unless it exists (Gap 2).

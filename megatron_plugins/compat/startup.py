@@ -8,6 +8,8 @@ from typing import Any
 
 from megatron_plugins.compat import MegatronCompatError
 
+__all__ = ["escape_unformattable_help", "install", "prebuilt_dataset_helpers_available"]
+
 _installed = False
 
 

@@ -10,6 +10,8 @@ import torch
 
 from megatron_plugins.compat import MegatronCompatError
 
+__all__ = ["always_succeeds", "install_step_bridges", "rerun_vote", "settle_rerun_vote"]
+
 _SUCCEEDING_STEPS: tuple[str, ...] = (
     "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.step_with_ready_grads",
     "megatron.core.optimizer.optimizer:FP32Optimizer.step_with_ready_grads",

@@ -13,6 +13,10 @@ import logging
 import sys
 import warnings
 
+__all__ = [
+    "CPU_SIMULATION_VALUES", "FLAG", "add_cli_flag", "is_active", "quiet_gpu_library_warnings"
+]
+
 FLAG = "--cpu-simulation"
 
 CPU_SIMULATION_VALUES = (

@@ -26,6 +26,8 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_plugins.cpu_simulation import quiet_gpu_library_warnings
 
+__all__ = ["activate"]
+
 _active = False
 _device_mode: TorchFunctionMode | None = None
 

@@ -12,3 +12,5 @@
 Nothing is imported here, so the dataset tools can use :mod:`.media` and :mod:`.samples`
 without loading Megatron.
 """
+
+__all__ = []

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from megatron_plugins.layout import LANGUAGE, ParallelLayout, encoder_micro_batch_size
 
+__all__ = ["AlignmentGuard", "DataMisalignmentError", "RankSlice"]
+
 _MASK = (1 << 64) - 1
 
 

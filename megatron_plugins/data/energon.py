@@ -42,6 +42,8 @@ from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
 
+__all__ = ["DataPathError", "EnergonSource", "SAMPLE_KINDS", "open_source"]
+
 SHUFFLE_BUFFER = 100
 MAX_SAMPLES_PER_SEQUENCE = 100
 """Energon's recommended shuffle settings: a 100-sample buffer over 100-sample shard reads."""

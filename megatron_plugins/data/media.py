@@ -15,6 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+__all__ = [
+    "BadSampleError", "DECODERS", "MEDIA_KINDS", "Waveform", "decode_audio", "decode_image",
+    "decode_text", "encode_jpeg", "encode_png", "encode_wav"
+]
+
 
 class BadSampleError(RuntimeError):
     """A sample that cannot be used mid-run; the message names the sample key and the field."""

@@ -24,6 +24,8 @@ from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
 from megatron_plugins.layout import LANGUAGE
 
+__all__ = ["MockSource"]
+
 
 def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:
     """Each encoder's placeholder id: the top ids of the vocabulary, never used by mock text."""

@@ -11,6 +11,8 @@ import torch
 
 from megatron_plugins.data.media import Waveform
 
+__all__ = ["MOCK_MEDIA", "NUM_CLASSES"]
+
 NUM_CLASSES = 8
 """Mock samples belong to one of these classes; encoders see it, text depends on it."""
 

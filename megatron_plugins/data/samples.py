@@ -16,6 +16,8 @@ from megatron.energon.edataclass import edataclass
 
 from megatron_plugins.data.media import BadSampleError, decode_text
 
+__all__ = ["AUDIO_PART", "AudioTranscriptSample", "ImageAudioCaptionSample", "LOADERS"]
+
 #: Tar part extensions an image may be stored under (the source file's own encoding is kept).
 IMAGE_PARTS = ("jpg", "png")
 #: Tar part extension of audio.

@@ -11,6 +11,8 @@ from megatron_plugins.data.streams import DataSource
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
 
+__all__ = ["add_data_args", "build_source"]
+
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     """The data flags of our own (stock ``--data-path``, ``--num-workers``, tokenizer flags and

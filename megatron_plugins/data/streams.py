@@ -20,6 +20,11 @@ from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
 from megatron_plugins.layout import LANGUAGE
 from megatron_plugins.topology import HeteroTopology
 
+__all__ = [
+    "DataSource", "Microbatch", "MicrobatchStream", "SPLITS", "TRUNCATED", "alignment_guard",
+    "collate", "data_provider", "data_state_path"
+]
+
 SPLITS = ("train", "valid", "test")
 
 Microbatch = tuple[list[str], dict[str, Any]]

@@ -20,6 +20,11 @@ import torch
 
 from megatron_plugins.errors import FlagError
 
+__all__ = [
+    "EncodedText", "PromptTokenizer", "SampleText", "check_tokenizer_folder", "placeholder_token",
+    "special_tokens_flag"
+]
+
 _EXPECTED_FILES = "tokenizer.json and/or tokenizer_config.json (as save_pretrained writes them)"
 
 

@@ -28,6 +28,8 @@ from megatron_plugins.encoders.base import (
     encoder_layer_spec,
 )
 
+__all__ = ["AudioFrameEncoder", "LogMelPreprocessor", "hz_to_mel", "mel_filterbank", "mel_to_hz"]
+
 if TYPE_CHECKING:
     from megatron_plugins.data.media import Waveform
 

@@ -28,6 +28,11 @@ from megatron_plugins.data.mock_media import MOCK_MEDIA
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import ModulePlacement
 
+__all__ = [
+    "EncoderPlugin", "EncoderPluginError", "MediaPreprocessor", "TensorReplicated",
+    "encoder_config", "encoder_layer_spec", "encoder_norm", "is_replicated"
+]
+
 NUMERICS = (
     "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype", "use_cpu_initialization",
     "perform_initialization", "init_method_std", "init_model_with_meta_device",

@@ -45,6 +45,8 @@ from megatron_plugins.weights.flags import ENCODER_FLAG
 from megatron_plugins.weights.mapping import Family
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
 
+__all__ = ["CLIPVisionEncoder", "HFImagePreprocessor", "HFVisionEncoder", "SiglipVisionEncoder"]
+
 ACTIVATIONS = {
     "quick_gelu": quick_gelu,
     "gelu": F.gelu,

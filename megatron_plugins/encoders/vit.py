@@ -29,6 +29,8 @@ from megatron_plugins.encoders.base import (
     encoder_norm,
 )
 
+__all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePreprocessor", "ViTEncoder", "clip_vit_spec"]
+
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -17,6 +17,12 @@ from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError
 
+__all__ = [
+    "ENCODER_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_safetensors",
+    "encoder_assignments", "encoder_family", "encoder_folders", "fill_layout_flags",
+    "implied_language_args"
+]
+
 LANGUAGE_FLAG = "--language-hf-weights"
 ENCODER_FLAG = "--encoder-hf-weights"
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from megatron_plugins.weights.mapping import Family, HFWeightsError
 
+__all__ = ["find_family", "read_config"]
+
 
 def read_config(folder: str | Path, flag: str) -> dict[str, Any]:
     """``config.json`` of ``folder``; a missing or unreadable one names the flag that gave it."""

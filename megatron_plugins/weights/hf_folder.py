@@ -16,6 +16,8 @@ from safetensors import safe_open
 from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.mapping import HFWeightsError
 
+__all__ = ["HFCheckpoint"]
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,

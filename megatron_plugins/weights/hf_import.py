@@ -19,6 +19,8 @@ from megatron_plugins.weights.local_view import LocalParam, heads_of, local_para
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.slicing import combine, source_slices
 
+__all__ = ["WIDENING", "load_hf_weights"]
+
 WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 """(HF dtype, parameter dtype) pairs copied exactly although they differ."""
 

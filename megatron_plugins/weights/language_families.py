@@ -16,6 +16,8 @@ from typing import Any
 
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
+__all__ = ["DOTS1", "FAMILIES"]
+
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
 

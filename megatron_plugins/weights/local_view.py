@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from megatron_plugins.weights.mapping import Bound, Family, Heads, HFWeightsError
 
+__all__ = ["LocalParam", "heads_of", "local_params", "names_text", "unwrap"]
+
 
 @dataclass(frozen=True)
 class LocalParam:

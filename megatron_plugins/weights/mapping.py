@@ -17,6 +17,8 @@ from typing import Any
 
 from megatron_plugins.errors import UsageError
 
+__all__ = ["Bound", "Family", "HFWeightsError", "Heads", "Rule"]
+
 COMBINES = ("copy", "qkv", "gate_up")
 """copy: one HF tensor (optionally sliced on ``tp_dim``); qkv: q, k, v -> Megatron's fused layout,
 per query group [that group's q heads, k, v]; gate_up: SwiGLU ``linear_fc1`` = [gate; up]."""

@@ -25,6 +25,12 @@ from megatron_plugins.checkpoint_guards import DONE_FILE, TRACKER_FILE, is_compl
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
 
+__all__ = [
+    "CheckpointInitError", "SHAPE_FLAGS", "add_checkpoint_init_args", "check_init_flags",
+    "check_language_shape", "load_megatron_checkpoints", "module_keys", "split_key",
+    "tensor_problems"
+]
+
 LANGUAGE_FLAG = "--language-megatron-checkpoint"
 ENCODER_FLAG = "--encoder-megatron-checkpoint"
 EXTRA_STATE = "_extra_state"

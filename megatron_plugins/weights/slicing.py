@@ -13,6 +13,8 @@ import torch
 
 from megatron_plugins.weights.mapping import Bound, Heads
 
+__all__ = ["combine", "source_slices", "split"]
+
 
 @dataclass(frozen=True)
 class Piece:

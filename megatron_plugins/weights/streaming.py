@@ -22,6 +22,8 @@ from megatron_plugins.weights.local_view import LocalParam, heads_of, local_para
 from megatron_plugins.weights.mapping import Family, Heads
 from megatron_plugins.weights.slicing import split
 
+__all__ = ["AssembleError", "WeightPiece", "assemble", "iter_hf_weights", "pieces_of"]
+
 
 @dataclass(frozen=True)
 class WeightPiece:

@@ -20,6 +20,8 @@ import torch
 from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
+__all__ = ["CLIP_VISION", "SIGLIP_VISION", "untrained_tensors"]
+
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."
 

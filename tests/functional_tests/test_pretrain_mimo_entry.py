@@ -63,12 +63,18 @@ BAD_FLAGS = [
     (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2",
       "--load", "/nonexistent/checkpoints"],
      "--load /nonexistent/checkpoints: no checkpoint at /nonexistent/checkpoints/latest"),
+    (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2", "--lr", "nan"],
+     "--lr nan is not a finite number; give a learning rate such as --lr 1e-4"),
+    (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2",
+      "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/nonexistent/tokenizer"],
+     "--tokenizer-model /nonexistent/tokenizer: "),
 ]
 
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=["world-size", "grid-key",
                                                            "encoder", "encoder-batch",
-                                                           "missing-checkpoint"])
+                                                           "missing-checkpoint", "lr-nan",
+                                                           "missing-tokenizer"])
 def test_bad_flags_fail_fast_with_one_line(flags: list[str], message: str) -> None:
     run = run_script(SCRIPT, [*TINY_MIMO, *flags], nproc=3, timeout=90)
     assert run.returncode != 0

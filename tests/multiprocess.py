@@ -61,6 +61,17 @@ def _deaths(processes: Sequence[mp.Process], skip: Sequence[int]) -> str:
     )
 
 
+def _more_failures(results: "mp.Queue[tuple[int, bool, Any]]") -> list[tuple[int, str]]:
+    """Failures other ranks have already reported, so the one that started it is named too."""
+    failures = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            rank, ok, value = results.get(timeout=0.1)
+            if not ok:
+                failures.append((rank, value))
+    return failures
+
+
 def _kill(processes: Sequence[mp.Process]) -> None:
     for process in processes:
         if process.is_alive():
@@ -121,9 +132,11 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float 
                 continue
             if not ok:
                 # A peer's crash often surfaces first as a collective error on a survivor:
-                # give the crashed rank a moment to be seen, and name it first.
+                # give the crashed rank a moment to be seen, and name every rank that raised.
                 time.sleep(1.0)
-                raise WorkerFailure(f"{_deaths(processes, [rank])}rank {rank} raised:\n{value}")
+                raised = [(rank, value), *_more_failures(results)]
+                raise WorkerFailure(_deaths(processes, [r for r, _ in raised]) + "".join(
+                    f"rank {r} raised:\n{text}" for r, text in raised))
             collected[rank] = value
         for process in processes:
             process.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -148,7 +148,8 @@ def _conversation_row(row: dict[str, Any], where: str) -> dict[str, str]:
         converted.append({"role": LLAVA_ROLES[speaker], "content": value})
     markers = sum(turn["content"].count(media_marker("image")) for turn in converted)
     if image in (None, ""):
-        what = f"{markers} <image> markers but no image" if markers else "no image (text-only)"
+        what = (f"{markers} <image> marker{'s' * (markers > 1)} but no image" if markers
+                else "no image (text-only)")
         raise DatasetError(f"{where}: {what}; {LATER}")
     if not isinstance(image, str):
         raise DatasetError(f"{where}: 'image' is not a file path")

@@ -14,13 +14,14 @@ relative to ``--input``:
   Records the fixed-count pipeline cannot train yet are refused: no image, several images or
   ``<image>`` markers, or no assistant (``gpt``) turn.
 
-A record's ``key`` field (``id`` for conversations) names the sample (else its zero-padded index). Samples are split into
-train/val/test by ``--split`` (seeded shuffle, so every split gets its share however few shards
-there are) and written as WebDataset shards ``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png``
-(the source bytes), ``<key>.wav``, and the text as ``<key>.txt`` (one text field) or ``<key>.json``
-(VQA's question and answer, a conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then
-written as ``energon prepare`` writes it. Everything is checked (annotations, media files, that each
-image and WAV decodes) before the output folder appears: a problem is one line naming the record's
+A record's ``key`` field (``id`` for conversations) names the sample (else its zero-padded
+index). Samples are split into train/val/test by ``--split`` (seeded shuffle, so every split gets
+its share however few shards there are) and written as WebDataset shards
+``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png`` (the source bytes), ``<key>.wav``, and the
+text as ``<key>.txt`` (one text field) or ``<key>.json`` (VQA's question and answer, a
+conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written
+as ``energon prepare`` writes it. Everything is checked (annotations, media files, that each image
+and WAV decodes) before the output folder appears: a problem is one line naming the record's
 line and the field or file, exit code 2, and nothing is left behind.
 """
 

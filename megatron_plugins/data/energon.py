@@ -1,4 +1,5 @@
-"""Energon datasets (stock ``--data-path``): image-caption, VQA, audio-transcript samples.
+"""Energon datasets (stock ``--data-path``): image-caption, VQA, audio-transcript and
+conversation samples.
 
 Every rank opens the same global stream: Energon with one data rank, the run's ``--seed`` and
 ``--num-workers``, batched into global microbatches of ``micro_batch_size x language dp``

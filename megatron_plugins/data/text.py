@@ -296,8 +296,7 @@ class PromptTokenizer:
         Too-long text is cut at ``seq_length`` (``truncated`` set), never inside a placeholder
         block: ValueError when a block does not fit, or when the turns cannot be rendered.
         """
-        if self.chat_template is None:
-            self.require_chat_template("a conversation dataset")
+        self.require_chat_template("a conversation dataset")
         blocks = dict(encoder_blocks)
         messages = self._messages(conversation, {name: markers[name] for name in blocks})
         if not any(message["role"] == "assistant" for message in messages):

@@ -1,21 +1,27 @@
 """Turn media files on disk plus an annotation file into a prepared Energon dataset.
 
-    python -m tools.make_energon_dataset --input DIR --annotations FILE.jsonl|FILE.csv \\
-        --kind caption|vqa|transcript|image_audio_caption --output DIR \\
+    python -m tools.make_energon_dataset --input DIR --annotations FILE.jsonl|FILE.json|FILE.csv \\
+        --kind caption|vqa|transcript|image_audio_caption|conversation --output DIR \\
         [--samples-per-shard N] [--split 90,5,5] [--seed S] [--quiet]
 
-One annotation record per sample; media paths are relative to ``--input``:
+One annotation record per sample (a ``.json`` file holds a list of them); media paths are
+relative to ``--input``:
 
 * caption: ``image``, ``caption``        * vqa: ``image``, ``question``, ``answer``
 * transcript: ``audio``, ``transcript``  * image_audio_caption: ``image``, ``audio``, ``caption``
+* conversation: LLaVA-style ``image`` and ``conversations`` (``[{"from": "human"|"gpt"|"system",
+  "value": ...}]``, the image at its ``<image>`` marker), stored as ``{role, content}`` turns.
+  Records the fixed-count pipeline cannot train yet are refused: no image, several images or
+  ``<image>`` markers, or no assistant (``gpt``) turn.
 
-A record's ``key`` field names the sample (else its zero-padded index). Samples are split into
-train/val/test by ``--split`` (seeded shuffle, so every split gets its share however few shards
-there are) and written as WebDataset shards ``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png``
-(the source bytes), ``<key>.wav``, and the text as ``<key>.txt`` (one text field) or ``<key>.json``
-(VQA's question and answer). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then
-written as ``energon prepare`` writes it. Everything is checked (annotations, media files, that each
-image and WAV decodes) before the output folder appears: a problem is one line naming the record's
+A record's ``key`` field (``id`` for conversations) names the sample (else its zero-padded
+index). Samples are split into train/val/test by ``--split`` (seeded shuffle, so every split gets
+its share however few shards there are) and written as WebDataset shards
+``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png`` (the source bytes), ``<key>.wav``, and the
+text as ``<key>.txt`` (one text field) or ``<key>.json`` (VQA's question and answer, a
+conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written
+as ``energon prepare`` writes it. Everything is checked (annotations, media files, that each image
+and WAV decodes) before the output folder appears: a problem is one line naming the record's
 line and the field or file, exit code 2, and nothing is left behind.
 """
 
@@ -49,8 +55,10 @@ from megatron_plugins.data.samples import (
     AUDIO_PART,
     LOADERS,
     AudioTranscriptSample,
+    ConversationSample,
     ImageAudioCaptionSample,
 )
+from megatron_plugins.data.text import media_marker
 from megatron_plugins.errors import UsageError, report
 
 PROG = "make_energon_dataset"
@@ -62,6 +70,10 @@ MEDIA_SUFFIXES: dict[str, dict[str, str]] = {
 """Media files accepted per column, and the tar part each is stored as (bytes kept as they are)."""
 KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 """Sample keys WebDataset can split from the part name (no dots, no slashes)."""
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+"""LLaVA's ``from`` values -> chat template roles."""
+LATER = ("the fixed-count pipeline trains exactly one image per sample (variable image counts "
+         "come later)")
 
 
 class DatasetError(UsageError):
@@ -77,14 +89,16 @@ class Kind:
     text: tuple[str, ...]
     """Columns holding text: one is stored as ``txt``, several as one ``json`` object."""
     sample_type: type[Sample]
+    conversation: bool = False
+    """LLaVA-style records, converted by :func:`_conversation_row` into ``media`` and ``text``."""
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return self.media + self.text
+        return ("image", "conversations") if self.conversation else self.media + self.text
 
     @property
     def text_part(self) -> str:
-        return "txt" if len(self.text) == 1 else "json"
+        return "txt" if len(self.text) == 1 and not self.conversation else "json"
 
     @property
     def parts(self) -> list[str]:
@@ -98,6 +112,7 @@ KINDS: dict[str, Kind] = {
     "vqa": Kind(("image",), ("question", "answer"), VQASample),
     "transcript": Kind(("audio",), ("transcript",), AudioTranscriptSample),
     "image_audio_caption": Kind(("image", "audio"), ("caption",), ImageAudioCaptionSample),
+    "conversation": Kind(("image",), ("conversation",), ConversationSample, conversation=True),
 }
 
 
@@ -112,26 +127,79 @@ class Record:
     text: dict[str, str]
 
 
-def _read_rows(annotations: Path, kind: Kind) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) of every record in a .jsonl or .csv file, all columns present."""
-    if not annotations.is_file():
-        raise DatasetError(f"--annotations {annotations}: no such file")
-    need = ", ".join(kind.columns)
-    rows: list[tuple[int, dict[str, Any]]] = []
-    if annotations.suffix == ".jsonl":
-        with annotations.open(encoding="utf-8") as f:
+def _conversation_row(row: dict[str, Any], where: str) -> dict[str, str]:
+    """A LLaVA-style record as the columns of the ``conversation`` kind: its one image path and
+    its turns as JSON ``{role, content}`` text; records not trainable yet are refused."""
+    image = row.get("image")
+    if isinstance(image, list):
+        if len(image) > 1:
+            raise DatasetError(f"{where}: {len(image)} images; {LATER}")
+        image = image[0] if image else None
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise DatasetError(f"{where}: no 'conversations' list; each record needs image and "
+                           "conversations [{from, value}, ...]")
+    converted = []
+    for index, turn in enumerate(turns):
+        speaker = turn.get("from") if isinstance(turn, dict) else None
+        value = turn.get("value") if isinstance(turn, dict) else None
+        if speaker not in LLAVA_ROLES or not isinstance(value, str):
+            raise DatasetError(f"{where}: conversations[{index}] is not {{\"from\": "
+                               f"{'|'.join(LLAVA_ROLES)}, \"value\": text}}")
+        converted.append({"role": LLAVA_ROLES[speaker], "content": value})
+    markers = sum(turn["content"].count(media_marker("image")) for turn in converted)
+    if image in (None, ""):
+        what = (f"{markers} <image> marker{'s' * (markers > 1)} but no image" if markers
+                else "no image (text-only)")
+        raise DatasetError(f"{where}: {what}; {LATER}")
+    if not isinstance(image, str):
+        raise DatasetError(f"{where}: 'image' is not a file path")
+    if markers > 1:
+        raise DatasetError(f"{where}: {markers} <image> markers for one image; {LATER}")
+    if not any(turn["role"] == "assistant" for turn in converted):
+        raise DatasetError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
+    if not markers and not any(turn["role"] == "user" for turn in converted):
+        raise DatasetError(f"{where}: no <image> marker and no 'human' turn to put the image in")
+    return {"key": row.get("id"), "image": image,
+            "conversation": json.dumps(converted, ensure_ascii=False)}
+
+
+def _json_rows(annotations: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) of every record of a .jsonl (one object a line) or .json (a list) file."""
+    rows: list[tuple[str, Any]] = []
+    with annotations.open(encoding="utf-8") as f:
+        if annotations.suffix == ".json":
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as error:
+                raise DatasetError(f"{annotations}: not JSON ({error})") from None
+            if not isinstance(records, list):
+                raise DatasetError(f"{annotations}: not a JSON list of records")
+            rows = [(f"{annotations} record {index}", row) for index, row in enumerate(records)]
+        else:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    rows.append((f"{annotations} line {line_no}", json.loads(line)))
                 except json.JSONDecodeError as error:
                     where = f"{annotations} line {line_no}"
                     raise DatasetError(f"{where}: not JSON ({error})") from None
-                if not isinstance(row, dict):
-                    raise DatasetError(f"{annotations} line {line_no}: not a JSON object")
-                rows.append((line_no, row))
-    elif annotations.suffix == ".csv":
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: not a JSON object")
+    return rows
+
+
+def _read_rows(annotations: Path, kind: Kind) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) of every record in a .jsonl, .json or .csv file, all columns present."""
+    if not annotations.is_file():
+        raise DatasetError(f"--annotations {annotations}: no such file")
+    need = ", ".join(kind.columns)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    if annotations.suffix in (".jsonl", ".json"):
+        rows = _json_rows(annotations)
+    elif annotations.suffix == ".csv" and not kind.conversation:
         with annotations.open(encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f)
             missing = [c for c in kind.columns if c not in (reader.fieldnames or [])]
@@ -139,19 +207,21 @@ def _read_rows(annotations: Path, kind: Kind) -> list[tuple[int, dict[str, Any]]
                 raise DatasetError(
                     f"{annotations} line 1: no {missing[0]!r} column; the header needs {need}"
                 )
-            rows = [(reader.line_num, row) for row in reader]
+            rows = [(f"{annotations} line {reader.line_num}", row) for row in reader]
     else:
-        raise DatasetError(f"--annotations {annotations}: must end in .jsonl or .csv")
+        endings = ".jsonl or .json" if kind.conversation else ".jsonl, .json or .csv"
+        raise DatasetError(f"--annotations {annotations}: must end in {endings}")
     if not rows:
         raise DatasetError(f"--annotations {annotations}: no records")
-    for line_no, row in rows:
+    if kind.conversation:
+        return [(where, _conversation_row(row, where)) for where, row in rows]
+    for where, row in rows:
         for column in kind.columns:
             value = row.get(column)
             if not isinstance(value, str) or not value:
                 problem = "no" if value is None else "an empty or non-text"
                 raise DatasetError(
-                    f"{annotations} line {line_no}: {problem} {column!r} field; "
-                    f"each record needs {need}"
+                    f"{where}: {problem} {column!r} field; each record needs {need}"
                 )
     return rows
 
@@ -163,15 +233,14 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
     rows = _read_rows(annotations, kind)
     width = max(6, len(str(len(rows) - 1)))
     records: list[Record] = []
-    seen: dict[str, int] = {}
-    for index, (line_no, row) in enumerate(rows):
-        where = f"{annotations} line {line_no}"
+    seen: dict[str, str] = {}
+    for index, (where, row) in enumerate(rows):
         key = str(row["key"]) if row.get("key") not in (None, "") else f"{index:0{width}d}"
         if not KEY_RE.fullmatch(key):
             raise DatasetError(f"{where}: key {key!r} may hold only letters, digits, _ and -")
         if key in seen:
-            raise DatasetError(f"{where}: key {key!r} is already used on line {seen[key]}")
-        seen[key] = line_no
+            raise DatasetError(f"{where}: key {key!r} is already used by {seen[key]}")
+        seen[key] = where
         media: dict[str, Path] = {}
         for column in kind.media:
             path = input_dir / row[column]
@@ -203,7 +272,7 @@ def _parts(record: Record, kind: Kind) -> dict[str, bytes | str]:
         _check_media(data, column, f"{record.where}: {column} file {path}")
         parts[MEDIA_SUFFIXES[column][path.suffix.lower()]] = data
     text = (
-        record.text[kind.text[0]] if kind.text_part == "txt"
+        record.text[kind.text[0]] if len(kind.text) == 1
         else json.dumps(record.text, ensure_ascii=False)
     )
     parts[kind.text_part] = text.encode("utf-8")
@@ -330,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", type=Path, required=True,
                         help="folder the media paths are relative to")
     parser.add_argument("--annotations", type=Path, required=True,
-                        help=".jsonl or .csv, one record per sample")
+                        help=".jsonl, .json (a list) or .csv, one record per sample")
     parser.add_argument("--kind", required=True, choices=list(KINDS))
     parser.add_argument("--output", type=Path, required=True, help="new folder for the dataset")
     parser.add_argument("--samples-per-shard", type=int, default=1000)

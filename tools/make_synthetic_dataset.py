@@ -1,7 +1,8 @@
 """Write a tiny synthetic multimodal dataset whose text follows from its media, so loss can fall.
 
     python -m tools.make_synthetic_dataset --output DIR --samples 300 \\
-        --kind caption|vqa|transcript|image_audio_caption [--image-size 32] [--seed 0] \\
+        --kind caption|vqa|transcript|image_audio_caption|conversation [--image-size 32] \\
+        [--seed 0] \\
         [--prepare [--vocab-size 512]]
 
 Images are one solid-colour shape (square, circle or stripe, at a random place) on black; sounds are
@@ -77,7 +78,9 @@ def _sample(index: int, kind: str, image_size: int, rng: np.random.Generator,
     if "image" in KINDS[kind].media:
         colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
         record["image"] = f"{FOLDERS['image']}/{name}.png"
-        pixels = draw_shape(colour, shape, image_size, rng)
+        size = image_size if kind != "conversation" else int(rng.integers(image_size,
+                                                                          2 * image_size + 1))
+        pixels = draw_shape(colour, shape, size, rng)
         (output / record["image"]).write_bytes(encode_png(pixels))
         seen = f"a {colour} {shape}"
     if "audio" in KINDS[kind].media:
@@ -93,9 +96,29 @@ def _sample(index: int, kind: str, image_size: int, rng: np.random.Generator,
         record["answer"] = colour if asked == "colour" else shape
     elif kind == "transcript":
         record["transcript"] = heard
+    elif kind == "conversation":
+        record = {"id": name, **record, "conversations": _conversation(index, colour, shape)}
     else:
         record["caption"] = f"{seen} and {heard}"
     return record
+
+
+def _conversation(index: int, colour: str, shape: str) -> list[dict[str, str]]:
+    """A LLaVA-style conversation about one image (marker place and system turn vary by index)."""
+    first = [f"<image>\n{QUESTIONS['colour']}", f"{QUESTIONS['colour']}\n<image>",
+             QUESTIONS["colour"]][index % 3]
+    turns = [{"from": "human", "value": first}, {"from": "gpt", "value": colour},
+             {"from": "human", "value": QUESTIONS["shape"]}, {"from": "gpt", "value": shape}]
+    if index % 3 == 0:
+        turns.insert(0, {"from": "system", "value": "answer with one word"})
+    return turns
+
+
+def _texts(record: dict[str, Any], kind: str) -> list[str]:
+    """The texts of one annotation record a tokenizer should cover."""
+    if kind == "conversation":
+        return [turn["value"] for turn in record["conversations"]]
+    return [record[column] for column in KINDS[kind].text]
 
 
 def make_synthetic(output: Path, samples: int, kind: str, seed: int = 0,
@@ -130,7 +153,9 @@ def prepare(output: Path, kind: str, seed: int = 0, vocab_size: int = 512,
     make_dataset(output, output / ANNOTATIONS, kind, output / "energon", seed=seed, quiet=quiet)
     with (output / ANNOTATIONS).open(encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
-    texts = [record[column] for record in records for column in KINDS[kind].text]
+    texts = [text for record in records for text in _texts(record, kind)]
+    if kind == "conversation":  # the role names a chat template writes
+        texts.append("system : user : assistant :")
     train_tokenizer(texts, vocab_size, output / "tokenizer")
 
 

@@ -1,4 +1,5 @@
-"""Energon datasets (stock ``--data-path``): image-caption, VQA, audio-transcript samples.
+"""Energon datasets (stock ``--data-path``): image-caption, VQA, audio-transcript and
+conversation samples.
 
 Every rank opens the same global stream: Energon with one data rank, the run's ``--seed`` and
 ``--num-workers``, batched into global microbatches of ``micro_batch_size x language dp``
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -37,7 +39,14 @@ from megatron.energon import (
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.media import DECODERS, BadSampleError, decode_text
 from megatron_plugins.data.streams import TRUNCATED, Microbatch, collate, data_state_path
-from megatron_plugins.data.text import PromptTokenizer, SampleText
+from megatron_plugins.data.text import (
+    ROLES,
+    Conversation,
+    PromptTokenizer,
+    SampleText,
+    media_marker,
+    read_chat_template,
+)
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
@@ -77,11 +86,33 @@ class SampleKind:
         return SampleText(prompt, decode_text(target, key, self.target))
 
 
+@dataclasses.dataclass(frozen=True)
+class ConversationKind(SampleKind):
+    """Multi-turn samples: ``target`` holds the turns as JSON text, rendered with the chat
+    template."""
+
+    def text(self, sample: Any) -> Conversation:  # type: ignore[override]
+        """The sample's turns, each a ``(role, content)`` of a known role."""
+        key = sample.__key__
+        raw = decode_text(getattr(sample, self.target), key, self.target)
+        try:
+            turns = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise BadSampleError(key, self.target, f"is not JSON ({error.msg})") from None
+        if not isinstance(turns, list) or not all(
+                isinstance(turn, dict) and turn.get("role") in ROLES
+                and isinstance(turn.get("content"), str) for turn in turns):
+            raise BadSampleError(key, self.target, "is not a list of {role, content} turns "
+                                 f"with role one of {', '.join(ROLES)}")
+        return Conversation(tuple((turn["role"], turn["content"]) for turn in turns))
+
+
 SAMPLE_KINDS: dict[str, SampleKind] = {
     "CaptioningSample": SampleKind(("image",), "caption"),
     "VQASample": SampleKind(("image",), "answers", prompt="context"),
     "AudioTranscriptSample": SampleKind(("audio",), "transcript"),
     "ImageAudioCaptionSample": SampleKind(("image", "audio"), "caption"),
+    "ConversationSample": ConversationKind(("image",), "conversation"),
 }
 """Sample types read here, by class name."""
 
@@ -90,20 +121,30 @@ class DataPathError(UsageError):
     """A ``--data-path`` that cannot be trained on; the message says what to fix."""
 
 
-def _sample_text(sample: Any) -> SampleText:
+def _sample_text(sample: Any) -> SampleText | Conversation:
     return SAMPLE_KINDS[type(sample).__name__].text(sample)
 
 
 @dataclasses.dataclass(frozen=True)
 class _TextInputs:
-    """Language ranks: a sample's text, tokenized and laid out after the encoders' blocks."""
+    """Language ranks: a sample's text, tokenized and laid out after the encoders' blocks (a
+    conversation's blocks where its markers are)."""
 
     tokenizer: PromptTokenizer
     blocks: tuple[tuple[str, int], ...]
+    markers: tuple[tuple[str, str], ...]
     seq_length: int
 
     def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], bool]:
-        encoded = self.tokenizer.encode(_sample_text(sample), self.blocks, self.seq_length)
+        text = _sample_text(sample)
+        if isinstance(text, Conversation):
+            try:
+                encoded = self.tokenizer.encode_conversation(text, self.blocks,
+                                                             dict(self.markers), self.seq_length)
+            except ValueError as error:
+                raise BadSampleError(sample.__key__, "conversation", str(error)) from None
+        else:
+            encoded = self.tokenizer.encode(text, self.blocks, self.seq_length)
         return encoded.as_batch_fields(), encoded.truncated
 
 
@@ -281,7 +322,9 @@ class EnergonSource:
     def _inputs(self, module: str) -> Any:
         if module == LANGUAGE:
             blocks = tuple((name, p.tokens_per_sample) for name, p in self.plugins.items())
-            return _TextInputs(self.tokenizer, blocks, self.seq_length)
+            markers = tuple((name, media_marker(p.preprocessor().media))
+                            for name, p in self.plugins.items())
+            return _TextInputs(self.tokenizer, blocks, markers, self.seq_length)
         return _EncoderInputs(self.plugins[module].preprocessor())
 
     def open(self, split: str, rank_slice: RankSlice, start: int,
@@ -371,6 +414,10 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
     # to hold the placeholders, so only an explicit size can be too small.
     tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins),
                                      getattr(args, "padded_vocab_size", None) or sys.maxsize,
-                                     args.special_tokens)
+                                     args.special_tokens,
+                                     read_chat_template(getattr(args, "chat_template", None)))
+    if path.is_dir() and isinstance(SAMPLE_KINDS[dataset_sample_type(dataset_spec(path))],
+                                    ConversationKind):
+        tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,
                          args.global_batch_size, tokenizer, plugins)

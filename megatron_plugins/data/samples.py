@@ -46,6 +46,17 @@ class ImageAudioCaptionSample(Sample):
     caption: str
 
 
+@edataclass
+class ConversationSample(Sample):
+    """An image and a multi-turn conversation about it (one image: the fixed-count pipeline)."""
+
+    #: The image file's bytes (PNG or JPEG), undecoded.
+    image: bytes
+    #: The turns as JSON text: a list of ``{"role": "system"|"user"|"assistant", "content"}``,
+    #: the image at the ``<image>`` marker of its turn (else at the start of the first user turn).
+    conversation: str
+
+
 def _text(raw: dict[str, Any], part: str) -> str:
     """A text part as ``str``, whether Energon's decoder already decoded it or not."""
     return decode_text(raw[part], raw["__key__"], part)
@@ -87,10 +98,19 @@ def load_image_audio_caption(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw, "txt"))
 
 
+def load_conversation(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fields of ``ConversationSample`` from an image part and a ``json`` list of turns (kept as
+    JSON text, re-serialized where Energon's decoder already parsed it)."""
+    turns = raw["json"]
+    text = json.dumps(turns) if isinstance(turns, (list, dict)) else _text(raw, "json")
+    return dict(image=_image(raw), conversation=text)
+
+
 #: The loader for each dataset kind of ``tools.make_energon_dataset``.
 LOADERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "caption": load_caption,
     "vqa": load_vqa,
     "transcript": load_transcript,
     "image_audio_caption": load_image_audio_caption,
+    "conversation": load_conversation,
 }

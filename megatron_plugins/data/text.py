@@ -11,7 +11,7 @@ agree with the ids used here.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,21 @@ class SampleText:
     target: str
 
 
+ROLES = ("system", "user", "assistant")
+"""The roles a conversation turn may have (the chat templates' own names)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn sample's text: ``(role, content)`` turns, the loss on the assistant turns only.
+
+    An encoder's item sits where its marker (:func:`media_marker`) is in a turn; with no marker, at
+    the start of the first user turn.
+    """
+
+    turns: tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True)
 class EncodedText:
     """One sample's language inputs, all ``[seq_length]``; ``truncated`` when target or end was cut."""
@@ -58,6 +73,25 @@ class EncodedText:
 def placeholder_token(encoder: str) -> str:
     """The special token whose positions the encoder's output fills."""
     return f"<{encoder}>"
+
+
+def media_marker(media: str) -> str:
+    """The text marking where a conversation's item of ``media`` sits (LLaVA's ``<image>``)."""
+    return f"<{media}>"
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """Stock ``--chat-template``: Jinja text, or the path of a Jinja file (read here, so a missing
+    file is one line before any process group)."""
+    if not value:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise FlagError(f"--chat-template {value}: no such file, and not Jinja template text; give "
+                    "a Jinja file (or its text), e.g. --chat-template chat_template.jinja")
 
 
 def special_tokens_flag(existing: Sequence[str] | None, encoders: Sequence[str]) -> list[str]:
@@ -105,8 +139,9 @@ class PromptTokenizer:
     """
 
     def __init__(self, folder: str, special_tokens: Sequence[str], encoders: Sequence[str],
-                 hf: Any) -> None:
+                 hf: Any, chat_template: str | None = None) -> None:
         self.folder = folder
+        self.chat_template: str | None = chat_template or getattr(hf, "chat_template", None)
         self.special_tokens = tuple(special_tokens)
         self._hf = hf
         self.placeholder_ids = {name: int(hf.convert_tokens_to_ids(placeholder_token(name)))
@@ -117,12 +152,14 @@ class PromptTokenizer:
 
     @classmethod
     def load(cls, folder: str, encoders: Sequence[str], padded_vocab_size: int,
-             special_tokens: Sequence[str] | None = None) -> PromptTokenizer:
+             special_tokens: Sequence[str] | None = None,
+             chat_template: str | None = None) -> PromptTokenizer:
         """Load ``folder`` (``--tokenizer-model``) with ``special_tokens_flag(special_tokens,
         encoders)`` added; a :class:`FlagError` when it cannot serve the run.
 
         ``special_tokens`` is stock's ``args.special_tokens`` (before or after the launch
-        appended the placeholders); ``padded_vocab_size`` the model's embedding rows.
+        appended the placeholders); ``padded_vocab_size`` the model's embedding rows;
+        ``chat_template`` (Jinja text, from ``--chat-template``) replaces the tokenizer's own.
         """
         tokens = special_tokens_flag(special_tokens, encoders)
         hf = _load_hf(folder, tokens)
@@ -130,9 +167,17 @@ class PromptTokenizer:
             raise FlagError(f"--tokenizer-model {folder} has no end-of-sequence token (eos_token); "
                             "the loss trains the model to end its answer, so use a tokenizer "
                             "with one")
-        tokenizer = cls(folder, tokens, encoders, hf)
+        tokenizer = cls(folder, tokens, encoders, hf, chat_template)
         tokenizer._check_room(padded_vocab_size)
         return tokenizer
+
+    def require_chat_template(self, needed_by: str) -> None:
+        """A :class:`FlagError` when conversations must be rendered and there is no template."""
+        if self.chat_template is None:
+            raise FlagError(
+                f"--tokenizer-model {self.folder} has no chat template, which {needed_by} needs "
+                "to render its conversations; use a tokenizer with one (chat_template in its "
+                "tokenizer_config.json) or give --chat-template FILE (a Jinja template)")
 
     def _check_room(self, padded_vocab_size: int) -> None:
         """Every id needs an embedding row; stock pads ``len(tokenizer)`` (placeholders included
@@ -197,3 +242,99 @@ class PromptTokenizer:
         return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
                            position_ids=torch.arange(seq_length, dtype=torch.int64),
                            truncated=len(kept) < len(answer))
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._hf.apply_chat_template(messages, chat_template=self.chat_template,
+                                                tokenize=False,
+                                                add_generation_prompt=generation_prompt)
+        except TemplateError as error:
+            raise ValueError(f"the chat template cannot render it: {error}") from None
+
+    def _messages(self, conversation: Conversation,
+                  markers: Mapping[str, str]) -> list[dict[str, str]]:
+        """The turns as chat messages, each encoder's marker replaced by its placeholder token
+        (the marker put at the start of the first user turn where the turns hold none)."""
+        turns = [list(turn) for turn in conversation.turns]
+        for name in markers:
+            if any(placeholder_token(name) in content for _, content in turns):
+                raise ValueError(f"a turn holds {placeholder_token(name)} as text")
+        for name, marker in markers.items():
+            count = sum(content.count(marker) for _, content in turns)
+            if count > 1:
+                raise ValueError(f"it holds {count} {marker} markers; a sample carries one item "
+                                 "per encoder")
+            if count == 0:
+                first_user = next((turn for turn in turns if turn[0] == "user"), None)
+                if first_user is None:
+                    raise ValueError(f"it has no {marker} marker and no user turn to put it in")
+                first_user[1] = f"{marker}\n{first_user[1]}"
+            for turn in turns:
+                turn[1] = turn[1].replace(marker, placeholder_token(name))
+        return [{"role": role, "content": content} for role, content in turns]
+
+    def _assistant_spans(self, messages: list[dict[str, str]], rendered: str) -> list[range]:
+        """Character spans of each assistant turn in ``rendered``: from the end of the
+        conversation before it with the generation prompt to the end of the conversation up to
+        it, trailing whitespace left out (so the end-of-turn token is in, the line break not)."""
+        spans = []
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:index], generation_prompt=True)
+            upto = self._render(messages[: index + 1])
+            if not (upto.startswith(before) and rendered.startswith(upto)):
+                raise ValueError("the chat template does not render it incrementally (a turn "
+                                 "changes the text before it), so its assistant turns cannot "
+                                 "be found")
+            spans.append(range(len(before), len(upto.rstrip())))
+        return spans
+
+    def encode_conversation(self, conversation: Conversation,
+                            encoder_blocks: Sequence[tuple[str, int]],
+                            markers: Mapping[str, str], seq_length: int) -> EncodedText:
+        """A conversation rendered with the chat template, each encoder's placeholder block where
+        its marker (``markers``: encoder -> marker) is; the loss on assistant tokens only.
+
+        Too-long text is cut at ``seq_length`` (``truncated`` set), never inside a placeholder
+        block: ValueError when a block does not fit, or when the turns cannot be rendered.
+        """
+        self.require_chat_template("a conversation dataset")
+        blocks = dict(encoder_blocks)
+        messages = self._messages(conversation, {name: markers[name] for name in blocks})
+        if not any(message["role"] == "assistant" for message in messages):
+            raise ValueError("it has no assistant turn, so nothing to train on")
+        rendered = self._render(messages)
+        spans = self._assistant_spans(messages, rendered)
+        encoded = self._hf(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = []
+        trained: list[bool] = []
+        by_id = {self.placeholder_ids[name]: name for name in blocks}
+        for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+            if token_id in by_id:
+                ids += [token_id] * blocks[by_id[token_id]]
+                trained += [False] * blocks[by_id[token_id]]
+            else:
+                ids.append(token_id)
+                # Overlap, not containment: a first content token may carry the space before it.
+                trained.append(any(start < span.stop and end > span.start for span in spans))
+        for token_id, name in by_id.items():
+            if ids.count(token_id) != blocks[name]:
+                raise ValueError(f"the chat template did not render its {markers[name]} exactly "
+                                 "once")
+        block_end = max(index for index, token_id in enumerate(ids) if token_id in by_id) + 1
+        if block_end > seq_length:
+            raise ValueError(f"its encoder placeholders end at token {block_end}, past "
+                             f"--seq-length {seq_length}; shorten the text before them")
+        kept = ids[:seq_length]
+        tokens = torch.full((seq_length,), self.pad_id, dtype=torch.int64)
+        tokens[: len(kept)] = torch.tensor(kept, dtype=torch.int64)
+        labels = torch.full_like(tokens, self.pad_id)
+        labels[:-1] = tokens[1:]
+        loss_mask = torch.zeros(seq_length, dtype=torch.float32)
+        loss_mask[: len(kept) - 1] = torch.tensor(trained[1: len(kept)], dtype=torch.float32)
+        return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
+                           position_ids=torch.arange(seq_length, dtype=torch.int64),
+                           truncated=len(ids) > seq_length)

@@ -1,0 +1,283 @@
+"""Conversations: rendering with a real tokenizer's chat template, the image placeholders at their
+marker, the loss on assistant turns only (checked against a hand-rendered example), the template
+errors, and ``make_energon_dataset --kind conversation`` with each record it refuses."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
+from megatron_plugins.data.media import BadSampleError
+from megatron_plugins.data.samples import ConversationSample
+from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
+                                        read_chat_template)
+from megatron_plugins.errors import FlagError
+from tools.make_energon_dataset import make_dataset
+from tools.train_tokenizer import train_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+
+TEMPLATE_FILE = Path(__file__).parents[1] / "fixtures" / "chat_template.jinja"
+TEMPLATE = TEMPLATE_FILE.read_text()
+CORPUS = ["a red cat sits on the mat", "what color is the cat", "the dog is blue",
+          "what is on the mat", "system : user : assistant :\n"] * 4
+BIG = 10_000
+RUN = 3
+"""The vision encoder's tokens per sample."""
+BLOCKS = (("vision", RUN),)
+MARKERS = {"vision": media_marker("image")}
+TURNS = (("system", "a cat"), ("user", "<image>\nwhat color is the cat"),
+         ("assistant", "the cat is red"), ("user", "what is on the mat"), ("assistant", "a mat"))
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def plain_folder(tmp_path_factory):
+    """A tokenizer without a chat template."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return str(train_tokenizer(CORPUS, 200, tmp_path_factory.mktemp("plain")))
+
+
+@pytest.fixture(scope="module")
+def chat_folder(plain_folder, tmp_path_factory):
+    """The same tokenizer with the chat template in its tokenizer_config.json."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(plain_folder, local_files_only=True)
+    hf.chat_template = TEMPLATE
+    folder = tmp_path_factory.mktemp("chat")
+    hf.save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_folder):
+    return PromptTokenizer.load(chat_folder, ["vision"], BIG)
+
+
+def encode(tokenizer, turns=TURNS, seq_length=64):
+    return tokenizer.encode_conversation(Conversation(turns), BLOCKS, MARKERS, seq_length)
+
+
+def _ids(tokenizer, text):
+    return tokenizer._hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_layout_and_loss_match_a_hand_rendered_conversation(tokenizer):
+    encoded = encode(tokenizer)
+    hf, eos, vision = tokenizer._hf, tokenizer.eos_id, tokenizer.placeholder_ids["vision"]
+    # Hand-rendered by the template: each turn "role : content<eos>\n", the image at its marker.
+    pieces = [([tokenizer.bos_id], False), (_ids(tokenizer, "system : a cat"), False),
+              ([eos], False), (_ids(tokenizer, "\nuser : "), False), ([vision] * RUN, False),
+              (_ids(tokenizer, "\nwhat color is the cat"), False), ([eos], False),
+              (_ids(tokenizer, "\nassistant :"), False), (_ids(tokenizer, " the cat is red"), True),
+              ([eos], True), (_ids(tokenizer, "\nuser : what is on the mat"), False),
+              ([eos], False), (_ids(tokenizer, "\nassistant :"), False),
+              (_ids(tokenizer, " a mat"), True), ([eos], True), (_ids(tokenizer, "\n"), False)]
+    ids = [token for piece, _ in pieces for token in piece]
+    trained = [flag for piece, flag in pieces for _ in piece]
+    assert encoded.tokens[: len(ids)].tolist() == ids, hf.convert_ids_to_tokens(encoded.tokens)
+    assert (encoded.tokens[len(ids):] == tokenizer.pad_id).all()
+    assert encoded.labels[:-1].tolist() == encoded.tokens[1:].tolist()
+    assert encoded.loss_mask[: len(ids) - 1].tolist() == [float(f) for f in trained[1:]]
+    assert encoded.loss_mask[len(ids) - 1:].sum() == 0
+    assert hf.decode(encoded.labels[encoded.loss_mask == 1]) == "the cat is red<eos> a mat<eos>"
+    assert not encoded.truncated
+
+
+def test_without_a_marker_the_image_opens_the_first_user_turn(tokenizer):
+    turns = (("user", "what color is the cat"), ("assistant", "red"))
+    tokens = encode(tokenizer, turns).tokens.tolist()
+    vision = tokenizer.placeholder_ids["vision"]
+    start = tokens.index(vision)
+    assert tokens[start: start + RUN] == [vision] * RUN and tokens.count(vision) == RUN
+    assert tokens[:start] == [tokenizer.bos_id] + _ids(tokenizer, "user : ")
+
+
+def test_the_marker_can_end_its_turn(tokenizer):
+    turns = (("user", "what color is the cat\n<image>"), ("assistant", "red"))
+    tokens = encode(tokenizer, turns).tokens.tolist()
+    vision = tokenizer.placeholder_ids["vision"]
+    end = tokens.index(vision) + RUN
+    assert tokens[end] == tokenizer.eos_id and tokens.count(vision) == RUN
+
+
+def test_a_long_conversation_is_cut_after_the_placeholders(tokenizer):
+    full = encode(tokenizer)
+    length = int((full.tokens != tokenizer.pad_id).sum())
+    cut = encode(tokenizer, seq_length=length - 3)
+    assert cut.truncated
+    assert cut.tokens.tolist() == full.tokens[: length - 3].tolist()
+    assert cut.loss_mask[:-1].tolist() == full.loss_mask[: length - 4].tolist()
+    with pytest.raises(ValueError, match="past --seq-length 6"):
+        encode(tokenizer, seq_length=6)
+
+
+@pytest.mark.parametrize("turns, problem", [
+    ((("user", "<image> <image> what"), ("assistant", "red")), "2 <image> markers"),
+    ((("user", "what"), ("user", "is it")), "no assistant turn"),
+    ((("user", "<vision> what"), ("assistant", "red")), "holds <vision> as text"),
+    ((("system", "a cat"), ("assistant", "red")), "no user turn"),
+])
+def test_conversations_that_cannot_train_are_refused(tokenizer, turns, problem):
+    with pytest.raises(ValueError, match=problem):
+        encode(tokenizer, turns)
+
+
+def test_a_bad_sample_stops_naming_its_key(tokenizer):
+    inputs = _TextInputs(tokenizer, BLOCKS, tuple(MARKERS.items()), 64)
+    sample = ConversationSample(__key__="k7", __restore_key__=(), __subflavors__={},
+                                image=b"", conversation=json.dumps(
+                                    [{"role": "user", "content": "what"}]))
+    with pytest.raises(BadSampleError, match="sample 'k7': field 'conversation' .*no assistant"):
+        inputs(sample)
+    sample.conversation = '[{"role": "robot", "content": "x"}]'
+    with pytest.raises(BadSampleError, match="role one of system, user, assistant"):
+        inputs(sample)
+
+
+def test_the_sample_kind_reads_the_turns(tokenizer):
+    sample = SimpleNamespace(__key__="k", conversation=json.dumps(
+        [{"role": role, "content": content} for role, content in TURNS]).encode())
+    assert SAMPLE_KINDS["ConversationSample"].text(sample) == Conversation(TURNS)
+
+
+def test_a_tokenizer_without_a_template_is_refused_naming_the_flags(plain_folder):
+    plain = PromptTokenizer.load(plain_folder, ["vision"], BIG)
+    with pytest.raises(FlagError, match=f"--tokenizer-model {plain_folder} has no chat template"
+                                        ".*--chat-template FILE"):
+        plain.require_chat_template("--data-path X")
+    with pytest.raises(FlagError, match="no chat template"):
+        encode(plain)
+
+
+def test_a_template_file_replaces_the_missing_one(plain_folder, tokenizer):
+    given = PromptTokenizer.load(plain_folder, ["vision"], BIG,
+                                 chat_template=read_chat_template(str(TEMPLATE_FILE)))
+    given.require_chat_template("--data-path X")
+    assert torch.equal(encode(given).tokens, encode(tokenizer).tokens)
+    assert torch.equal(encode(pickle.loads(pickle.dumps(given))).loss_mask,
+                       encode(tokenizer).loss_mask)
+
+
+def test_chat_template_flag_values(tmp_path):
+    assert read_chat_template(None) is None
+    assert read_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(FlagError, match="--chat-template nowhere.jinja: no such file"):
+        read_chat_template("nowhere.jinja")
+
+
+def test_a_template_that_is_not_incremental_is_refused(plain_folder):
+    odd = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
+           "{{ messages | length }}")
+    tokenizer = PromptTokenizer.load(plain_folder, ["vision"], BIG, chat_template=odd)
+    with pytest.raises(ValueError, match="does not render it incrementally"):
+        encode(tokenizer)
+
+
+# make_energon_dataset --kind conversation
+
+def _image(path: Path, size: tuple[int, int]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 30, 30)).save(path)
+    return path.name
+
+
+def _llava(index: int, **overrides) -> dict:
+    record = {"id": f"r{index}", "image": f"img{index}.png", "conversations": [
+        {"from": "human", "value": "<image>\nwhat color is it"}, {"from": "gpt", "value": "red"},
+        {"from": "human", "value": "and the shape"}, {"from": "gpt", "value": "a square"}]}
+    record.update(overrides)
+    return record
+
+
+@pytest.fixture
+def llava(tmp_path: Path) -> Path:
+    source = tmp_path / "source"
+    for index in range(10):
+        _image(source / f"img{index}.png", (16 + 3 * index, 20))
+    return source
+
+
+def test_llava_json_converts_to_role_content_turns(tmp_path: Path, llava: Path) -> None:
+    from tests.unit_tests.test_energon_dataset_tool import load_split
+
+    records = [_llava(i) for i in range(10)]
+    records[3]["image"] = [records[3]["image"]]  # a one-element list is one image
+    records[4]["conversations"].insert(0, {"from": "system", "value": "be brief"})
+    (llava / "llava.json").write_text(json.dumps(records))
+    path = make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "energon",
+                        split=(80, 10, 10))
+    samples = {s.__key__: s for split in ("train", "val", "test") for s in load_split(path, split)}
+    assert sorted(samples) == sorted(f"r{i}" for i in range(10))
+    sample = samples["r4"]
+    assert type(sample).__name__ == "ConversationSample"
+    assert sample.image == (llava / "img4.png").read_bytes()
+    assert SAMPLE_KINDS["ConversationSample"].text(sample) == Conversation((
+        ("system", "be brief"), ("user", "<image>\nwhat color is it"), ("assistant", "red"),
+        ("user", "and the shape"), ("assistant", "a square")))
+
+
+REFUSED = [
+    (dict(image=["img0.png", "img1.png"]), "2 images; the fixed-count pipeline"),
+    (dict(image=None, conversations=[{"from": "human", "value": "hi"},
+                                     {"from": "gpt", "value": "hello"}]),
+     "no image (text-only); the fixed-count pipeline"),
+    ({"image": ""}, "1 <image> marker but no image"),
+    (dict(conversations=[{"from": "human", "value": "<image> <image> what"},
+                         {"from": "gpt", "value": "red"}]), "2 <image> markers for one image"),
+    (dict(image=None, conversations=[{"from": "human", "value": "<image> what"},
+                                     {"from": "gpt", "value": "red"}]),
+     "1 <image> marker but no image"),
+    (dict(conversations=[{"from": "human", "value": "<image> what"}]), "no assistant ('gpt') turn"),
+    (dict(conversations=[{"from": "robot", "value": "beep"}]), "conversations[0] is not"),
+    (dict(conversations=[]), "no 'conversations' list"),
+    (dict(image="missing.png"), "image file"),
+    (dict(id="a/b"), "key 'a/b'"),
+]
+
+
+@pytest.mark.parametrize("overrides, problem", REFUSED)
+def test_records_that_cannot_train_yet_are_refused_in_one_line(
+        capsys, tmp_path: Path, llava: Path, overrides: dict, problem: str) -> None:
+    from tests.unit_tests.test_energon_dataset_tool import run_failing
+
+    records = [_llava(i) for i in range(10)]
+    records[6] = _llava(6, **overrides)
+    lines = "".join(json.dumps(record) + "\n" for record in records)
+    (llava / "llava.jsonl").write_text(lines)
+    err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
+                                         str(llava / "llava.jsonl"), "--kind", "conversation"])
+    assert "llava.jsonl line 7" in err and problem in err, err
+
+
+def test_an_image_that_does_not_decode_is_refused(capsys, tmp_path: Path, llava: Path) -> None:
+    from tests.unit_tests.test_energon_dataset_tool import run_failing
+
+    (llava / "img2.png").write_bytes(b"not a png")
+    (llava / "llava.json").write_text(json.dumps([_llava(i) for i in range(10)]))
+    err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
+                                         str(llava / "llava.json"), "--kind", "conversation",
+                                         "--split", "80,10,10"])
+    assert "llava.json record 2" in err and "does not decode as image" in err
+
+
+def test_conversations_cannot_come_as_csv(capsys, tmp_path: Path, llava: Path) -> None:
+    from tests.unit_tests.test_energon_dataset_tool import run_failing
+
+    (llava / "a.csv").write_text("image,conversations\n")
+    err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
+                                         str(llava / "a.csv"), "--kind", "conversation"])
+    assert "must end in .jsonl or .json" in err

@@ -16,7 +16,10 @@ from megatron.energon.edataclass import edataclass
 
 from megatron_plugins.data.media import BadSampleError, decode_text
 
-__all__ = ["AUDIO_PART", "AudioTranscriptSample", "ImageAudioCaptionSample", "LOADERS"]
+__all__ = [
+    "AUDIO_PART", "AudioTranscriptSample", "ConversationSample", "ImageAudioCaptionSample",
+    "LOADERS"
+]
 
 #: Tar part extensions an image may be stored under (the source file's own encoding is kept).
 IMAGE_PARTS = ("jpg", "png")

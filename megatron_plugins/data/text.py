@@ -21,7 +21,8 @@ import torch
 from megatron_plugins.errors import FlagError
 
 __all__ = [
-    "EncodedText", "PromptTokenizer", "SampleText", "check_tokenizer_folder", "placeholder_token",
+    "ROLES", "Conversation", "EncodedText", "PromptTokenizer", "SampleText",
+    "check_tokenizer_folder", "media_marker", "placeholder_token", "read_chat_template",
     "special_tokens_flag"
 ]
 

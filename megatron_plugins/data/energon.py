@@ -362,14 +362,15 @@ class EnergonSource:
         return _GlobalBatches(loader)
 
 
-def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> None:
-    """Refuse, in one line, a dataset folder this run cannot read (before any process group)."""
+def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> SampleKind | None:
+    """Refuse, in one line, a dataset folder this run cannot read (before any process group);
+    returns its sample kind (None for a metadataset, whose datasets Energon resolves)."""
     flag = f"--data-path {path}"
     if not path.exists():
         raise DataPathError(f"{flag} does not exist; give a folder prepared with `energon "
                             "prepare` (or tools.make_energon_dataset) or a metadataset YAML")
     if path.is_file():
-        return  # A metadataset: Energon resolves and checks the datasets it blends.
+        return None  # A metadataset: Energon resolves and checks the datasets it blends.
     if not (path / ".nv-meta" / "dataset.yaml").is_file():
         raise DataPathError(
             f"{flag} is not a prepared Energon dataset (no .nv-meta/dataset.yaml); prepare it "
@@ -398,6 +399,7 @@ def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> 
             raise DataPathError(
                 f"{flag}: its {part} split holds {size} samples, fewer than one global batch "
                 f"(--global-batch-size {args.global_batch_size}); add samples to it {fix}")
+    return SAMPLE_KINDS[sample_type]
 
 
 def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> EnergonSource:
@@ -409,15 +411,14 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
     if args.rampup_batch_size:
         raise DataPathError("--rampup-batch-size cannot be used with --data-path: an Energon "
                             "batch is one global batch of fixed size")
-    _check_dataset(path, plugins, args)
+    kind = _check_dataset(path, plugins, args)
     # Without an explicit (or checkpoint-restored) --padded-vocab-size stock pads the vocabulary
     # to hold the placeholders, so only an explicit size can be too small.
     tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins),
                                      getattr(args, "padded_vocab_size", None) or sys.maxsize,
                                      args.special_tokens,
                                      read_chat_template(getattr(args, "chat_template", None)))
-    if path.is_dir() and isinstance(SAMPLE_KINDS[dataset_sample_type(dataset_spec(path))],
-                                    ConversationKind):
+    if isinstance(kind, ConversationKind):
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,
                          args.global_batch_size, tokenizer, plugins)

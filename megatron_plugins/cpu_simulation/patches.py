@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_plugins.cpu_simulation import quiet_gpu_library_warnings
 
-__all__ = ["activate"]
+__all__ = ["activate", "active"]
 
 _active = False
 _device_mode: TorchFunctionMode | None = None

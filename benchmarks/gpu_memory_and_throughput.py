@@ -324,7 +324,7 @@ def bench_encoder(name, plugin_cls, flags, batches, lang_hidden) -> dict:
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     spec = plugin.submodule_spec(config, lang_hidden, pgc)
     result = {"encoder": name, "flags": " ".join(flags), "language_hidden": lang_hidden,
-              "tokens_per_sample": plugin.tokens_per_sample, "num_layers": config.num_layers,
+              "tokens_per_item": plugin.tokens_per_item, "num_layers": config.num_layers,
               "hidden": config.hidden_size}
     # build_module(spec) hands spec.submodules to the container's **kwargs, which ignores them
     # (an empty container); MimoModel builds modality containers with from_spec(). Record both.
@@ -363,7 +363,7 @@ def bench_encoder(name, plugin_cls, flags, batches, lang_hidden) -> dict:
             run["output_shape"] = list(out.shape)
             run["output_dtype"] = str(out.dtype)
             assert out.dtype == torch.bfloat16, f"{name}: wrapper output is {out.dtype}, not bf16"
-            assert out.shape == (batch * plugin.tokens_per_sample, lang_hidden), out.shape
+            assert out.shape == (batch * plugin.tokens_per_item, lang_hidden), out.shape
             del out
             for _ in range(ARGS.warmup - 1):
                 step()
@@ -374,8 +374,8 @@ def bench_encoder(name, plugin_cls, flags, batches, lang_hidden) -> dict:
                 step()
             sync()
             seconds = (time.perf_counter() - start) / ARGS.iters
-            tokens = batch * plugin.tokens_per_sample
-            s, h, layers = plugin.tokens_per_sample, config.hidden_size, config.num_layers
+            tokens = batch * plugin.tokens_per_item
+            s, h, layers = plugin.tokens_per_item, config.hidden_size, config.num_layers
             flops = 6 * p_mm * tokens + 12 * layers * s * h * tokens
             run.update({
                 "step_ms": round(seconds * 1e3, 2), "samples_per_s": round(batch / seconds, 1),

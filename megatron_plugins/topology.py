@@ -214,7 +214,7 @@ def pipeline_communicator(topology: HeteroTopology,
         module_output_ndim={name: 2 for name in encoders},
     )
     # Every transfer's shape is fixed by --seq-length, the micro-batch sizes and each encoder's
-    # tokens_per_sample: one shape handshake per link and direction, not one per transfer.
+    # tokens_per_item: one shape handshake per link and direction, not one per transfer.
     communication.exchange_shapes_once(communicator)
     # A grid of one rank needs no broadcast of what its leader received.
     communication.skip_lone_broadcasts()

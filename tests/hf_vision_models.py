@@ -110,7 +110,7 @@ def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dic
     with torch.no_grad():
         output = network(torch.from_numpy(pixels))
     return {"family": family.name, "output": output.detach().numpy(),
-            "tokens_per_sample": encoder.tokens_per_sample,
+            "tokens_per_item": encoder.tokens_per_item,
             "pieces": streamed(network, family, pgc, None)}
 
 

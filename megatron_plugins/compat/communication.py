@@ -4,7 +4,7 @@
 Shared context of Gaps 9 and 13: the multi-module schedule refuses pipelines without
 ``variable_seq_lengths`` (schedules.py:2182), so every transfer is preceded by a shape handshake,
 though MiMo transfer shapes are fixed by ``--seq-length``, the micro-batch sizes and each
-encoder's ``tokens_per_sample``.
+encoder's ``tokens_per_item``.
 """
 
 from __future__ import annotations

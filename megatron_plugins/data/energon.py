@@ -321,7 +321,7 @@ class EnergonSource:
 
     def _inputs(self, module: str) -> Any:
         if module == LANGUAGE:
-            blocks = tuple((name, p.tokens_per_sample) for name, p in self.plugins.items())
+            blocks = tuple((name, p.tokens_per_item) for name, p in self.plugins.items())
             markers = tuple((name, media_marker(p.preprocessor().media))
                             for name, p in self.plugins.items())
             return _TextInputs(self.tokenizer, blocks, markers, self.seq_length)

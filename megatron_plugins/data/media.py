@@ -17,7 +17,7 @@ from PIL import Image
 
 __all__ = [
     "BadSampleError", "DECODERS", "MEDIA_KINDS", "Waveform", "decode_audio", "decode_image",
-    "decode_text", "encode_jpeg", "encode_png", "encode_wav"
+    "decode_text", "encode_jpeg", "encode_png", "encode_wav", "media_size", "probe_size"
 ]
 
 
@@ -128,3 +128,26 @@ DECODERS = {"image": decode_image, "audio": decode_audio}
 
 MEDIA_KINDS = tuple(DECODERS)
 """The media kinds a sample can carry and a preprocessor can read."""
+
+
+def media_size(media: np.ndarray | Waveform) -> tuple[int, ...]:
+    """A decoded item's size, what an encoder's token count follows: ``(height, width)`` of an
+    image, ``(samples, sample_rate)`` of audio."""
+    if isinstance(media, Waveform):
+        return (len(media.samples), media.sample_rate)
+    return tuple(int(n) for n in media.shape[:2])
+
+
+def probe_size(kind: str, data: bytes, key: str, field: str) -> tuple[int, ...]:
+    """:func:`media_size` of an undecoded part, from its header alone (language ranks lay out an
+    item's placeholder run from it without decoding the pixels or samples)."""
+    try:
+        if kind == "image":
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+            return (height, width)
+        with wave.open(io.BytesIO(data), "rb") as reader:
+            return (reader.getnframes(), reader.getframerate())
+    except Exception as error:  # noqa: BLE001 - PIL and wave raise many types for corrupt files
+        raise BadSampleError(key, field, f"does not decode as {kind} "
+                                         f"({_first_line(error)})") from error

@@ -85,7 +85,7 @@ class MockSource:
         text_vocab = self.text_vocab_size
         step = 1 + label % 3
         first = label * (text_vocab // NUM_CLASSES) + int(torch.randint(2, (1,), generator=generator))
-        blocks = [(self.special_token_ids[name], plugin.tokens_per_sample)
+        blocks = [(self.special_token_ids[name], plugin.tokens_per_item)
                   for name, plugin in self.plugins.items()]
         text_length = self.seq_length - sum(count for _, count in blocks)
         cuts = sorted(torch.randperm(text_length + 1, generator=generator)[:len(blocks)].tolist())

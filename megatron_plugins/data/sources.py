@@ -28,7 +28,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
-    encoder_tokens = sum(plugin.tokens_per_sample for plugin in plugins.values())
+    encoder_tokens = sum(plugin.tokens_per_item for plugin in plugins.values())
     if encoder_tokens + 2 > args.seq_length:
         raise DataFlagError(
             f"--seq-length {args.seq_length} leaves no room for text: the encoders fill "

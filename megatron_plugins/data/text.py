@@ -216,7 +216,7 @@ class PromptTokenizer:
 
     def encode(self, text: SampleText, encoder_blocks: Sequence[tuple[str, int]],
                seq_length: int) -> EncodedText:
-        """``encoder_blocks``: ``(encoder, tokens_per_sample)`` in ``--encoder`` order.
+        """``encoder_blocks``: ``(encoder, tokens_per_item)`` in ``--encoder`` order.
 
         Too-long text never raises: the prompt, then the target and end token are cut to fit and
         ``truncated`` is set; with no target token left the loss mask is all zero. Raises

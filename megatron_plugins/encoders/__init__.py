@@ -81,7 +81,7 @@ def instantiate(provider: str, encoder: str, args: argparse.Namespace,
     hook = "__init__"
     try:
         plugin = plugin_class(encoder, args, grid)
-        for hook in ("num_attention_heads", "tokens_per_sample"):
+        for hook in ("num_attention_heads", "tokens_per_item"):
             getattr(plugin, hook)
     except EncoderPluginError:
         raise

@@ -158,7 +158,7 @@ class AudioFrameEncoder(EncoderPlugin):
         return self.args.audio_num_attention_heads
 
     @property
-    def tokens_per_sample(self) -> int:
+    def tokens_per_item(self) -> int:
         return self.args.audio_num_frames // DOWNSAMPLE
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:

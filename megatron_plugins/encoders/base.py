@@ -1,10 +1,12 @@
 """The encoder plugin interface: one class per modality, written in the user's own file if need be.
 
 A plugin declares its flags, builds its Megatron module spec (the encoder network, then a
-projection to the language model's hidden size), says how many language-model positions one
-sample's encoder output fills, and gives the :class:`MediaPreprocessor` that turns one decoded
-sample's image or audio into the encoder's inputs. The MiMo builder, the data module and the
-layout checks only talk to this interface.
+projection to the language model's hidden size), says how many language-model positions one item
+(an image, a clip) fills, and gives the :class:`MediaPreprocessor` that turns one decoded item into
+the encoder's inputs and collates a microbatch's items. A sample holds 0..N items per encoder;
+an item's token count follows from its size alone (:meth:`EncoderPlugin.item_tokens`), so the
+language ranks lay out its placeholder run from the sample's metadata without decoding it. The
+MiMo builder, the data module and the layout checks only talk to this interface.
 """
 
 from __future__ import annotations
@@ -127,12 +129,18 @@ class MediaPreprocessor(abc.ABC):
 
     @abc.abstractmethod
     def __call__(self, media: Any) -> dict[str, torch.Tensor]:
-        """Keyword inputs of the encoder for one sample, without a batch dimension.
+        """Keyword inputs of the encoder for one item, without a batch dimension.
 
         ``media`` is a uint8 ``[H, W, 3]`` RGB ``numpy.ndarray`` for ``"image"`` and a
         :class:`megatron_plugins.data.media.Waveform` for ``"audio"``. Raise ``ValueError`` for
         media it cannot use; the data source reports it with the sample's key.
         """
+
+    def collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One microbatch's items (at least one, in sample then item order) as the encoder's
+        keyword inputs: stacked on a new first dimension. An encoder that takes items of
+        different sizes packs them instead (concatenated, with their sizes)."""
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """Its output for one mock sample's media: input shapes without a dataset (benchmarks)."""
@@ -167,8 +175,16 @@ class EncoderPlugin(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def tokens_per_sample(self) -> int:
-        """Language-model positions one sample's encoder output fills (its special tokens)."""
+    def tokens_per_item(self) -> int:
+        """The most language-model positions one item's output fills (its placeholder run): the
+        exact count for an encoder of a fixed input size."""
+
+    def item_tokens(self, size: tuple[int, ...]) -> int:
+        """Positions one item of this ``size`` fills (:func:`megatron_plugins.data.media.
+        media_size`: ``(height, width)`` of an image, ``(samples, rate)`` of audio); at most
+        :attr:`tokens_per_item`. A pure function of the size: the language ranks call it on
+        sizes read from the sample's metadata, the encoder ranks must produce exactly that many."""
+        return self.tokens_per_item
 
     @abc.abstractmethod
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
@@ -177,20 +193,19 @@ class EncoderPlugin(abc.ABC):
     @abc.abstractmethod
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        """The encoder network; called with the inputs of :meth:`preprocessor`, batched.
+        """The encoder network; called with a microbatch's items as the preprocessor's
+        :meth:`MediaPreprocessor.collate` made them (never with zero items).
 
-        It returns ``[batch, tokens_per_sample, config.hidden_size]`` (or that flattened to
-        ``[batch * tokens_per_sample, hidden]``). ``pg_collection`` is None on ranks that never
-        build it.
+        It returns ``[items, tokens_per_item, config.hidden_size]`` (or that flattened to
+        ``[items * tokens_per_item, hidden]``); an encoder whose count follows the item size
+        returns ``[sum of item_tokens, hidden]``, items in order. ``pg_collection`` is None on
+        ranks that never build it.
         """
 
     @abc.abstractmethod
     def preprocessor(self) -> MediaPreprocessor:
-        """What turns one sample's decoded media into this encoder's keyword inputs.
-
-        The data stacks its outputs over the encoder's microbatch and calls the encoder's
-        ``forward(**inputs)`` with the same keywords, each tensor gaining a batch dimension.
-        """
+        """What turns one decoded item into this encoder's keyword inputs and collates a
+        microbatch's items; the encoder's ``forward(**inputs)`` gets the collated keywords."""
 
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
                         pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

@@ -232,7 +232,7 @@ class HFVisionEncoder(EncoderPlugin):
         return self.hf_config.num_attention_heads
 
     @property
-    def tokens_per_sample(self) -> int:
+    def tokens_per_item(self) -> int:
         patches = (self.hf_config.image_size // self.hf_config.patch_size) ** 2
         return patches + int(self.class_token)
 

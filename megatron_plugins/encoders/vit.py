@@ -123,7 +123,7 @@ class ViTEncoder(EncoderPlugin):
         return self.args.vit_num_attention_heads
 
     @property
-    def tokens_per_sample(self) -> int:
+    def tokens_per_item(self) -> int:
         return (self.args.vit_img_size // self.args.vit_patch_size) ** 2
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:

@@ -93,7 +93,7 @@ def test_text_never_uses_special_tokens_and_labels_skip_encoder_positions():
         sample = source.text("train", index)
         tokens, labels, mask = sample["tokens"], sample["labels"], sample["loss_mask"]
         for name, token in special.items():
-            assert int((tokens == token).sum()) == source.plugins[name].tokens_per_sample
+            assert int((tokens == token).sum()) == source.plugins[name].tokens_per_item
         text = tokens < source.text_vocab_size
         assert torch.equal(mask[:-1].bool(), text[1:])  # predict only text tokens
         assert mask[-1] == 0

@@ -43,7 +43,7 @@ def test_one_rank_encoder_reproduces_transformers_last_hidden_state(provider, to
                                 timeout=120, simulated=True)
     want = hf_hidden_states(provider, folder, pixels)
     assert result["family"] == family
-    assert result["tokens_per_sample"] == tokens == want.shape[1]
+    assert result["tokens_per_item"] == tokens == want.shape[1]
     assert result["output"].shape == want.shape
     assert rel_diff(result["output"], want) < TOLERANCE
 

@@ -70,7 +70,7 @@ class SensorEncoder(EncoderPlugin):
         return self.grid.tp  # no attention: only the tp divisibility checks read it
 
     @property
-    def tokens_per_sample(self) -> int:
+    def tokens_per_item(self) -> int:
         return self.args.sensor_windows
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:

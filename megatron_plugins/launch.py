@@ -197,7 +197,8 @@ def start(run: MimoRun) -> MimoSession:
         _plugins=run.plugins,
         _alignment=guard,
     )
-    communicator = pipeline_communicator(topology, language.transformer)
+    communicator = pipeline_communicator(topology, language.transformer,
+                                         run.source.static_shapes)
     config = pretrain_cfg_container_from_args(args, model)
     return MimoSession(run, topology, communicator, config, guard)
 

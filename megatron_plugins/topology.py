@@ -196,14 +196,16 @@ def build_topology(layout: ParallelLayout, backend: str | None = None) -> Hetero
     return HeteroTopology(layout, grids, carrier, embedding)
 
 
-def pipeline_communicator(topology: HeteroTopology,
-                          config: ModelParallelConfig) -> MultiModulePipelineCommunicator:
+def pipeline_communicator(topology: HeteroTopology, config: ModelParallelConfig,
+                          static_shapes: bool) -> MultiModulePipelineCommunicator:
     """The schedule's cross-grid communicator: every encoder feeds the language model.
 
     Encoders hand over ``[tokens, hidden]`` (batch folded into dim 0, split per sample by the
-    bridge); language stages pass ``[seq, batch, hidden]``. Shapes are exchanged once per bridge
-    or stage link and direction (compat Gaps 9, 13); a one-rank grid does not broadcast
-    what it received (Gap 12). Collective: call on every rank.
+    bridge); language stages pass ``[seq, batch, hidden]``. Stage links exchange shapes once per
+    direction (compat Gap 13); bridges too when every sample fills the same positions
+    (``static_shapes``, Gap 9), else on each transfer (one small message per peer), a fan-in
+    splitting gradients as it received (Gap 15). A one-rank grid does not broadcast what it
+    received (Gap 12). Collective: call on every rank.
     """
     encoders = [module.name for module in topology.layout.encoders]
     communicator = MultiModulePipelineCommunicator(
@@ -213,9 +215,11 @@ def pipeline_communicator(topology: HeteroTopology,
         dim_mapping={"s": 0, "b": 1, "h": 2},
         module_output_ndim={name: 2 for name in encoders},
     )
-    # Every transfer's shape is fixed by --seq-length, the micro-batch sizes and each encoder's
-    # tokens_per_item: one shape handshake per link and direction, not one per transfer.
-    communication.exchange_shapes_once(communicator)
+    # Stage links carry [seq, batch, hidden], and with static_shapes bridges carry fixed token
+    # counts: one shape handshake per link and direction, not one per transfer.
+    communication.exchange_shapes_once(communicator, bridges=static_shapes)
+    if not static_shapes:
+        communication.split_fan_in_gradients_as_received(communicator)
     # A grid of one rank needs no broadcast of what its leader received.
     communication.skip_lone_broadcasts()
     return communicator

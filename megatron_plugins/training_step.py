@@ -1,8 +1,9 @@
 """The ``forward_step_func`` stock ``pretrain()`` runs for a MiMo model, and its per-token loss.
 
 Encoder ranks feed their inputs and hand their outputs to the schedule (which sends them across
-the grid); language ranks feed text and, on the last stage, return the summed token loss and the
-token count. The loss is never divided here: the global token count divides the gradients once
+the grid), each output checked against the token counts its items declared and labelled with
+its samples' counts (how the bridge splits it over language replicas); language ranks feed text
+and, on the last stage, return the summed token loss and the token count. The loss is never divided here: the global token count divides the gradients once
 (see :mod:`megatron_plugins.grad_sync`) and the logged ``lm loss``.
 """
 
@@ -14,7 +15,14 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_plugins.data.streams import ITEM_TOKENS
+from megatron_plugins.encoders import EncoderPluginError
+
 __all__ = ["forward_step"]
+
+SPLIT_SIZES = "_mimo_bridge_split_sizes"
+"""Attribute of an encoder output that megatron-core's bridge splits a fan-out by (one entry per
+sample, bridge_communicator.py ``_split_tensor_at_batch_dim``)."""
 
 
 def _to_device(value: Any) -> Any:
@@ -35,6 +43,20 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+def _label_encoder_outputs(outputs: Mapping[str, torch.Tensor],
+                           item_tokens: Mapping[str, list[tuple[int, ...]]]) -> None:
+    """Check each encoder output holds the rows its items declared, and give it its samples'
+    counts: with variable counts the bridge must split it per language replica by samples."""
+    for name, output in outputs.items():
+        per_sample = [sum(counts) for counts in item_tokens[name]]
+        if output.shape[0] != sum(per_sample):
+            raise EncoderPluginError(
+                f"--encoder {name}: the encoder returned {output.shape[0]} rows for a microbatch "
+                f"whose items declare {sum(per_sample)} tokens ({item_tokens[name]} per sample); "
+                "its item_tokens(size) must give the rows each item's output has")
+        setattr(output, SPLIT_SIZES, per_sample)
+
+
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
                  ) -> tuple[Any, Callable]:
     """One microbatch through this rank's part of the MiMo model."""
@@ -47,4 +69,6 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
         labels=batch.get("labels"),
         modality_inputs=batch.get("modality_inputs"),
     )
+    if batch.get("tokens") is None and isinstance(output, Mapping):
+        _label_encoder_outputs(output, batch[ITEM_TOKENS])
     return output, partial(loss_func, loss_mask)

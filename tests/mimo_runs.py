@@ -36,24 +36,19 @@ def count_grad_reductions() -> dict[str, int]:
 
 
 def _misalign_encoder_batches() -> None:
-    """Reverse every encoder microbatch and its keys, as a source with a per-rank order bug
-    would: the guard must catch it."""
+    """Pair every encoder microbatch's items with its samples in reverse order, as a source with
+    a per-rank order bug would: the guard must catch it."""
     from megatron_plugins.data import streams
-
-    stock_next = streams.MicrobatchStream.__next__
 
     def reversed_next(self):
         keys, batch = next(self._source)
-        [inputs] = batch["modality_inputs"].values()
-        [fields] = inputs.values()
-        for name, value in fields.items():
-            fields[name] = value.flip(0)
+        counts = {name: per_sample[::-1]
+                  for name, per_sample in batch[streams.ITEM_TOKENS].items()}
         if self._guard is not None:
-            self._guard.record(keys[::-1])
+            self._guard.record(keys[::-1], counts)
         return batch
 
     streams.MicrobatchStream.__next__ = reversed_next
-    del stock_next
 
 
 def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool,
@@ -77,8 +72,8 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
         if observe_keys:
             keys = result.setdefault("keys", [])
             record = session.guard.record
-            session.guard.record = lambda batch_keys: keys.append(list(batch_keys)) or record(
-                batch_keys)
+            session.guard.record = lambda batch_keys, counts: keys.append(
+                list(batch_keys)) or record(batch_keys, counts)
 
     run = parse_mimo_args(argv)
     reductions = count_grad_reductions() if count_reductions else None

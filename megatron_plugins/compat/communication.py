@@ -1,21 +1,23 @@
-"""Bridges that drop needless handshakes and broadcasts from MiMo's pipeline communication
-(Gaps 9, 12 and 13), applied by our pipeline communicator's builder in MiMo processes only.
+"""Bridges over MiMo's pipeline communication, applied by our pipeline communicator's builder in
+MiMo processes only: dropping needless handshakes and broadcasts (Gaps 9, 12 and 13) and
+splitting fan-in gradients of variable-size encoder outputs (Gap 15).
 
 Shared context of Gaps 9 and 13: the multi-module schedule refuses pipelines without
 ``variable_seq_lengths`` (schedules.py:2182), so every transfer is preceded by a shape handshake,
-though MiMo transfer shapes are fixed by ``--seq-length``, the micro-batch sizes and each
-encoder's ``tokens_per_item``.
+though MiMo transfer shapes are fixed by ``--seq-length``, the micro-batch sizes and, when every
+sample holds the same items, each encoder's ``tokens_per_item``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
 
 from megatron_plugins.compat import MegatronCompatError
 
-__all__ = ["exchange_shapes_once", "skip_lone_broadcasts"]
+__all__ = ["exchange_shapes_once", "skip_lone_broadcasts", "split_fan_in_gradients_as_received"]
 
 
 class _ShapeMemo:
@@ -41,14 +43,15 @@ class _ShapeMemo:
         return receiving and kind not in self.known
 
 
-def exchange_shapes_once(communicator: Any) -> None:
-    """Make each cross-grid bridge (Gap 9) and each pipeline-stage link (Gap 13) of this rank's
-    modules exchange each direction's shapes once.
+def exchange_shapes_once(communicator: Any, bridges: bool = True) -> None:
+    """Make each pipeline-stage link (Gap 13) of this rank's modules and, with ``bridges``, each
+    cross-grid bridge (Gap 9) exchange each direction's shapes once.
 
-    For layouts whose transfer shapes never change (fixed ``--seq-length``, micro-batch sizes and
-    tokens per encoder sample). A later transfer of another shape raises instead of hanging.
+    Stage links always carry ``[seq-length, micro-batch, hidden]``; bridges keep one shape when
+    every sample fills the same positions per encoder. A later transfer of another shape raises
+    instead of hanging.
     """
-    for bridge in communicator.bridge_comms:
+    for bridge in communicator.bridge_comms if bridges else ():
         _static_bridge_shapes(bridge)
     for name, info in communicator.rank_module_map.items():
         if info.pp_size > 1:
@@ -148,3 +151,64 @@ def skip_lone_broadcasts() -> None:
 
     if not isinstance(bridge_communicator.dist, _LoneBroadcastSkipping):
         bridge_communicator.dist = _LoneBroadcastSkipping()
+
+
+def split_fan_in_gradients_as_received(communicator: Any) -> None:
+    """Apply Gap 15 to each cross-grid bridge where this rank receives from several encoder
+    replicas (encoder DP larger than language DP).
+
+    Gap 15 (fan-in of variable-size outputs): a language leader receiving from several encoder
+    replicas concatenates what each sent (bridge_communicator.py:431), but splits the gradient it
+    returns into equal parts (``_split_tensor_at_batch_dim``, :1036: no split sizes ride on a
+    gradient), so replicas whose samples hold different token counts get gradient rows of other
+    samples; ``MimoModel`` asserts rather than support it (``_attach_modality_split_sizes``,
+    core/models/mimo/model/base.py). Bridge: each activation the leader receives carries a
+    gradient hook noting the rows each replica sent (from the stock shape handshake, which
+    variable runs keep); when the schedule sends that gradient back, it is split by them.
+    Forward-only passes (evaluation) compute no gradient, so they leave nothing behind.
+    """
+    for bridge in communicator.bridge_comms:
+        info = bridge.comm_map.get(bridge.current_rank)
+        if info and info.role.name == "RECEIVER" and len(info.recv_from_ranks) > 1:
+            _split_as_received(bridge, len(info.recv_from_ranks))
+
+
+def _split_as_received(bridge: Any, sources: int) -> None:
+    link = f"cross-grid {bridge.src_module_name}->{bridge.dest_module_name}"
+    stock_shapes = bridge._communicate_shapes
+    received: list[list[int]] = []
+    """Rows per replica of the activation being received (set by its shape handshake)."""
+    gradients: deque[list[int]] = deque()
+    """Rows per replica of each gradient computed and not yet sent."""
+
+    def communicate_shapes(tensor_to_send_next=None, recv_next=False, recv_prev=False,
+                           tensor_to_send_prev=None):
+        forward, grads = stock_shapes(tensor_to_send_next, recv_next, recv_prev,
+                                      tensor_to_send_prev)
+        if recv_prev:
+            received[:] = [[int(shape[bridge._batch_dim]) for shape in forward]]
+        return forward, grads
+
+    def noting_sizes(receive: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+            activation = receive(*args, **kwargs)
+            sizes = received.pop()
+            if activation.requires_grad:  # not under evaluation's no_grad
+                activation.register_hook(lambda grad: gradients.append(sizes))
+            return activation
+        return wrapped
+
+    def split(tensor: torch.Tensor, num_splits: int) -> list[torch.Tensor]:
+        rows = tensor.shape[bridge._batch_dim]
+        sizes = gradients.popleft() if gradients else ([0] * sources if rows == 0 else None)
+        if num_splits != sources or sizes is None or sum(sizes) != rows:
+            raise MegatronCompatError(
+                f"{link}: a gradient of {rows} rows split {num_splits} ways matches no received "
+                f"activation (pending: {list(gradients)}); the fan-in bridge expects one "
+                "gradient per received activation, in order")
+        return [part.contiguous() for part in torch.split(tensor, sizes, dim=bridge._batch_dim)]
+
+    bridge._communicate_shapes = communicate_shapes
+    bridge.recv_forward = noting_sizes(bridge.recv_forward)
+    bridge.send_backward_recv_forward = noting_sizes(bridge.send_backward_recv_forward)
+    bridge._split_tensor_at_batch_dim = split

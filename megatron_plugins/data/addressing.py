@@ -8,15 +8,17 @@ language DP replicas, for encoder DP equal to, larger or smaller than language D
 an encoder replica embeds are by construction those of the language positions it fills.
 
 :class:`AlignmentGuard` checks it anyway, at no extra collective: each step, every module's
-witness rank (tensor rank 0 of the first pipeline stage) turns the keys of the samples it held
-into per-position hashes, encoders adding and the language model subtracting them per
-(encoder, language replica); the sums ride in the global token-count all-reduce and must be zero.
+witness rank (tensor rank 0 of the first pipeline stage) turns the keys of the samples it held,
+with the token count of each of the sample's items, into per-position hashes, encoders adding and
+the language model subtracting them per (encoder, language replica); the sums ride in the global
+token-count all-reduce and must be zero. A sample whose items an encoder counts otherwise than its
+language replica lays them out (a wrong size, a lost item) fails it as a wrong key does.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +67,10 @@ class DataMisalignmentError(RuntimeError):
     """An encoder replica embedded samples that are not the ones its language replica holds."""
 
 
-def _position_hash(microbatch: int, position: int, key: str) -> int:
-    digest = hashlib.blake2b(f"{microbatch}|{position}|{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def _position_hash(microbatch: int, position: int, key: str, encoder: str,
+                   item_tokens: tuple[int, ...]) -> int:
+    text = f"{microbatch}|{position}|{key}|{encoder}|{','.join(map(str, item_tokens))}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _as_int64(value: int) -> int:
@@ -89,8 +92,8 @@ class AlignmentGuard:
         self._module = module
         self._slice = rank_slice
         self._witness = witness
-        self._held: list[tuple[int, int, str]] = []
-        self._step_held: list[tuple[int, int, str]] = []
+        self._held: list[tuple[int, int, str, dict[str, tuple[int, ...]]]] = []
+        self._step_held: list[tuple[int, int, str, dict[str, tuple[int, ...]]]] = []
         self._microbatch = 0
 
     @property
@@ -98,24 +101,26 @@ class AlignmentGuard:
         """Entries this guard adds to the all-reduce: one per (encoder, language replica)."""
         return len(self._encoders) * self._language_dp
 
-    def record(self, keys: Sequence[str]) -> None:
-        """The keys of one training microbatch, in this rank's position order."""
+    def record(self, keys: Sequence[str],
+               item_tokens: Mapping[str, Sequence[tuple[int, ...]]]) -> None:
+        """The keys of one training microbatch, in this rank's position order, and per encoder
+        (this rank's, or every encoder on language ranks) each sample's item token counts."""
         if self._witness:
-            self._held += [(self._microbatch, position, key)
-                           for position, key in zip(self._slice.positions, keys)]
+            self._held += [
+                (self._microbatch, position, key,
+                 {name: tuple(counts[index]) for name, counts in item_tokens.items()})
+                for index, (position, key) in enumerate(zip(self._slice.positions, keys))]
         self._microbatch += 1
 
     def contribution(self) -> torch.Tensor:
         """This rank's signed hash sums for the step (zeros off witnesses); starts a new step."""
         sums = [0] * self.size
-        for microbatch, position, key in self._held:
-            value = _position_hash(microbatch, position, key)
+        sign = -1 if self._module == LANGUAGE else 1
+        for microbatch, position, key, item_tokens in self._held:
             replica = self._slice.language_replica(position)
-            if self._module == LANGUAGE:
-                for encoder in range(len(self._encoders)):
-                    sums[encoder * self._language_dp + replica] -= value
-            else:
-                sums[self._encoders.index(self._module) * self._language_dp + replica] += value
+            for name, counts in item_tokens.items():
+                value = _position_hash(microbatch, position, key, name, counts)
+                sums[self._encoders.index(name) * self._language_dp + replica] += sign * value
         self._step_held, self._held, self._microbatch = self._held, [], 0
         return torch.tensor([_as_int64(value) for value in sums], dtype=torch.int64)
 
@@ -134,23 +139,28 @@ class AlignmentGuard:
 
 def _first_difference(witnesses: list, reduced: torch.Tensor, encoders: list[str],
                       language_dp: int) -> str:
-    """The first (microbatch, position) whose key differs between an encoder and the language."""
-    held = {(module, dp): (rank, dict(((k, p), key) for k, p, key in records))
+    """The first (microbatch, position) whose key or item token counts differ between an encoder
+    and the language."""
+    held = {(module, dp): (rank, {(k, p): (key, counts) for k, p, key, counts in records})
             for rank, module, dp, records in witnesses if records is not None}
     language = {}
-    for (module, dp), (rank, keys) in held.items():
+    for (module, dp), (rank, samples) in held.items():
         if module == LANGUAGE:
-            language.update({slot: (rank, key) for slot, key in keys.items()})
-    for (module, dp), (rank, keys) in sorted(held.items()):
+            language.update({slot: (rank, sample) for slot, sample in samples.items()})
+    for (module, dp), (rank, samples) in sorted(held.items()):
         if module == LANGUAGE:
             continue
-        for slot in sorted(keys):
-            other_rank, other_key = language.get(slot, (None, None))
-            if other_key != keys[slot]:
-                return (f"data misalignment at microbatch {slot[0]} of this step: encoder "
-                        f"{module!r} dp rank {dp} (global rank {rank}) embedded sample "
-                        f"{keys[slot]!r} at position {slot[1]}, but language global rank "
-                        f"{other_rank} holds {other_key!r} there")
+        for slot in sorted(samples):
+            key, counts = samples[slot]
+            other_rank, (other_key, other_counts) = language.get(slot, (None, (None, {})))
+            where = (f"data misalignment at microbatch {slot[0]} of this step: encoder "
+                     f"{module!r} dp rank {dp} (global rank {rank}) embedded sample {key!r}")
+            if other_key != key:
+                return (f"{where} at position {slot[1]}, but language global rank {other_rank} "
+                        f"holds {other_key!r} there")
+            if other_counts.get(module) != counts[module]:
+                return (f"{where} as items of {list(counts[module])} tokens, but language global "
+                        f"rank {other_rank} laid out runs of {list(other_counts.get(module, ()))}")
     bad = [(encoders[i // language_dp], i % language_dp)
            for i in range(reduced.numel()) if reduced[i] != 0]
     return f"data misalignment between (encoder, language replica) pairs {bad}"

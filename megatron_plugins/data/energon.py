@@ -37,8 +37,20 @@ from megatron.energon import (
 )
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.media import DECODERS, BadSampleError, decode_text
-from megatron_plugins.data.streams import TRUNCATED, Microbatch, collate, data_state_path
+from megatron_plugins.data.media import (
+    DECODERS,
+    BadSampleError,
+    decode_text,
+    media_size,
+    probe_size,
+)
+from megatron_plugins.data.streams import (
+    TRUNCATED,
+    Microbatch,
+    collate_items,
+    collate_text,
+    data_state_path,
+)
 from megatron_plugins.data.text import (
     ROLES,
     Conversation,
@@ -48,6 +60,7 @@ from megatron_plugins.data.text import (
     read_chat_template,
 )
 from megatron_plugins.encoders import EncoderPlugin
+from megatron_plugins.encoders.base import fixed_item_tokens
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
 
@@ -125,43 +138,71 @@ def _sample_text(sample: Any) -> SampleText | Conversation:
     return SAMPLE_KINDS[type(sample).__name__].text(sample)
 
 
+def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: str) -> int:
+    """An item's token count, a size the encoder cannot take reported with the sample's key."""
+    try:
+        return plugin.item_tokens(size)
+    except ValueError as error:
+        raise BadSampleError(key, field, f"cannot be embedded by --encoder {plugin.name}: "
+                                         f"{error}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class _TextInputs:
-    """Language ranks: a sample's text, tokenized and laid out after the encoders' blocks (a
-    conversation's blocks where its markers are)."""
+    """Language ranks: a sample's text, tokenized and laid out after the encoders' placeholder
+    runs (a conversation's runs where its markers are), each run sized from its item's header."""
 
     tokenizer: PromptTokenizer
-    blocks: tuple[tuple[str, int], ...]
+    plugins: dict[str, EncoderPlugin]
     markers: tuple[tuple[str, str], ...]
     seq_length: int
 
-    def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], bool]:
+    def item_tokens(self, sample: Any) -> dict[str, tuple[int, ...]]:
+        """Each encoder's item token counts, from the media parts' headers (never decoded)."""
+        counts = {}
+        for name, plugin in self.plugins.items():
+            kind = plugin.preprocessor().media
+            data = getattr(sample, kind, None)
+            if not data:
+                raise BadSampleError(sample.__key__, kind, "is missing or empty")
+            size = probe_size(kind, data, sample.__key__, kind)
+            counts[name] = (_item_tokens(plugin, size, sample.__key__, kind),)
+        return counts
+
+    def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]],
+                                             bool]:
         text = _sample_text(sample)
+        counts = self.item_tokens(sample)
+        blocks = tuple((name, count) for name, items in counts.items() for count in items)
         if isinstance(text, Conversation):
             try:
-                encoded = self.tokenizer.encode_conversation(text, self.blocks,
-                                                             dict(self.markers), self.seq_length)
+                encoded = self.tokenizer.encode_conversation(text, blocks, dict(self.markers),
+                                                             self.seq_length)
             except ValueError as error:
                 raise BadSampleError(sample.__key__, "conversation", str(error)) from None
         else:
-            encoded = self.tokenizer.encode(text, self.blocks, self.seq_length)
-        return encoded.as_batch_fields(), encoded.truncated
+            encoded = self.tokenizer.encode(text, blocks, self.seq_length)
+        return encoded.as_batch_fields(), counts, encoded.truncated
 
 
 @dataclasses.dataclass(frozen=True)
 class _EncoderInputs:
-    """Encoder ranks: the one media field this encoder reads, decoded and preprocessed."""
+    """Encoder ranks: the media field this encoder reads, decoded and preprocessed, with each
+    item's token count."""
 
+    plugin: EncoderPlugin
     preprocessor: Any
 
-    def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], bool]:
+    def __call__(self, sample: Any) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...],
+                                             bool]:
         kind = self.preprocessor.media
         data = getattr(sample, kind, None)
         if not data:
             raise BadSampleError(sample.__key__, kind, "is missing or empty")
         media = DECODERS[kind](data, sample.__key__, kind)
+        count = _item_tokens(self.plugin, media_size(media), sample.__key__, kind)
         try:
-            return self.preprocessor(media), False
+            return [self.preprocessor(media)], (count,), False
         except ValueError as error:
             raise BadSampleError(sample.__key__, kind, f"cannot be preprocessed: {error}") from None
 
@@ -187,8 +228,14 @@ class RankSliceEncoder(DefaultTaskEncoder):
         for first in range(0, len(samples), self._slice.global_batch):
             mine = [samples[first + position] for position in self._slice.positions]
             prepared = [self._inputs(sample) for sample in mine]
-            batch = collate(self._slice.module, [fields for fields, _ in prepared])
-            truncated = [s.__key__ for s, (_, cut) in zip(mine, prepared) if cut]
+            inputs = [fields for fields, _, _ in prepared]
+            counts = [count for _, count, _ in prepared]
+            if isinstance(self._inputs, _EncoderInputs):
+                batch = collate_items(self._slice.module, self._inputs.preprocessor, inputs,
+                                      counts)
+            else:
+                batch = collate_text(inputs, counts)
+            truncated = [s.__key__ for s, (_, _, cut) in zip(mine, prepared) if cut]
             if truncated:
                 batch[TRUNCATED] = truncated
             microbatches.append(([s.__key__ for s in mine], batch))
@@ -319,13 +366,18 @@ class EnergonSource:
     def special_token_ids(self) -> dict[str, int]:
         return dict(self.tokenizer.placeholder_ids)
 
+    @property
+    def static_shapes(self) -> bool:
+        """One item per encoder in every sample (these sample kinds), of one token count."""
+        return all(fixed_item_tokens(plugin) for plugin in self.plugins.values())
+
     def _inputs(self, module: str) -> Any:
         if module == LANGUAGE:
-            blocks = tuple((name, p.tokens_per_item) for name, p in self.plugins.items())
             markers = tuple((name, media_marker(p.preprocessor().media))
                             for name, p in self.plugins.items())
-            return _TextInputs(self.tokenizer, blocks, markers, self.seq_length)
-        return _EncoderInputs(self.plugins[module].preprocessor())
+            return _TextInputs(self.tokenizer, self.plugins, markers, self.seq_length)
+        plugin = self.plugins[module]
+        return _EncoderInputs(plugin, plugin.preprocessor())
 
     def open(self, split: str, rank_slice: RankSlice, start: int,
              resume: Path | None) -> Iterator[Microbatch] | None:

@@ -149,5 +149,6 @@ def probe_size(kind: str, data: bytes, key: str, field: str) -> tuple[int, ...]:
         with wave.open(io.BytesIO(data), "rb") as reader:
             return (reader.getnframes(), reader.getframerate())
     except Exception as error:  # noqa: BLE001 - PIL and wave raise many types for corrupt files
-        raise BadSampleError(key, field, f"does not decode as {kind} "
+        what = "an image" if kind == "image" else "WAV audio"
+        raise BadSampleError(key, field, f"does not decode as {what} "
                                          f"({_first_line(error)})") from error

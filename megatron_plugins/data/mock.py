@@ -1,11 +1,14 @@
 """The built-in mock source: deterministic multimodal samples, for tests and the first minutes.
 
 Every sample is a pure function of ``(seed, split, global sample index)``: its class, its text (a
-class-dependent arithmetic progression the model can learn), where each encoder's token block
-sits, and each encoder's media, drawn from its own seeded stream so a rank that builds only part
-of a sample still builds the same part. Media are what a real dataset decodes to (an RGB image, a
-waveform) with the class in them (a bright band's row, a tone's pitch) and go through each
-encoder's own preprocessing, exactly as Energon samples do.
+class-dependent arithmetic progression the model can learn), how many items each encoder gets
+(``--mock-items-per-sample``, text-only samples included) and their sizes, where each item's
+placeholder run sits, and each item's media, drawn from seeded streams of their own so a rank
+that builds only part of a sample still builds the same part: language ranks draw the item sizes
+(and so their token counts, :meth:`EncoderPlugin.item_tokens`) without making the media. Media are
+what a real dataset decodes to (an RGB image of varied size and aspect ratio, a waveform) with the
+class in them (a bright band's row, a tone's pitch) and go through each encoder's own
+preprocessing, exactly as Energon samples do.
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ import numpy as np
 import torch
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.mock_media import MOCK_MEDIA, NUM_CLASSES
-from megatron_plugins.data.streams import SPLITS, Microbatch, collate
+from megatron_plugins.data.mock_media import MOCK_KINDS, NUM_CLASSES, mock_media, mock_size
+from megatron_plugins.data.streams import SPLITS, Microbatch, collate_items, collate_text
 from megatron_plugins.encoders import EncoderPlugin
+from megatron_plugins.encoders.base import fixed_item_tokens
 from megatron_plugins.errors import DataFlagError
 from megatron_plugins.layout import LANGUAGE
 
-__all__ = ["MockSource"]
+__all__ = ["MockSource", "max_encoder_tokens"]
+
+SIZE_STREAM = 1000
+"""Generator streams ``SIZE_STREAM + encoder index`` draw item counts and sizes; stream 0 is the
+class, 1 the text, ``2 + encoder index`` the media."""
 
 
 def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:
@@ -35,6 +43,11 @@ def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int
 def _generator(seed: int, split: str, index: int, stream: int) -> torch.Generator:
     entropy = np.random.SeedSequence([seed, SPLITS.index(split), index, stream])
     return torch.Generator().manual_seed(int(entropy.generate_state(1, np.uint64)[0] >> 1))
+
+
+def max_encoder_tokens(plugins: Sequence[EncoderPlugin], items_per_sample: int) -> int:
+    """The most positions the encoders' placeholder runs can take in one sample."""
+    return items_per_sample * sum(plugin.tokens_per_item for plugin in plugins)
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class MockSource:
     seq_length: int
     vocab_size: int
     plugins: dict[str, EncoderPlugin]
+    items_per_sample: tuple[int, int] = (0, 2)
+    """Fewest and most items per encoder in a sample, drawn uniformly for each."""
 
     def __post_init__(self) -> None:
         if self.text_vocab_size < NUM_CLASSES:
@@ -58,12 +73,17 @@ class MockSource:
             )
         for name, plugin in self.plugins.items():
             media = plugin.preprocessor().media
-            if media not in MOCK_MEDIA:
+            if media not in MOCK_KINDS:
                 raise DataFlagError(
                     f"--encoder {name}={plugin.grid.provider}: its preprocessor reads {media!r} "
-                    f"media, which the mock data cannot make ({', '.join(MOCK_MEDIA)}); train it "
+                    f"media, which the mock data cannot make ({', '.join(MOCK_KINDS)}); train it "
                     "on a dataset with --data-path"
                 )
+
+    @property
+    def static_shapes(self) -> bool:
+        fewest, most = self.items_per_sample
+        return fewest == most and all(fixed_item_tokens(p) for p in self.plugins.values())
 
     @property
     def text_vocab_size(self) -> int:
@@ -78,6 +98,22 @@ class MockSource:
         """The sample's class."""
         return int(torch.randint(NUM_CLASSES, (1,), generator=_generator(self.seed, split, index, 0)))
 
+    def item_sizes(self, name: str, split: str, index: int) -> list[tuple[int, ...]]:
+        """The size of each of one sample's items for encoder ``name`` (every rank draws them)."""
+        encoder = list(self.plugins).index(name)
+        generator = _generator(self.seed, split, index, SIZE_STREAM + encoder)
+        fewest, most = self.items_per_sample
+        count = int(torch.randint(fewest, most + 1, (1,), generator=generator))
+        preprocessor = self.plugins[name].preprocessor()
+        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate)
+                for _ in range(count)]
+
+    def item_tokens(self, split: str, index: int) -> dict[str, tuple[int, ...]]:
+        """Each encoder's item token counts in one sample, from the items' sizes alone."""
+        return {name: tuple(plugin.item_tokens(size)
+                            for size in self.item_sizes(name, split, index))
+                for name, plugin in self.plugins.items()}
+
     def text(self, split: str, index: int) -> dict[str, torch.Tensor]:
         """Tokens, labels, loss mask and position ids of one sample (language ranks)."""
         label = self.label(split, index)
@@ -85,8 +121,8 @@ class MockSource:
         text_vocab = self.text_vocab_size
         step = 1 + label % 3
         first = label * (text_vocab // NUM_CLASSES) + int(torch.randint(2, (1,), generator=generator))
-        blocks = [(self.special_token_ids[name], plugin.tokens_per_item)
-                  for name, plugin in self.plugins.items()]
+        blocks = [(self.special_token_ids[name], count)
+                  for name, counts in self.item_tokens(split, index).items() for count in counts]
         text_length = self.seq_length - sum(count for _, count in blocks)
         cuts = sorted(torch.randperm(text_length + 1, generator=generator)[:len(blocks)].tolist())
         progression = [(first + step * k) % text_vocab for k in range(text_length)]
@@ -106,12 +142,12 @@ class MockSource:
             "position_ids": torch.arange(self.seq_length, dtype=torch.long),
         }
 
-    def media(self, name: str, split: str, index: int) -> object:
-        """One encoder's decoded media for one sample (encoder ranks)."""
-        stream = 2 + list(self.plugins).index(name)
-        preprocessor = self.plugins[name].preprocessor()
-        return MOCK_MEDIA[preprocessor.media](_generator(self.seed, split, index, stream),
-                                              self.label(split, index), preprocessor.sample_rate)
+    def media(self, name: str, split: str, index: int) -> list[object]:
+        """One encoder's decoded items of one sample (encoder ranks)."""
+        generator = _generator(self.seed, split, index, 2 + list(self.plugins).index(name))
+        kind, label = self.plugins[name].preprocessor().media, self.label(split, index)
+        return [mock_media(kind, generator, label, size)
+                for size in self.item_sizes(name, split, index)]
 
     def open(self, split: str, rank_slice: RankSlice, start: int,
              resume: Path | None = None) -> Iterator[Microbatch]:
@@ -125,7 +161,11 @@ class MockSource:
             first += rank_slice.global_batch
             keys = [f"{split}/{index}" for index in indices]
             if preprocess is None:
-                yield keys, collate(module, [self.text(split, index) for index in indices])
+                yield keys, collate_text([self.text(split, index) for index in indices],
+                                         [self.item_tokens(split, index) for index in indices])
             else:
-                yield keys, collate(module, [preprocess(self.media(module, split, index))
-                                             for index in indices])
+                yield keys, collate_items(
+                    module, preprocess,
+                    [[preprocess(item) for item in self.media(module, split, index)]
+                     for index in indices],
+                    [self.item_tokens(split, index)[module] for index in indices])

@@ -1,4 +1,4 @@
-"""The mock data's media: a decoded image or waveform with a sample's class in it.
+"""The mock data's media: a decoded image or waveform with a sample's class in it, at a size.
 
 Kept apart from :mod:`.mock` so the encoder interface can make an example input from it without
 importing the mock source, which imports the encoders.
@@ -11,35 +11,59 @@ import torch
 
 from megatron_plugins.data.media import Waveform
 
-__all__ = ["MOCK_MEDIA", "NUM_CLASSES"]
+__all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "mock_media", "mock_size"]
 
 NUM_CLASSES = 8
 """Mock samples belong to one of these classes; encoders see it, text depends on it."""
 
-IMAGE_SIZE = 32
-"""Mock images are square RGB of this size; encoders resize them as they would a real image."""
+IMAGE_SIDES = (16, 24, 32, 48)
+"""Mock image heights and widths, drawn independently: sizes and aspect ratios vary (1:3 to 3:1)
+as in real data, and encoders resize them as they would a real image."""
 
 AUDIO_RATE = 16000
 AUDIO_SAMPLES = 1600
 """Mock audio: 1600 samples (0.1 s at 16 kHz), a tone of ``400 x (class + 1)`` Hz in noise."""
 
+MOCK_KINDS = ("image", "audio")
+"""Decoded media the mock can make, by the kind an encoder's preprocessor reads."""
 
-def mock_image(generator: torch.Generator, label: int, rate: int | None = None) -> np.ndarray:
-    """A dim noisy RGB image with a bright horizontal band whose row is the class."""
-    pixels = 40 + 20 * torch.rand(IMAGE_SIZE, IMAGE_SIZE, 3, generator=generator)
-    band = (label % NUM_CLASSES) * (IMAGE_SIZE // NUM_CLASSES)
-    pixels[band:band + IMAGE_SIZE // NUM_CLASSES] += 180
+
+def mock_size(kind: str, generator: torch.Generator, rate: int | None) -> tuple[int, ...]:
+    """One item's size (:func:`~megatron_plugins.data.media.media_size`), drawn from
+    ``generator``: the language ranks draw it too, to lay out the item's placeholder run."""
+    if kind == "image":
+        sides = torch.randint(len(IMAGE_SIDES), (2,), generator=generator).tolist()
+        return (IMAGE_SIDES[sides[0]], IMAGE_SIDES[sides[1]])
+    return (AUDIO_SAMPLES, rate or AUDIO_RATE)
+
+
+def example_size(kind: str, rate: int | None) -> tuple[int, ...]:
+    """A typical item's size: the largest square image, or the mock clip."""
+    return (IMAGE_SIDES[-1], IMAGE_SIDES[-1]) if kind == "image" else (AUDIO_SAMPLES,
+                                                                      rate or AUDIO_RATE)
+
+
+def _image(generator: torch.Generator, label: int, size: tuple[int, ...]) -> np.ndarray:
+    """A dim noisy RGB image with a bright horizontal band whose height (an eighth of the image,
+    from the top) is the class."""
+    height, width = size
+    pixels = 40 + 20 * torch.rand(height, width, 3, generator=generator)
+    band = height // NUM_CLASSES
+    top = (label % NUM_CLASSES) * band
+    pixels[top:top + band] += 180
     return pixels.clamp(0, 255).to(torch.uint8).numpy()
 
 
-def mock_audio(generator: torch.Generator, label: int, rate: int | None = None) -> Waveform:
-    """A tone whose pitch is the class, in noise, at the rate the encoder expects."""
-    rate = rate or AUDIO_RATE
-    t = torch.arange(AUDIO_SAMPLES, dtype=torch.float64) / rate
+def _audio(generator: torch.Generator, label: int, size: tuple[int, ...]) -> Waveform:
+    """A tone whose pitch is the class, in noise, at the size's rate."""
+    samples, rate = size
+    t = torch.arange(samples, dtype=torch.float64) / rate
     tone = 0.5 * torch.sin(2 * torch.pi * 400 * (label + 1) * t)
-    noise = 0.05 * torch.randn(AUDIO_SAMPLES, generator=generator, dtype=torch.float64)
+    noise = 0.05 * torch.randn(samples, generator=generator, dtype=torch.float64)
     return Waveform((tone + noise).float().numpy(), rate)
 
 
-MOCK_MEDIA = {"image": mock_image, "audio": mock_audio}
-"""Decoded media the mock can make, by the kind an encoder's preprocessor reads."""
+def mock_media(kind: str, generator: torch.Generator, label: int,
+               size: tuple[int, ...]) -> np.ndarray | Waveform:
+    """One decoded item of ``kind`` and ``size`` showing class ``label``."""
+    return (_image if kind == "image" else _audio)(generator, label, size)

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
-from megatron_plugins.data.mock import MockSource
+from megatron_plugins.data.mock import MockSource, max_encoder_tokens
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
@@ -23,19 +23,41 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Do not check, each step, that every encoder replica embedded the "
                             "samples its language replica holds (on by default; it adds no "
                             "collective).")
+    group.add_argument("--mock-items-per-sample", default="0:2", metavar="MIN:MAX",
+                       help="Mock data only: each sample holds MIN to MAX items (images, clips) "
+                            "per encoder, drawn uniformly (0: a text-only sample for that "
+                            "encoder); one number N for exactly N. Default 0:2.")
+
+
+def _items_per_sample(text: str) -> tuple[int, int]:
+    """``--mock-items-per-sample``'s ``MIN:MAX`` (or ``N``)."""
+    fewest, _, most = text.partition(":")
+    try:
+        bounds = (int(fewest), int(most or fewest))
+    except ValueError:
+        bounds = (-1, -1)
+    if not 0 <= bounds[0] <= bounds[1] or bounds[1] == 0:
+        raise DataFlagError(f"--mock-items-per-sample {text}: give MIN:MAX with 0 <= MIN <= MAX "
+                            "and MAX >= 1 (or one number N >= 1), e.g. 0:2")
+    return bounds
 
 
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
-    encoder_tokens = sum(plugin.tokens_per_item for plugin in plugins.values())
+    items = (1, 1) if args.data_path else _items_per_sample(args.mock_items_per_sample)
+    encoder_tokens = max_encoder_tokens(list(plugins.values()), items[1])
     if encoder_tokens + 2 > args.seq_length:
+        per = (f"{items[1]} items per encoder (--mock-items-per-sample "
+               f"{args.mock_items_per_sample})" if items[1] > 1 else "one item per encoder")
         raise DataFlagError(
-            f"--seq-length {args.seq_length} leaves no room for text: the encoders fill "
-            f"{encoder_tokens} positions per sample; raise --seq-length above {encoder_tokens + 1}")
+            f"--seq-length {args.seq_length} leaves no room for text: with {per} the encoders "
+            f"fill up to {encoder_tokens} positions per sample; raise --seq-length above "
+            f"{encoder_tokens + 1}")
     if not args.data_path:
         return MockSource(seed=args.seed, seq_length=args.seq_length,
-                          vocab_size=args.vocab_size, plugins=dict(plugins))
+                          vocab_size=args.vocab_size, plugins=dict(plugins),
+                          items_per_sample=items)
     if len(args.data_path) != 1:
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "

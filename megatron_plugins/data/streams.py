@@ -1,10 +1,13 @@
 """What every data source shares: batching, the per-rank microbatch stream, stock's provider.
 
 A source (:mod:`~megatron_plugins.data.mock`, :mod:`~megatron_plugins.data.energon`) yields, per
-microbatch, this rank's sample keys and its batch (built by :func:`collate`, in a loader worker
-where there is one). :class:`MicrobatchStream` hands batches to the forward step, reports the
-keys of training microbatches to the :class:`~megatron_plugins.data.addressing.AlignmentGuard`,
-and saves the source's position into checkpoints.
+microbatch, this rank's sample keys and its batch (built by :func:`collate_text` or
+:func:`collate_items`, in a loader worker where there is one). A sample holds 0..N items per
+encoder; every batch carries each sample's item token counts (:data:`ITEM_TOKENS`), which the
+language ranks read from the samples' metadata and the encoder ranks from the items they embed.
+:class:`MicrobatchStream` hands batches to the forward step, reports the keys and counts of
+training microbatches to the :class:`~megatron_plugins.data.addressing.AlignmentGuard`, and saves
+the source's position into checkpoints.
 """
 
 from __future__ import annotations
@@ -17,18 +20,22 @@ from typing import Any, Callable, Protocol
 import torch
 
 from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.encoders.base import MediaPreprocessor
 from megatron_plugins.topology import HeteroTopology
 
 __all__ = [
-    "DataSource", "Microbatch", "MicrobatchStream", "SPLITS", "TRUNCATED", "alignment_guard",
-    "collate", "data_provider", "data_state_path"
+    "DataSource", "ITEM_TOKENS", "Microbatch", "MicrobatchStream", "SPLITS", "TRUNCATED",
+    "alignment_guard", "collate_items", "collate_text", "data_provider", "data_state_path"
 ]
 
 SPLITS = ("train", "valid", "test")
 
 Microbatch = tuple[list[str], dict[str, Any]]
 """A rank's sample keys and the batch its forward step reads."""
+
+ITEM_TOKENS = "item_tokens"
+"""Batch entry: per encoder (every encoder on language ranks, its own on encoder ranks), each
+sample's item token counts, a tuple per sample (empty for a sample without such items)."""
 
 TRUNCATED = "truncated_keys"
 """Batch entry (language ranks) naming samples whose text was cut to ``--seq-length``."""
@@ -38,6 +45,9 @@ class DataSource(Protocol):
     """Where samples come from; every rank opens the same global stream (see addressing)."""
 
     special_token_ids: dict[str, int]
+    static_shapes: bool
+    """Every sample fills the same number of positions per encoder (fixed item counts and
+    sizes): cross-grid transfers then keep one shape, exchanged once."""
 
     def open(self, split: str, rank_slice: RankSlice, start: int,
              resume: Path | None) -> Iterator[Microbatch] | None:
@@ -45,15 +55,29 @@ class DataSource(Protocol):
         global sample ``start`` or from the loader state saved in ``resume``."""
 
 
-def collate(module: str, samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """Stack one microbatch: language fields with a causal mask, or one encoder's inputs."""
-    batch = {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
-    if module != LANGUAGE:
-        return {"modality_inputs": {module: {module: batch}}}
+def collate_text(samples: list[dict[str, torch.Tensor]],
+                 item_tokens: list[dict[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """Language ranks: the samples' fields stacked, a causal mask, and every encoder's item
+    token counts per sample (``item_tokens``, one dict per sample)."""
+    batch: dict[str, Any] = {key: torch.stack([sample[key] for sample in samples])
+                             for key in samples[0]}
     length = batch["tokens"].shape[1]
     causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
     batch["attention_mask"] = causal.expand(len(samples), 1, length, length)
+    batch[ITEM_TOKENS] = {name: [counts[name] for counts in item_tokens]
+                          for name in item_tokens[0]}
     return batch
+
+
+def collate_items(module: str, preprocessor: MediaPreprocessor,
+                  samples: list[list[dict[str, torch.Tensor]]],
+                  item_tokens: list[tuple[int, ...]]) -> dict[str, Any]:
+    """Encoder ranks: every item of the microbatch's samples, in sample then item order, as the
+    preprocessor collates them (no inputs when no sample holds an item: the model then hands
+    the language an empty output), and each sample's item token counts."""
+    items = [item for sample in samples for item in sample]
+    inputs = {module: {module: preprocessor.collate(items)}} if items else None
+    return {"modality_inputs": inputs, ITEM_TOKENS: {module: [tuple(c) for c in item_tokens]}}
 
 
 def data_state_path(iteration_dir: Path, module: str, dp_rank: int) -> Path:
@@ -75,7 +99,7 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
     def __next__(self) -> dict[str, Any]:
         keys, batch = next(self._source)
         if self._guard is not None:
-            self._guard.record(keys)
+            self._guard.record(keys, batch[ITEM_TOKENS])
         truncated = batch.pop(TRUNCATED, [])
         if truncated and self._writes_state and not self._noticed_truncation:
             self._noticed_truncation = True

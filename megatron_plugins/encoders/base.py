@@ -26,13 +26,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from megatron_plugins.data.mock_media import MOCK_MEDIA
+from megatron_plugins.data.mock_media import example_size, mock_media
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import ModulePlacement
 
 __all__ = [
     "EncoderPlugin", "EncoderPluginError", "MediaPreprocessor", "TensorReplicated",
-    "encoder_config", "encoder_layer_spec", "encoder_norm", "is_replicated"
+    "encoder_config", "fixed_item_tokens", "encoder_layer_spec", "encoder_norm", "is_replicated"
 ]
 
 NUMERICS = (
@@ -92,6 +92,12 @@ def is_replicated(spec: ModuleSpec, tp: int) -> bool:
                                                                      "sharded_state_dict")
 
 
+def fixed_item_tokens(plugin: EncoderPlugin) -> bool:
+    """Every item of ``plugin`` fills the same positions, whatever its size (the plugin keeps the
+    base :meth:`EncoderPlugin.item_tokens`)."""
+    return type(plugin).item_tokens is EncoderPlugin.item_tokens
+
+
 class TensorReplicated(torch.nn.Module):
     """A plain ``torch.nn.Module`` encoder at tp > 1: every tp rank trains a full copy.
 
@@ -144,8 +150,8 @@ class MediaPreprocessor(abc.ABC):
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """Its output for one mock sample's media: input shapes without a dataset (benchmarks)."""
-        return self(MOCK_MEDIA[self.media](torch.Generator().manual_seed(0), 0,
-                                           self.sample_rate))
+        return self(mock_media(self.media, torch.Generator().manual_seed(0), 0,
+                               example_size(self.media, self.sample_rate)))
 
 
 class EncoderPlugin(abc.ABC):

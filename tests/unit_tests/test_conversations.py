@@ -9,12 +9,13 @@ import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
-from megatron_plugins.data.media import BadSampleError
+from megatron_plugins.data.media import BadSampleError, encode_png
 from megatron_plugins.data.samples import ConversationSample
 from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
                                         read_chat_template)
@@ -137,9 +138,12 @@ def test_conversations_that_cannot_train_are_refused(tokenizer, turns, problem):
 
 
 def test_a_bad_sample_stops_naming_its_key(tokenizer):
-    inputs = _TextInputs(tokenizer, BLOCKS, tuple(MARKERS.items()), 64)
+    vision = SimpleNamespace(name="vision", item_tokens=lambda size: RUN,
+                             preprocessor=lambda: SimpleNamespace(media="image"))
+    inputs = _TextInputs(tokenizer, {"vision": vision}, tuple(MARKERS.items()), 64)
+    image = encode_png(np.zeros((8, 8, 3), dtype=np.uint8))
     sample = ConversationSample(__key__="k7", __restore_key__=(), __subflavors__={},
-                                image=b"", conversation=json.dumps(
+                                image=image, conversation=json.dumps(
                                     [{"role": "user", "content": "what"}]))
     with pytest.raises(BadSampleError, match="sample 'k7': field 'conversation' .*no assistant"):
         inputs(sample)

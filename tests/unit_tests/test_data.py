@@ -9,6 +9,7 @@ import torch
 
 from megatron_plugins.data.addressing import AlignmentGuard, RankSlice, _first_difference
 from megatron_plugins.data.mock import MockSource
+from megatron_plugins.data.streams import ITEM_TOKENS
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.layout import (
@@ -67,8 +68,10 @@ def test_a_sample_is_the_same_wherever_it_is_built():
             assert torch.equal(value, again.text("train", index)[key]), key
         for name in ("vision", "audio"):
             first, second = source.media(name, "train", index), again.media(name, "train", index)
-            assert (first == second).all() if name == "vision" else (
-                first.samples == second.samples).all()
+            assert len(first) == len(second)
+            for one, other in zip(first, second):
+                assert (one == other).all() if name == "vision" else (
+                    one.samples == other.samples).all()
     assert not torch.equal(source.text("train", 3)["tokens"], source.text("valid", 3)["tokens"])
 
 
@@ -77,12 +80,48 @@ def test_mock_media_go_through_each_encoders_preprocessing():
     [vision] = _streams(layout, "vision")
     [audio] = _streams(layout, "audio")
     [language] = _streams(layout, LANGUAGE)
-    _, batch = next(vision)
-    assert batch["modality_inputs"]["vision"]["vision"]["x"].shape == (2, 3, 16, 16)
-    _, batch = next(audio)
-    assert batch["modality_inputs"]["audio"]["audio"]["frames"].shape == (2, 8, 16)
-    _, batch = next(language)
-    assert batch["tokens"].shape == (2, 32) and batch["attention_mask"].shape == (2, 1, 32, 32)
+    for _ in range(4):
+        _, batch = next(vision)
+        items = sum(len(counts) for counts in batch[ITEM_TOKENS]["vision"])
+        inputs = batch["modality_inputs"]
+        assert (inputs is None if items == 0 else
+                inputs["vision"]["vision"]["x"].shape == (items, 3, 16, 16))
+        _, batch = next(audio)
+        items = sum(len(counts) for counts in batch[ITEM_TOKENS]["audio"])
+        inputs = batch["modality_inputs"]
+        assert (inputs is None if items == 0 else
+                inputs["audio"]["audio"]["frames"].shape == (items, 8, 16))
+        _, batch = next(language)
+        assert batch["tokens"].shape == (2, 32) and batch["attention_mask"].shape == (2, 1, 32, 32)
+        assert set(batch[ITEM_TOKENS]) == {"vision", "audio"}
+
+
+def test_mock_samples_hold_zero_to_two_items_of_varied_sizes_per_encoder():
+    source = _source(_layout(1, 1))
+    counts = [len(source.item_sizes("vision", "train", index)) for index in range(60)]
+    assert set(counts) == {0, 1, 2}
+    sizes = {size for index in range(60) for size in source.item_sizes("vision", "train", index)}
+    assert len(sizes) > 8 and any(height != width for height, width in sizes)
+    both = [index for index in range(60)
+            if not source.item_sizes("vision", "train", index)
+            and not source.item_sizes("audio", "train", index)]
+    assert both, "text-only samples occur"
+    for index in range(60):
+        media = source.media("vision", "train", index)
+        assert [image.shape[:2] for image in media] == source.item_sizes("vision", "train", index)
+    fixed = MockSource(seed=1234, seq_length=32, vocab_size=128, plugins=source.plugins,
+                       items_per_sample=(1, 1))
+    assert fixed.static_shapes and not source.static_shapes
+    assert {len(fixed.item_sizes("audio", "train", index)) for index in range(20)} == {1}
+
+
+@pytest.mark.parametrize("text", ["3:1", "0", "a:b", "-1:2", "0:0"])
+def test_mock_items_per_sample_refuses_bad_bounds(text):
+    from megatron_plugins.data.sources import _items_per_sample
+    from megatron_plugins.errors import DataFlagError
+
+    with pytest.raises(DataFlagError, match=f"--mock-items-per-sample {text}: give MIN:MAX"):
+        _items_per_sample(text)
 
 
 def test_text_never_uses_special_tokens_and_labels_skip_encoder_positions():
@@ -93,7 +132,9 @@ def test_text_never_uses_special_tokens_and_labels_skip_encoder_positions():
         sample = source.text("train", index)
         tokens, labels, mask = sample["tokens"], sample["labels"], sample["loss_mask"]
         for name, token in special.items():
-            assert int((tokens == token).sum()) == source.plugins[name].tokens_per_item
+            counts = source.item_tokens("train", index)[name]
+            assert int((tokens == token).sum()) == sum(counts)
+            assert all(count == source.plugins[name].tokens_per_item for count in counts)
         text = tokens < source.text_vocab_size
         assert torch.equal(mask[:-1].bool(), text[1:])  # predict only text tokens
         assert mask[-1] == 0
@@ -107,15 +148,16 @@ def test_encoder_micro_batch_size_follows_the_dp_ratio_or_names_the_flags():
         encoder_micro_batch_size(_layout(4, 2), "vision", 1)
 
 
-def _guard_sums(layout: ParallelLayout, keys_of: dict[tuple[str, int], list[list[str]]]
+def _guard_sums(layout: ParallelLayout, keys_of: dict[tuple[str, int], list[tuple[list, dict]]]
                 ) -> tuple[torch.Tensor, list[AlignmentGuard]]:
-    """Each (module, dp rank)'s guard fed its keys per microbatch; the all-reduced sums."""
+    """Each (module, dp rank)'s guard fed its keys and item token counts per microbatch; the
+    all-reduced sums."""
     guards = []
     total = None
     for (module, dp_rank), microbatches in keys_of.items():
         guard = AlignmentGuard(layout, module, RankSlice.of(layout, module, dp_rank, 2), True)
-        for keys in microbatches:
-            guard.record(keys)
+        for keys, counts in microbatches:
+            guard.record(keys, counts)
         part = guard.contribution()
         total = part if total is None else total + part
         guards.append(guard)
@@ -127,7 +169,8 @@ def test_guard_sums_vanish_when_aligned_and_not_when_a_sample_moves(encoder_dp, 
     layout = _layout(encoder_dp, language_dp)
     streams = {(m, r): stream for m in ("vision", "audio", LANGUAGE)
                for r, stream in enumerate(_streams(layout, m))}
-    keys_of = {rank: [next(stream)[0] for _ in range(3)] for rank, stream in streams.items()}
+    keys_of = {rank: [(keys, batch[ITEM_TOKENS]) for keys, batch in
+                      (next(stream) for _ in range(3))] for rank, stream in streams.items()}
     total, _ = _guard_sums(layout, keys_of)
     assert total.shape == (2 * language_dp,) and not total.any()
     late = keys_of[("vision", 0)]  # one microbatch late: every key lands in the wrong step slot
@@ -137,9 +180,29 @@ def test_guard_sums_vanish_when_aligned_and_not_when_a_sample_moves(encoder_dp, 
 
 def test_misalignment_message_names_both_ranks_and_the_first_differing_key():
     layout = _layout(1, 1)
-    held = {("vision", 0): [["train/0", "train/1"]], (LANGUAGE, 0): [["train/0", "train/2"]]}
+    vision = {"vision": [(4,), ()]}
+    both = {**vision, "audio": [(), ()]}
+    held = {("vision", 0): [(["train/0", "train/1"], vision)],
+            (LANGUAGE, 0): [(["train/0", "train/2"], both)]}
     total, guards = _guard_sums(layout, held)
     witnesses = [(0, "vision", 0, guards[0]._step_held), (2, LANGUAGE, 0, guards[1]._step_held)]
     message = _first_difference(witnesses, total, ["vision", "audio"], 1)
     assert "encoder 'vision' dp rank 0 (global rank 0) embedded sample 'train/1'" in message
     assert "language global rank 2 holds 'train/2'" in message
+
+
+def test_the_guard_fires_when_an_encoder_counts_a_samples_items_otherwise():
+    layout = _layout(1, 1)
+    keys = ["train/0", "train/1"]
+    language = {"vision": [(4,), (4, 4)], "audio": [(), (4,)]}
+    held = {("vision", 0): [(keys, {"vision": [(4,), (4, 4)]})],
+            ("audio", 0): [(keys, {"audio": [(), (4,)]})], (LANGUAGE, 0): [(keys, language)]}
+    total, _ = _guard_sums(layout, held)
+    assert not total.any()
+    held[("vision", 0)] = [(keys, {"vision": [(4,), (4,)]})]  # one image of train/1 lost
+    total, guards = _guard_sums(layout, held)
+    assert total[0] != 0 and total[1] == 0
+    witnesses = [(0, "vision", 0, guards[0]._step_held), (2, LANGUAGE, 0, guards[2]._step_held)]
+    message = _first_difference(witnesses, total, ["vision", "audio"], 1)
+    assert message.endswith("embedded sample 'train/1' as items of [4] tokens, but language "
+                            "global rank 2 laid out runs of [4, 4]")

@@ -122,10 +122,13 @@ def _corrupt_images(root: Path, target: Path) -> Path:
 def test_an_image_that_does_not_decode_stops_the_encoder_naming_the_sample(root, tmp_path):
     source = _source(_corrupt_images(root, tmp_path / "copy"))
     stream = source.open("train", RankSlice.of(LAYOUT, "vision", 0, 2), 0, None)
-    with pytest.raises(BadSampleError, match=r"sample '\d+': field 'image' does not decode"):
+    with pytest.raises(BadSampleError, match=r"sample '\d+': field 'image' does not decode") as on_encoder:
         next(stream)
-    # The language ranks never decode images: they read the same samples untroubled.
-    next(source.open("train", RankSlice.of(LAYOUT, LANGUAGE, 0, 2), 0, None))
+    # The language ranks read only the image's header (its size sets the placeholder run), and a
+    # header this broken stops them too, naming the same sample.
+    with pytest.raises(BadSampleError, match="does not decode as an image") as on_language:
+        next(source.open("train", RankSlice.of(LAYOUT, LANGUAGE, 0, 2), 0, None))
+    assert on_language.value.key == on_encoder.value.key
 
 
 def test_text_longer_than_the_sequence_is_cut_and_noticed_once(root, capsys):

@@ -183,7 +183,8 @@ def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_
     encoder = ("--encoder", "vision=clip", "--grid", "vision:tp=2",
                "--encoder-hf-weights", f"vision={clip}")
     pieces, _ = hf_models.train_from_hf(
-        3, str(language), "language:", ("--seq-length", "32", "--train-iters", "2",
+        3, str(language), "language:", ("--seq-length", "32", "--mock-items-per-sample", "1",
+                                        "--train-iters", "2",
                                         "--save", str(checkpoint), "--save-interval", "2"),
         module="vision", encoder=encoder)
     run_in_processes(hf_models.export_rank, 1,

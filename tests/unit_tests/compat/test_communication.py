@@ -135,3 +135,60 @@ def test_gap12_bridge_skips_only_broadcasts_in_one_member_groups(one_rank_world,
     bridge_communicator.dist.broadcast(torch.zeros(2), src=0, group=None)
     assert issued == [None]
     assert bridge_communicator.dist.all_reduce is torch.distributed.all_reduce
+
+
+def test_gap15_canary_fan_in_gradients_split_equally_whatever_was_received() -> None:
+    """Gap 15: a fan-in receiver concatenates what each replica sent, but a gradient (which
+    carries no split sizes) is split into equal parts, and MimoModel refuses variable fan-in."""
+    from megatron.core.models.mimo.model.base import MimoModel
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    assert "torch.cat(received_tensors_list" in inspect.getsource(BridgeCommunicator.recv_forward)
+    bridge = SimpleNamespace(_batch_dim=0)
+    gradient = torch.arange(8.0).view(8, 1)  # received as 6 rows from one replica, 2 from another
+    parts = BridgeCommunicator._split_tensor_at_batch_dim(bridge, gradient, 2)
+    assert [len(part) for part in parts] == [4, 4]
+    assert "Fan-in with variable" in inspect.getsource(MimoModel._attach_modality_split_sizes)
+
+
+def _fan_in_receiver(exchanged_sizes: list) -> SimpleNamespace:
+    """A language leader receiving from two encoder replicas (ranks 0, 1) whose stock shape
+    handshake reports the next of ``exchanged_sizes`` and whose receive returns their rows."""
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    def stock_shapes(tensor_to_send_next=None, recv_next=False, recv_prev=False,
+                     tensor_to_send_prev=None):
+        return ([(rows, 4) for rows in exchanged_sizes[0]] if recv_prev else []), []
+
+    def receive():
+        bridge._communicate_shapes(recv_prev=True)
+        sizes = exchanged_sizes.pop(0)
+        return torch.ones(sum(sizes), 4, requires_grad=True) * 1.0
+
+    info = SimpleNamespace(role=SimpleNamespace(name="RECEIVER"), recv_from_ranks=[0, 1])
+    bridge = SimpleNamespace(
+        _communicate_shapes=stock_shapes, _batch_dim=0, current_rank=2, comm_map={2: info},
+        src_module_name="vision", dest_module_name="language", recv_forward=receive,
+        send_backward_recv_forward=receive,
+        _split_tensor_at_batch_dim=lambda tensor, n: BridgeCommunicator._split_tensor_at_batch_dim(
+            bridge, tensor, n))
+    return bridge
+
+
+def test_gap15_a_fan_in_gradient_is_split_as_its_activation_was_received() -> None:
+    sizes = [[6, 2], [0, 3], [1, 1]]
+    bridge = _fan_in_receiver(list(sizes))
+    communication.split_fan_in_gradients_as_received(SimpleNamespace(bridge_comms=[bridge]))
+    first = bridge.recv_forward()
+    with torch.no_grad():  # an evaluation pass in between: no gradient, nothing left behind
+        bridge.recv_forward()
+    third = bridge.recv_forward()
+    (first.sum() * 2).backward()
+    assert [part.shape[0] for part in bridge._split_tensor_at_batch_dim(torch.zeros(8, 4), 2)] \
+        == [6, 2]
+    third.sum().backward()
+    assert [part.shape[0] for part in bridge._split_tensor_at_batch_dim(torch.zeros(2, 4), 2)] \
+        == [1, 1]
+    with pytest.raises(MegatronCompatError, match="gradient of 5 rows split 2 ways matches no "
+                                                  "received activation"):
+        bridge._split_tensor_at_batch_dim(torch.zeros(5, 4), 2)

@@ -3,7 +3,9 @@
 Runs on the local spec (CPU simulation, no Transformer Engine) and on the TE spec
 (``--transformer-impl transformer_engine``). Each image is resized and center-cropped to
 ``--vit-img-size`` pixels (:class:`ImagePreprocessor`) and cut into ``--vit-patch-size`` patches;
-every patch becomes one language-model position.
+every patch becomes one language-model position. With ``--vit-native-resolution`` images keep
+their aspect ratio and a size-dependent patch count instead
+(:mod:`megatron_plugins.encoders.native_vit`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from megatron_plugins.encoders.base import (
     encoder_config,
     encoder_layer_spec,
     encoder_norm,
+)
+from megatron_plugins.encoders.native_vit import (
+    NativeImagePreprocessor,
+    native_vit_spec,
+    normalized_pixels,
+    smart_resize,
 )
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePreprocessor", "ViTEncoder", "clip_vit_spec"]
@@ -56,10 +64,7 @@ class ImagePreprocessor(MediaPreprocessor):
         image = Image.fromarray(media).resize((new_width, new_height), Image.Resampling.BICUBIC)
         left, top = (new_width - self.size) // 2, (new_height - self.size) // 2
         image = image.crop((left, top, left + self.size, top + self.size))
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        mean = torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1)
-        std = torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1)
-        return {"x": ((pixels - mean) / std).contiguous()}
+        return {"x": normalized_pixels(image, self.mean, self.std)}
 
 
 def _check_channels(flag: str, values: object, positive: bool) -> tuple[float, float, float]:
@@ -69,6 +74,14 @@ def _check_channels(flag: str, values: object, positive: bool) -> tuple[float, f
         raise EncoderPluginError(f"{flag} {' '.join(map(str, values))}: give {need}, one per "
                                  "RGB channel")
     return values
+
+
+def _check_pixel_range(patch_size: int, min_pixels: int, max_pixels: int) -> None:
+    if max_pixels < patch_size ** 2 or not 0 < min_pixels <= max_pixels:
+        raise EncoderPluginError(
+            f"--vit-min-pixels {min_pixels} --vit-max-pixels {max_pixels}: need 0 < min <= max "
+            f"and max >= one --vit-patch-size {patch_size} patch ({patch_size ** 2} pixels)"
+        )
 
 
 def clip_vit_spec(config: TransformerConfig, pg_collection: ProcessGroupCollection | None, *,
@@ -89,7 +102,9 @@ def clip_vit_spec(config: TransformerConfig, pg_collection: ProcessGroupCollecti
 
 
 class ViTEncoder(EncoderPlugin):
-    """A ViT over square RGB images, without a class token (all patch embeddings reach the LM)."""
+    """A ViT over RGB images, without a class token (all patch embeddings reach the LM): square
+    crops of ``--vit-img-size``, or each image at its own aspect ratio with
+    ``--vit-native-resolution``."""
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -107,10 +122,23 @@ class ViTEncoder(EncoderPlugin):
         group.add_argument("--vit-image-std", type=float, nargs=3, default=CLIP_STD,
                            metavar=("R", "G", "B"),
                            help="Per-channel pixel std (on [0, 1]) divided by; default CLIP's.")
+        group.add_argument("--vit-native-resolution", action="store_true",
+                           help="Keep each image's aspect ratio: resize to the nearest patch "
+                                "multiples within --vit-min-pixels..--vit-max-pixels (Qwen2-VL's "
+                                "smart_resize) and pack a microbatch's images, one attention "
+                                "segment each; --vit-img-size is then unused.")
+        group.add_argument("--vit-min-pixels", type=int, default=8 * 8 * 4,
+                           help="Native resolution: smaller images are upscaled to at least this "
+                                "many pixels.")
+        group.add_argument("--vit-max-pixels", type=int, default=8 * 8 * 64,
+                           help="Native resolution: larger images are downscaled to at most this "
+                                "many pixels; max patches per image = this / patch size^2.")
 
     def __init__(self, name, args, grid) -> None:
         super().__init__(name, args, grid)
-        if args.vit_img_size % args.vit_patch_size != 0:
+        if args.vit_native_resolution:
+            _check_pixel_range(args.vit_patch_size, args.vit_min_pixels, args.vit_max_pixels)
+        elif args.vit_img_size % args.vit_patch_size != 0:
             raise EncoderPluginError(
                 f"--vit-patch-size {args.vit_patch_size} does not divide --vit-img-size "
                 f"{args.vit_img_size}; choose a patch size that tiles the image"
@@ -124,7 +152,18 @@ class ViTEncoder(EncoderPlugin):
 
     @property
     def tokens_per_item(self) -> int:
+        if self.args.vit_native_resolution:
+            return self.args.vit_max_pixels // self.args.vit_patch_size ** 2
         return (self.args.vit_img_size // self.args.vit_patch_size) ** 2
+
+    def item_tokens(self, size: tuple[int, ...]) -> int:
+        """Native resolution: the patches of the image's resized grid (ValueError naming the flag
+        for an image it cannot take); else :attr:`tokens_per_item`."""
+        if not self.args.vit_native_resolution:
+            return self.tokens_per_item
+        height, width = smart_resize(size[0], size[1], self.args.vit_patch_size,
+                                     self.args.vit_min_pixels, self.args.vit_max_pixels)
+        return height * width // self.args.vit_patch_size ** 2
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         return encoder_config(language, self.grid, num_layers=self.args.vit_num_layers,
@@ -133,8 +172,15 @@ class ViTEncoder(EncoderPlugin):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        if self.args.vit_native_resolution:
+            return native_vit_spec(config, pg_collection, patch_size=self.args.vit_patch_size,
+                                   max_pixels=self.args.vit_max_pixels)
         return clip_vit_spec(config, pg_collection, patch_size=self.args.vit_patch_size,
                              image_size=self.args.vit_img_size)
 
-    def preprocessor(self) -> ImagePreprocessor:
+    def preprocessor(self) -> ImagePreprocessor | NativeImagePreprocessor:
+        if self.args.vit_native_resolution:
+            return NativeImagePreprocessor(self.args.vit_patch_size, self.args.vit_min_pixels,
+                                           self.args.vit_max_pixels, self.image_mean,
+                                           self.image_std)
         return ImagePreprocessor(self.args.vit_img_size, self.image_mean, self.image_std)

@@ -60,7 +60,6 @@ from megatron_plugins.data.text import (
     read_chat_template,
 )
 from megatron_plugins.encoders import EncoderPlugin
-from megatron_plugins.encoders.base import fixed_item_tokens
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
 
@@ -369,7 +368,7 @@ class EnergonSource:
     @property
     def static_shapes(self) -> bool:
         """One item per encoder in every sample (these sample kinds), of one token count."""
-        return all(fixed_item_tokens(plugin) for plugin in self.plugins.values())
+        return all(plugin.fixed_item_tokens for plugin in self.plugins.values())
 
     def _inputs(self, module: str) -> Any:
         if module == LANGUAGE:

@@ -1,7 +1,8 @@
 """The built-in mock source: deterministic multimodal samples, for tests and the first minutes.
 
 Every sample is a pure function of ``(seed, split, global sample index)``: its class, its text (a
-class-dependent arithmetic progression the model can learn), how many items each encoder gets
+class-dependent arithmetic progression the model can learn, of varied length, the rest of the row
+padding), how many items each encoder gets
 (``--mock-items-per-sample``, text-only samples included) and their sizes, where each item's
 placeholder run sits, and each item's media, drawn from seeded streams of their own so a rank
 that builds only part of a sample still builds the same part: language ranks draw the item sizes
@@ -24,11 +25,13 @@ from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.mock_media import MOCK_KINDS, NUM_CLASSES, mock_media, mock_size
 from megatron_plugins.data.streams import SPLITS, Microbatch, collate_items, collate_text
 from megatron_plugins.encoders import EncoderPlugin
-from megatron_plugins.encoders.base import fixed_item_tokens
 from megatron_plugins.errors import DataFlagError
 from megatron_plugins.layout import LANGUAGE
 
 __all__ = ["MockSource", "max_encoder_tokens"]
+
+PAD = 0
+"""Token after a sample's end, up to ``--seq-length`` (outside the loss)."""
 
 SIZE_STREAM = 1000
 """Generator streams ``SIZE_STREAM + encoder index`` draw item counts and sizes; stream 0 is the
@@ -83,7 +86,7 @@ class MockSource:
     @property
     def static_shapes(self) -> bool:
         fewest, most = self.items_per_sample
-        return fewest == most and all(fixed_item_tokens(p) for p in self.plugins.values())
+        return fewest == most and all(p.fixed_item_tokens for p in self.plugins.values())
 
     @property
     def text_vocab_size(self) -> int:
@@ -123,8 +126,12 @@ class MockSource:
         first = label * (text_vocab // NUM_CLASSES) + int(torch.randint(2, (1,), generator=generator))
         blocks = [(self.special_token_ids[name], count)
                   for name, counts in self.item_tokens(split, index).items() for count in counts]
-        text_length = self.seq_length - sum(count for _, count in blocks)
-        cuts = sorted(torch.randperm(text_length + 1, generator=generator)[:len(blocks)].tolist())
+        placeholders = sum(count for _, count in blocks)
+        # Real samples are shorter than the row: text of 2 up to half a row less the media.
+        most = max(2, self.seq_length // 2 - placeholders)
+        text_length = int(torch.randint(2, most + 1, (1,), generator=generator))
+        # Where each placeholder run starts in the text (runs may sit side by side).
+        cuts = sorted(torch.randint(text_length + 1, (len(blocks),), generator=generator).tolist())
         progression = [(first + step * k) % text_vocab for k in range(text_length)]
         tokens: list[int] = []
         previous = 0
@@ -132,8 +139,9 @@ class MockSource:
             tokens += progression[previous:cut] + [token_id] * count
             previous = cut
         tokens += progression[previous:]
-        tokens_t = torch.tensor(tokens, dtype=torch.long)
-        following = torch.cat([tokens_t[1:], torch.tensor([-1])])
+        length = len(tokens)
+        tokens_t = torch.tensor(tokens + [PAD] * (self.seq_length - length), dtype=torch.long)
+        following = torch.cat([tokens_t[1:length], torch.full((self.seq_length - length + 1,), -1)])
         is_text = (following >= 0) & (following < text_vocab)
         return {
             "tokens": tokens_t,

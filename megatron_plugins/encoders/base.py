@@ -32,7 +32,7 @@ from megatron_plugins.layout import ModulePlacement
 
 __all__ = [
     "EncoderPlugin", "EncoderPluginError", "MediaPreprocessor", "TensorReplicated",
-    "encoder_config", "fixed_item_tokens", "encoder_layer_spec", "encoder_norm", "is_replicated"
+    "encoder_config", "encoder_layer_spec", "encoder_norm", "is_replicated"
 ]
 
 NUMERICS = (
@@ -90,12 +90,6 @@ def is_replicated(spec: ModuleSpec, tp: int) -> bool:
     ``torch.nn.Module`` class without ``sharded_state_dict`` (``MegatronModule`` has one)."""
     return tp > 1 and isinstance(spec.module, type) and not hasattr(spec.module,
                                                                      "sharded_state_dict")
-
-
-def fixed_item_tokens(plugin: EncoderPlugin) -> bool:
-    """Every item of ``plugin`` fills the same positions, whatever its size (the plugin keeps the
-    base :meth:`EncoderPlugin.item_tokens`)."""
-    return type(plugin).item_tokens is EncoderPlugin.item_tokens
 
 
 class TensorReplicated(torch.nn.Module):
@@ -191,6 +185,12 @@ class EncoderPlugin(abc.ABC):
         :attr:`tokens_per_item`. A pure function of the size: the language ranks call it on
         sizes read from the sample's metadata, the encoder ranks must produce exactly that many."""
         return self.tokens_per_item
+
+    @property
+    def fixed_item_tokens(self) -> bool:
+        """Every item fills :attr:`tokens_per_item` positions, whatever its size; true unless
+        the class overrides :meth:`item_tokens` (then override this too where it can be)."""
+        return type(self).item_tokens is EncoderPlugin.item_tokens
 
     @abc.abstractmethod
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:

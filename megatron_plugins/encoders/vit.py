@@ -156,6 +156,10 @@ class ViTEncoder(EncoderPlugin):
             return self.args.vit_max_pixels // self.args.vit_patch_size ** 2
         return (self.args.vit_img_size // self.args.vit_patch_size) ** 2
 
+    @property
+    def fixed_item_tokens(self) -> bool:
+        return not self.args.vit_native_resolution
+
     def item_tokens(self, size: tuple[int, ...]) -> int:
         """Native resolution: the patches of the image's resized grid (ValueError naming the flag
         for an image it cannot take); else :attr:`tokens_per_item`."""

@@ -135,10 +135,15 @@ def test_text_never_uses_special_tokens_and_labels_skip_encoder_positions():
             counts = source.item_tokens("train", index)[name]
             assert int((tokens == token).sum()) == sum(counts)
             assert all(count == source.plugins[name].tokens_per_item for count in counts)
-        text = tokens < source.text_vocab_size
-        assert torch.equal(mask[:-1].bool(), text[1:])  # predict only text tokens
-        assert mask[-1] == 0
-        assert torch.equal(labels[:-1][mask[:-1].bool()], tokens[1:][text[1:]])
+        placeholder = tokens >= source.text_vocab_size
+        end = max(int(mask.nonzero().max()) + 2,  # the sample's end: past its last text token
+                  int(placeholder.nonzero().max()) + 1 if placeholder.any() else 0)
+        media = sum(sum(counts) for counts in source.item_tokens("train", index).values())
+        assert media + 2 <= end <= max(source.seq_length // 2, media + 2)  # shorter than a row
+        assert (tokens[end:] == 0).all() and not mask[end - 1:].any()  # padding, no loss
+        text = tokens[:end] < source.text_vocab_size
+        assert torch.equal(mask[:end - 1].bool(), text[1:])  # predict only text tokens
+        assert torch.equal(labels[:end - 1][mask[:end - 1].bool()], tokens[1:end][text[1:]])
 
 
 def test_encoder_micro_batch_size_follows_the_dp_ratio_or_names_the_flags():

@@ -63,10 +63,14 @@ MIMO_LAYOUT = [
 ]
 """A 1-layer, 32-wide ViT (4 patches per image) on rank 0; the language grid follows."""
 
+STATIC_ITEMS = "1"
+"""One image per sample: every transfer has one shape, the steady state the figures measure."""
 
-def mimo_flags(language_grid: str = "dp=1") -> list[str]:
-    """The MiMo layout with the language grid given as ``--grid language:`` takes it."""
-    return [*MIMO_LAYOUT, "--grid", f"language:{language_grid}"]
+
+def mimo_flags(language_grid: str = "dp=1", items: str = STATIC_ITEMS) -> list[str]:
+    """The MiMo layout with the language grid given as ``--grid language:`` takes it and
+    ``--mock-items-per-sample items``."""
+    return [*MIMO_LAYOUT, "--grid", f"language:{language_grid}", "--mock-items-per-sample", items]
 
 
 THREADS_PER_PROCESS = 1
@@ -108,14 +112,14 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
 
 
 def record(mode: str, steps: int, warmup: int, probe_out: str, timeout: float = 600.0,
-           language_grid: str = "dp=1") -> list[list[dict[str, Any]]]:
+           language_grid: str = "dp=1", items: str = STATIC_ITEMS) -> list[list[dict[str, Any]]]:
     """Train the ``gpt`` (one rank) or ``mimo`` (the encoder's rank, then the language grid's:
-    ``language_grid`` as ``--grid language:`` takes it) configuration under the probe; per rank,
-    the recorded steps after warm-up."""
+    ``language_grid`` as ``--grid language:`` takes it; ``items`` per sample) configuration under
+    the probe; per rank, the recorded steps after warm-up."""
     if mode == "gpt":
         nproc, flags = 1, ["--mock-data"]
     else:
-        flags = mimo_flags(language_grid)
+        flags = mimo_flags(language_grid, items)
         nproc = 1 + math.prod(int(size) for size in re.findall(r"=(\d+)", language_grid))
     iters = ["--train-iters", str(steps + warmup)]
     _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters], probe_out, timeout)

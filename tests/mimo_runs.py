@@ -71,9 +71,16 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
             _misalign_encoder_batches()
         if observe_keys:
             keys = result.setdefault("keys", [])
+            item_tokens = result.setdefault("item_tokens", [])
             record = session.guard.record
-            session.guard.record = lambda batch_keys, counts: keys.append(
-                list(batch_keys)) or record(batch_keys, counts)
+
+            def recording(batch_keys, counts):
+                keys.append(list(batch_keys))
+                item_tokens.append({name: [list(c) for c in per_sample]
+                                    for name, per_sample in counts.items()})
+                record(batch_keys, counts)
+
+            session.guard.record = recording
 
     run = parse_mimo_args(argv)
     reductions = count_grad_reductions() if count_reductions else None
@@ -110,8 +117,21 @@ def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (
 
 @lru_cache(maxsize=None)
 def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[str, dict[int, float]], list]:
-    """Memoized :func:`train_mimo` with trained parameters, shared by several assertions."""
-    return train_mimo(nproc, flags, observe_params=True)
+    """Memoized :func:`train_mimo` with trained parameters and consumed keys, shared by several
+    assertions."""
+    return train_mimo(nproc, flags, observe_params=True, observe_keys=True)
+
+
+def consumed_keys(results: list[dict[str, Any]], module: str) -> list[str]:
+    """The sample keys ``module`` trained on, in the global stream's order: each global
+    microbatch's DP replicas in DP order (one rank per replica speaks: tensor rank 0, first to
+    report), so layouts of any micro-batch split compare equal."""
+    replicas: dict[int, list[list[str]]] = {}
+    for result in results:
+        if result["module"] == module and result["tp_rank"] == 0:
+            replicas.setdefault(result["dp_rank"], result["keys"])
+    return [key for microbatch in zip(*(replicas[r] for r in sorted(replicas)))
+            for keys in microbatch for key in keys]
 
 
 def module_params(results: list[dict[str, Any]], module: str) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mimo_runs import cached_mimo_run, module_params, train_mimo
+from tests.mimo_runs import cached_mimo_run, consumed_keys, module_params, train_mimo
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 VISION = (*SGD, "--encoder", "vision=vit", "--grid")
@@ -34,10 +34,24 @@ TWO_ENCODERS = {
 }
 
 
+NATIVE = (*SGD, "--encoder", "vision=vit", "--vit-native-resolution", "--vit-max-pixels", "1024",
+          "--seq-length", "64", "--max-position-embeddings", "64")
+NATIVE_RESOLUTION = {  # images of varied sizes at their own token counts, 0..2 per sample
+    "1+language1": (2, (*NATIVE, "--grid", "vision:", "--grid", "language:")),
+    "dp2+language1": (3, (*NATIVE, "--grid", "vision:dp=2", "--grid", "language:")),
+    "1+language-dp2": (3, (*NATIVE, "--grid", "vision:", "--grid", "language:dp=2")),
+    "tp2+language1": (3, (*NATIVE, "--grid", "vision:tp=2", "--grid", "language:")),
+    "with-audio-dp2+language-dp2": (5, (*NATIVE, "--encoder", "audio=audio", "--grid",
+                                        "vision:", "--grid", "audio:dp=2", "--grid",
+                                        "language:dp=2")),
+}
+
+
 def _assert_same_training(reference: tuple, other: tuple, encoders: tuple[str, ...]) -> None:
     ref_scalars, ref_results = reference
     scalars, results = other
     assert sorted(scalars["lm loss"]) == list(range(1, 11))
+    assert consumed_keys(results, "language") == consumed_keys(ref_results, "language")
     for tag, values in ref_scalars.items():
         for iteration, value in values.items():
             assert scalars[tag][iteration] == pytest.approx(value, rel=1e-5), (tag, iteration)
@@ -60,6 +74,30 @@ def test_one_encoder_layouts_train_identically(name: str) -> None:
 def test_two_encoder_layouts_train_identically(name: str) -> None:
     reference = cached_mimo_run(*TWO_ENCODERS["1+1+language1"])
     _assert_same_training(reference, cached_mimo_run(*TWO_ENCODERS[name]), ("vision", "audio"))
+
+
+@pytest.mark.parametrize("name", list(NATIVE_RESOLUTION)[1:3] + list(NATIVE_RESOLUTION)[3:4])
+def test_native_resolution_layouts_train_identically(name: str) -> None:
+    reference = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
+    _assert_same_training(reference, cached_mimo_run(*NATIVE_RESOLUTION[name]), ("vision",))
+
+
+def test_native_resolution_with_a_second_encoder_trains_identically_across_layouts() -> None:
+    one = (*NATIVE, "--encoder", "audio=audio", "--grid", "vision:", "--grid", "audio:",
+           "--grid", "language:")
+    reference = cached_mimo_run(3, one)
+    _assert_same_training(reference, cached_mimo_run(*NATIVE_RESOLUTION[
+        "with-audio-dp2+language-dp2"]), ("vision", "audio"))
+
+
+def test_variable_samples_hold_text_only_and_multi_item_samples() -> None:
+    """What the layouts above were fed: samples without any item, with one and with two."""
+    _, results = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
+    [language] = [r for r in results if r["module"] == "language"]
+    images = [items for microbatch in language["item_tokens"] for items in microbatch["vision"]]
+    assert {0, 1, 2} <= {len(items) for items in images}
+    sizes = {count for items in images for count in items}
+    assert len(sizes) >= 3, sizes  # native resolution: token counts follow the image sizes
 
 
 def test_reference_run_learns_and_encoders_matter() -> None:

@@ -38,11 +38,12 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
                         "language model",
     "--language-model-checkpoint": "resume with stock --load",
     "--image-size": "use --vit-img-size",
-    "--image-seq-length": "an encoder's tokens per sample follow from its flags "
-                          "(--vit-img-size / --vit-patch-size)",
+    "--image-seq-length": "an encoder's tokens per image follow from its flags "
+                          "(--vit-img-size / --vit-patch-size) or, with --vit-native-resolution, "
+                          "from each image's size",
     "--total-seq-length": "use --seq-length",
     "--image-token-id": "encoders' special token ids are the top ids of --vocab-size",
-    "--pad-token-id": "the mock data has no padding",
+    "--pad-token-id": "the mock data pads with id 0 outside the loss",
     "--mock-dataset-size": "mock samples are drawn by global index; there is no dataset size",
     "--audio-encoder-model": "use --encoder NAME=audio or your own encoder plugin",
     "--hf-assign-unused-tokens": "encoders' special token ids are the top ids of --vocab-size",
@@ -53,7 +54,8 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
     "--class-token-len": "the RADIO encoder is not built in; write an encoder plugin",
     "--pixel-shuffle": "the RADIO encoder is not built in; write an encoder plugin",
     "--disable-vision-class-token": "the RADIO encoder is not built in; write an encoder plugin",
-    "--dynamic-resolution": "the RADIO encoder is not built in; write an encoder plugin",
+    "--dynamic-resolution": "use --encoder NAME=vit --vit-native-resolution (images at their own "
+                            "resolution, packed), or a plugin of your own",
     "--vision-projection-type": "the projection is a two-layer MLP (EncoderPlugin.projection_spec)",
 }
 """Upstream Megatron-LM ``examples/mimo`` flags without an equivalent here, and what to use."""

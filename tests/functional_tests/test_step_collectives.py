@@ -73,6 +73,22 @@ def test_no_shape_handshake_per_transfer(counts: dict[str, list[dict]]) -> None:
         assert all(c["bytes"] >= 2048 for c in p2p), p2p
 
 
+def test_variable_items_add_one_small_shape_message_per_transfer(
+        tmp_path: pytest.TempPathFactory) -> None:
+    # 0..2 images per sample: transfer sizes change from microbatch to microbatch, so each
+    # cross-grid transfer (a send, a receive, or a send paired with a receive) is preceded by
+    # one batched shape message of one or two int64 pairs (<= 32 bytes), and nothing else.
+    ranks = step_overhead.record("mimo", 2, 1, str(tmp_path / "variable"), timeout=240,
+                                 items="0:2")
+    for rank, steps in enumerate(ranks):
+        for step in steps:
+            p2p = [c for c in step["collectives"] if _cross_grid_transfer(c)]
+            shapes, transfers = p2p[0::2], p2p[1::2]
+            assert len(transfers) == MICROBATCHES + 1, (rank, p2p)
+            assert all(c["kind"] == "batch_isend_irecv" and c["bytes"] <= 32 for c in shapes), (
+                rank, p2p)
+
+
 def test_pipeline_stages_exchange_shapes_only_on_the_first_step(
         tmp_path: pytest.TempPathFactory) -> None:
     # Language pp=2 (ranks 1, 2): stage activations are [seq, micro-batch, hidden] every time, so

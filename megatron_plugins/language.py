@@ -4,13 +4,17 @@ Dense and MoE GPT come from ``gpt_config_from_args``; ``--hybrid-layer-pattern``
 Megatron's hybrid (Mamba) model through ``hybrid_config_from_args``. Building goes through the
 stock model builder of that config, so the language model is what stock
 ``pretrain_gpt``/``pretrain_hybrid`` would build on the same groups, with the MoE and hybrid
-bridges of ``compat.model_build`` (Gaps 4-4c) applied.
+bridges of ``compat.model_build`` (Gaps 4-4c) applied. With ``--pack-sequences`` on the local
+implementation, the layers' core attention is :class:`PackedAttention` (Megatron's local
+``DotProductAttention`` refuses THD inputs); Transformer Engine's attention reads THD itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
+from typing import Any
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -18,13 +22,19 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
 from megatron.training.models.base import ModelConfig
+from megatron.training.models.gpt import default_layer_spec
 
 from megatron_plugins.compat import model_build
+from megatron_plugins.encoders.packed_attention import PackedAttention
 from megatron_plugins.errors import UsageError
 
 __all__ = [
-    "LanguageModelError", "StockLanguageModel", "language_config_from_args", "language_model_spec"
+    "LanguageModelError", "PACKED_SEQUENCES", "StockLanguageModel", "language_config_from_args",
+    "language_model_spec"
 ]
+
+PACKED_SEQUENCES = "mimo_packed_sequences"
+"""Attribute of a language ``ModelConfig`` saying its inputs come packed (``--pack-sequences``)."""
 
 
 class LanguageModelError(UsageError):
@@ -35,13 +45,21 @@ def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
     """The stock model config for the language flags; hybrid needs ``mamba-ssm`` for Mamba layers."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is None:
-        return gpt_config_from_args(args)
+        config = gpt_config_from_args(args)
+        # Not a GPTModelConfig field: stored on the config object itself (its __setattr__ puts
+        # names the TransformerConfig lacks there), and copied with it.
+        setattr(config, PACKED_SEQUENCES, bool(getattr(args, "pack_sequences", False)))
+        return config
     if Symbols.MAMBA in pattern and importlib.util.find_spec("mamba_ssm") is None:
         raise LanguageModelError(
             f"--hybrid-layer-pattern {pattern} has Mamba layers ('{Symbols.MAMBA}'), which need "
             "the mamba-ssm kernels (GPU only): pip install 'megatron-plugins[ssm]' on a GPU "
             f"machine, or use a pattern without '{Symbols.MAMBA}'"
         )
+    if getattr(args, "pack_sequences", False):
+        raise LanguageModelError(
+            f"--pack-sequences packs GPT language models only; drop it or drop "
+            f"--hybrid-layer-pattern {pattern}")
     return hybrid_config_from_args(args)
 
 
@@ -58,10 +76,35 @@ class StockLanguageModel:
         # ``config`` and ``max_sequence_length`` are read from the spec by MimoModel itself.
         model_config = model_build.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
         model_config = model_build.with_local_hybrid_spec(model_config)
+        model_config = _with_packed_attention(model_config)
         with model_build.distinct_cpu_init_experts():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
         model_build.direct_single_rank_expert_output(model)
         return model
+
+
+def _swap_core_attention(spec: Any) -> None:
+    """Put :class:`PackedAttention` into a layer spec, or each layer of a block spec (MoE)."""
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        layer.submodules.self_attention.submodules.core_attention = PackedAttention
+
+
+def _with_packed_attention(model_config: ModelConfig) -> ModelConfig:
+    """``model_config`` itself, or for packed inputs on the local implementation a copy whose
+    layer spec (given, or the stock default) has :class:`PackedAttention` as core attention."""
+    if (not getattr(model_config, PACKED_SEQUENCES, False)
+            or model_config.transformer.transformer_impl != "local"):
+        return model_config
+    spec = model_config.transformer_layer_spec
+    if spec is None:
+        spec = default_layer_spec(model_config, None)
+    elif not isinstance(spec, ModuleSpec) and callable(spec):
+        spec = spec(model_config)
+    spec = copy.deepcopy(spec)
+    _swap_core_attention(spec)
+    packed = copy.copy(model_config)
+    packed.transformer_layer_spec = spec
+    return packed
 
 
 def language_model_spec(model_config: ModelConfig,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.arguments import validate_args
 
@@ -280,6 +281,21 @@ def mimo_after_validation(args: argparse.Namespace) -> list[Adjustment]:
     return fixed
 
 
+def check_packing(args: argparse.Namespace) -> None:
+    """``--pack-sequences`` needs an attention that reads THD segments."""
+    if not args.pack_sequences:
+        return
+    if args.attention_backend == AttnBackend.local:
+        raise FlagError("--pack-sequences needs an attention that reads packed (THD) segments, "
+                        "which --attention-backend local's DotProductAttention does not; drop "
+                        "--attention-backend local (with --transformer-impl local the reference "
+                        "packed attention is used)")
+    if args.context_parallel_size > 1:
+        raise FlagError(f"--pack-sequences does not split packed rows over context parallel "
+                        f"ranks; give the language cp=1 (--llm-cp or the layout; got "
+                        f"cp={args.context_parallel_size})")
+
+
 def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser,
            checked: Preflight) -> Settled:
     """Apply every step to parsed ``args`` in order; returns the record and the run's encoder
@@ -307,6 +323,7 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.apply(mimo_before_validation())
     record.apply(language_grid(args, checked))
     validate(args, checked, given)
+    check_packing(args)
     record.apply(padded_vocabulary(args, source))
     record.apply(init_checkpoints(args, plugins, checked))
     record.apply(mimo_after_validation(args))

@@ -3,7 +3,9 @@
 Encoder ranks feed their inputs and hand their outputs to the schedule (which sends them across
 the grid), each output checked against the token counts its items declared and labelled with
 its samples' counts (how the bridge splits it over language replicas); language ranks feed text
-and, on the last stage, return the summed token loss and the token count. The loss is never divided here: the global token count divides the gradients once
+and, on the last stage, return the summed token loss and the token count (with
+``--pack-sequences`` a batch carries its row's THD segments as ``packing_kwargs``, read on every
+language stage). The loss is never divided here: the global token count divides the gradients once
 (see :mod:`megatron_plugins.grad_sync`) and the logged ``lm loss``.
 """
 
@@ -68,6 +70,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
         loss_mask=batch.get("loss_mask"),
         labels=batch.get("labels"),
         modality_inputs=batch.get("modality_inputs"),
+        packing_kwargs=batch.get("packing_kwargs"),
     )
     if batch.get("tokens") is None and isinstance(output, Mapping):
         _label_encoder_outputs(output, batch[ITEM_TOKENS])

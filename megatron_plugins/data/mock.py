@@ -23,7 +23,9 @@ import torch
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.mock_media import MOCK_KINDS, NUM_CLASSES, mock_media, mock_size
-from megatron_plugins.data.streams import SPLITS, Microbatch, collate_items, collate_text
+from megatron_plugins.data.streams import (
+    LENGTH, SPLITS, Microbatch, collate_items, collate_text
+)
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
 from megatron_plugins.layout import LANGUAGE
@@ -118,7 +120,8 @@ class MockSource:
                 for name, plugin in self.plugins.items()}
 
     def text(self, split: str, index: int) -> dict[str, torch.Tensor]:
-        """Tokens, labels, loss mask and position ids of one sample (language ranks)."""
+        """Tokens, labels, loss mask and position ids of one sample (language ranks), padded to
+        ``seq_length``, and its length before the padding."""
         label = self.label(split, index)
         generator = _generator(self.seed, split, index, 1)
         text_vocab = self.text_vocab_size
@@ -148,6 +151,7 @@ class MockSource:
             "labels": torch.where(is_text, following, torch.zeros_like(following)),
             "loss_mask": is_text.float(),
             "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+            LENGTH: torch.tensor(length),
         }
 
     def media(self, name: str, split: str, index: int) -> list[object]:

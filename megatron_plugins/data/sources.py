@@ -27,6 +27,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Mock data only: each sample holds MIN to MAX items (images, clips) "
                             "per encoder, drawn uniformly (0: a text-only sample for that "
                             "encoder); one number N for exactly N. Default 0:2.")
+    group.add_argument("--pack-sequences", action="store_true",
+                       help="Pack each language microbatch's --micro-batch-size samples into "
+                            "one --seq-length row, end to end, each with its own positions and "
+                            "attending only to itself (THD: Transformer Engine's attention, or "
+                            "the reference packed attention with --transformer-impl local); the "
+                            "later samples' text is cut when they do not fit.")
 
 
 def _items_per_sample(text: str) -> tuple[int, int]:

@@ -13,19 +13,23 @@ the source's position into checkpoints.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
 
 from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
+from megatron_plugins.data.packing import pack_row, padding_share
 from megatron_plugins.encoders.base import MediaPreprocessor
+from megatron_plugins.layout import LANGUAGE
 from megatron_plugins.topology import HeteroTopology
 
 __all__ = [
-    "DataSource", "ITEM_TOKENS", "Microbatch", "MicrobatchStream", "SPLITS", "TRUNCATED",
-    "alignment_guard", "collate_items", "collate_text", "data_provider", "data_state_path"
+    "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch", "MicrobatchStream", "Packing",
+    "SPLITS", "TRUNCATED", "alignment_guard", "collate_items", "collate_text", "data_provider",
+    "data_state_path"
 ]
 
 SPLITS = ("train", "valid", "test")
@@ -39,6 +43,10 @@ sample's item token counts, a tuple per sample (empty for a sample without such 
 
 TRUNCATED = "truncated_keys"
 """Batch entry (language ranks) naming samples whose text was cut to ``--seq-length``."""
+
+LENGTH = "length"
+"""Language sample field (a 0-d tensor) and batch entry (``[samples]``): the positions each
+sample fills before its padding."""
 
 
 class DataSource(Protocol):
@@ -57,8 +65,8 @@ class DataSource(Protocol):
 
 def collate_text(samples: list[dict[str, torch.Tensor]],
                  item_tokens: list[dict[str, tuple[int, ...]]]) -> dict[str, Any]:
-    """Language ranks: the samples' fields stacked, a causal mask, and every encoder's item
-    token counts per sample (``item_tokens``, one dict per sample)."""
+    """Language ranks: the samples' fields stacked (their :data:`LENGTH` too), a causal mask, and
+    every encoder's item token counts per sample (``item_tokens``, one dict per sample)."""
     batch: dict[str, Any] = {key: torch.stack([sample[key] for sample in samples])
                              for key in samples[0]}
     length = batch["tokens"].shape[1]
@@ -85,16 +93,58 @@ def data_state_path(iteration_dir: Path, module: str, dp_rank: int) -> Path:
     return Path(iteration_dir) / "dataloader" / f"{module}_dp{dp_rank:03d}.pt"
 
 
+@dataclass(frozen=True)
+class Packing:
+    """The language side's ``--pack-sequences`` and what it needs (see :mod:`.packing`)."""
+
+    placeholder_ids: Collection[int]
+    """The encoders' placeholder token ids: text may be cut, never their runs."""
+
+
+class _PaddingTally:
+    """Counts a language stream's training rows and the positions its samples fill, and prints
+    the padding share unpacked and packed once ``microbatches`` were counted."""
+
+    def __init__(self, microbatches: int, seq_length: int) -> None:
+        self.left = microbatches
+        self.seq_length = seq_length
+        self.microbatches = 0
+        self.samples = 0
+        self.natural = 0
+        self.packed = 0
+
+    def count(self, lengths: list[int], packed: int) -> None:
+        """One microbatch: its samples' natural lengths and the positions its packed row fills."""
+        self.microbatches += 1
+        self.samples += len(lengths)
+        self.natural += sum(lengths)
+        self.packed += packed
+        self.left -= 1
+        if self.left == 0:
+            unpacked = padding_share(self.natural, self.samples, self.seq_length)
+            packed_share = padding_share(self.packed, self.microbatches, self.seq_length)
+            print(f"pretrain_mimo.py: padding share of language DP replica 0's training rows "
+                  f"({self.microbatches} microbatches of {self.samples} samples, --seq-length "
+                  f"{self.seq_length}): {unpacked:.1%} unpacked ({self.samples} rows), "
+                  f"{packed_share:.1%} packed ({self.microbatches} rows, --pack-sequences)",
+                  file=sys.stderr, flush=True)
+
+
 class MicrobatchStream(Iterator[dict[str, Any]]):
-    """One split's batches on this rank, as stock ``pretrain()`` iterates them."""
+    """One split's batches on this rank, as stock ``pretrain()`` iterates them; with
+    ``packing`` a language microbatch's samples become one row (:func:`.packing.pack_row`)."""
 
     def __init__(self, source: Iterator[Microbatch], rank_slice: RankSlice,
-                 guard: AlignmentGuard | None, writes_state: bool) -> None:
+                 guard: AlignmentGuard | None, writes_state: bool,
+                 packing: Packing | None = None, tally: _PaddingTally | None = None) -> None:
         self._source = source
         self._slice = rank_slice
         self._guard = guard
         self._writes_state = writes_state
+        self._packing = packing
+        self._tally = tally
         self._noticed_truncation = False
+        self._noticed_cut = False
 
     def __next__(self) -> dict[str, Any]:
         keys, batch = next(self._source)
@@ -107,6 +157,26 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
                   "--seq-length; its text is cut to fit and the loss covers what is left (a "
                   "sample with no answer token left adds nothing to the loss); later cut "
                   "samples are not reported", file=sys.stderr, flush=True)
+        lengths = batch.pop(LENGTH, None)
+        if lengths is None:
+            return batch
+        lengths = lengths.tolist()
+        packed = min(sum(lengths), batch["tokens"].shape[-1])
+        if self._packing is not None:
+            row = pack_row(batch, lengths, keys, self._packing.placeholder_ids)
+            batch = {**{key: value for key, value in batch.items() if key != "attention_mask"},
+                     **row.fields, "packing_kwargs": row.packing_kwargs()}
+            packed = sum(row.kept)
+            if row.cut and self._writes_state and not self._noticed_cut:
+                self._noticed_cut = True
+                print(f"pretrain_mimo.py: notice: sample {row.cut[0]!r} does not fit in its "
+                      "packed row (--pack-sequences puts a microbatch's --micro-batch-size "
+                      "samples in one --seq-length row); its text is cut from the end (never "
+                      "an encoder's placeholder run; a text-only sample may be dropped whole) "
+                      "and the loss covers what is left; later cut samples are not reported",
+                      file=sys.stderr, flush=True)
+        if self._tally is not None:
+            self._tally.count(lengths, packed)
         return batch
 
     def save_data_state(self, iteration_dir: Path) -> None:
@@ -140,6 +210,16 @@ def alignment_guard(topology: HeteroTopology, micro_batch_size: int) -> Alignmen
                           is_witness(topology))
 
 
+def _training_tally(args: Any, this: RankSlice) -> _PaddingTally | None:
+    """The padding tally of the microbatches this run trains on (none when ``--train-iters``
+    is not given: the end is then not known in microbatches)."""
+    if args.train_iters is None:
+        return None
+    steps = args.train_iters - args.iteration
+    per_step = args.global_batch_size // this.global_batch
+    return _PaddingTally(steps * per_step, args.seq_length) if steps > 0 else None
+
+
 def data_provider(source: DataSource, topology: HeteroTopology, guard: AlignmentGuard | None,
                   get_args: Callable[[], Any]) -> Callable[..., tuple]:
     """The ``train_valid_test_dataset_provider`` for stock ``pretrain()``.
@@ -158,12 +238,17 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
 
             resume = Path(get_checkpoint_name(args.load, args.iteration, return_base_dir=True))
         starts = (args.consumed_train_samples, args.consumed_valid_samples, 0)
+        language = this.module == LANGUAGE
+        packing = (Packing(frozenset(source.special_token_ids.values()))
+                   if language and args.pack_sequences else None)
         streams = []
         for split, start in zip(SPLITS, starts):
             opened = source.open(split, this, start, resume if split == "train" else None)
             streams.append(None if opened is None else MicrobatchStream(
                 opened, this, guard if split == "train" else None,
-                writes_state=is_witness(topology)))
+                writes_state=is_witness(topology), packing=packing,
+                tally=_training_tally(args, this) if split == "train" and language
+                and this.dp_rank == 0 and is_witness(topology) else None))
         return tuple(streams)
 
     provider.is_distributed = True

@@ -57,18 +57,21 @@ class Conversation:
 
 @dataclass(frozen=True)
 class EncodedText:
-    """One sample's language inputs, all ``[seq_length]``; ``truncated`` when target or end was cut."""
+    """One sample's language inputs, all ``[seq_length]``; ``truncated`` when target or end was
+    cut; ``length`` the positions it fills before its padding."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     truncated: bool
+    length: int
 
     def as_batch_fields(self) -> dict[str, torch.Tensor]:
-        """The per-sample fields a batch stacks (``truncated`` is counted, not stacked)."""
+        """The per-sample fields a batch stacks (``truncated`` is counted, not stacked; the
+        length is the ``"length"`` field, as ``streams.LENGTH`` names it)."""
         return {"tokens": self.tokens, "labels": self.labels, "loss_mask": self.loss_mask,
-                "position_ids": self.position_ids}
+                "position_ids": self.position_ids, "length": torch.tensor(self.length)}
 
 
 def placeholder_token(encoder: str) -> str:
@@ -242,7 +245,7 @@ class PromptTokenizer:
         loss_mask[max(len(context) - 1, 0): len(ids) - 1] = 1.0
         return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
                            position_ids=torch.arange(seq_length, dtype=torch.int64),
-                           truncated=len(kept) < len(answer))
+                           truncated=len(kept) < len(answer), length=len(ids))
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         from jinja2 import TemplateError
@@ -338,4 +341,4 @@ class PromptTokenizer:
         loss_mask[: len(kept) - 1] = torch.tensor(trained[1: len(kept)], dtype=torch.float32)
         return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
                            position_ids=torch.arange(seq_length, dtype=torch.int64),
-                           truncated=len(ids) > seq_length)
+                           truncated=len(ids) > seq_length, length=len(kept))

@@ -120,7 +120,9 @@ def test_caption_layout_and_loss_cover_only_the_target_and_eos(tokenizer):
     assert not out.truncated
     assert (out.tokens.dtype, out.labels.dtype, out.loss_mask.dtype) == (
         torch.int64, torch.int64, torch.float32)
-    assert set(out.as_batch_fields()) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert set(out.as_batch_fields()) == {"tokens", "labels", "loss_mask", "position_ids",
+                                          "length"}
+    assert out.length == 7 + len(target)
 
 
 def test_vqa_question_is_context_not_loss(tokenizer):

@@ -47,7 +47,8 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
     "--mock-dataset-size": "mock samples are drawn by global index; there is no dataset size",
     "--audio-encoder-model": "use --encoder NAME=audio or your own encoder plugin",
     "--hf-assign-unused-tokens": "encoders' special token ids are the top ids of --vocab-size",
-    "--packing-buffer-size": "sequence packing is not supported",
+    "--packing-buffer-size": "use --pack-sequences (a microbatch's --micro-batch-size samples "
+                             "packed into one --seq-length row)",
     "--mimo-encoder-prefetch": "encoder feature prefetch is not supported",
     "--mimo-encoder-prefetch-depth": "encoder feature prefetch is not supported",
     "--mimo-encoder-prefetch-debug": "encoder feature prefetch is not supported",

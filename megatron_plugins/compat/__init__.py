@@ -116,5 +116,9 @@ GAPS: tuple[Gap, ...] = (
         "communication", "topology.pipeline_communicator",
         _canary("communication", "test_gap15_canary_fan_in_gradients_split_equally_whatever_"
                                  "was_received")),
+    Gap("16", "checkpoints keep data-parallel replica 0's RNG state for every replica",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap16_canary_stock_saves_one_rng_state_replicated_over_"
+                                 "data_parallel_ranks")),
 )
 """Every gap in the order the bridges were added."""

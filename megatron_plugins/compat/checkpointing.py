@@ -1,4 +1,4 @@
-"""Checkpoint bridges for MiMo processes (Gaps 5, 6 and 10), applied together by
+"""Checkpoint bridges for MiMo processes (Gaps 5, 6, 10 and 16), applied together by
 :func:`install_checkpoint_bridges`; stock callers keep stock checkpoint behaviour."""
 
 from __future__ import annotations
@@ -202,13 +202,48 @@ def _install_module_data_state() -> None:
     checkpointing.maybe_save_dataloader_state = maybe_save_dataloader_state
 
 
+def _install_rng_state_per_data_parallel_replica() -> None:
+    """Gap 16 (RNG state of data-parallel replicas): save and restore each replica's own.
+
+    Without ``--data-parallel-random-init`` stock ``get_rng_state`` saves one RNG state per
+    (pp, tp) rank as a ``ShardedObject`` replicated over data parallelism (replica id = the dp
+    rank, training/checkpointing.py:425-450), so a resumed run gives every DP replica the state of
+    replica 0. That holds while replicas draw the same random numbers; with variable items per
+    sample an encoder replica's dropout draws follow how many items it embedded, so replicas'
+    states part and a resume with dropout is no longer bit-identical (stock's per-replica list
+    comes only with ``--data-parallel-random-init``, which also changes the initialization).
+    Bridge: in ``torch_dist`` checkpoints of a module with dp x cp > 1 the RNG object is sharded
+    over (pp, tp, dp x cp) instead, so each replica writes and reads its own state; the save
+    and the load template (the same function) agree by construction.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.training import checkpointing
+
+    stock = checkpointing.get_rng_state
+
+    def get_rng_state(ckpt_format, tp_group, pp_group, dp_cp_group=None, dp_group=None,
+                      key_prefix=""):
+        state = stock(ckpt_format, tp_group, pp_group, dp_cp_group=dp_cp_group,
+                      dp_group=dp_group, key_prefix=key_prefix)
+        if (not isinstance(state, ShardedObject) or dp_cp_group is None
+                or dp_cp_group.size() == 1 or len(state.data) != 1):
+            return state  # one replica, or stock's own per-replica list
+        return ShardedObject(state.key, state.data, (*state.global_shape, dp_cp_group.size()),
+                             (*state.global_offset, dp_cp_group.rank()), replica_id=0)
+
+    get_rng_state.__doc__ = stock.__doc__
+    checkpointing.get_rng_state = get_rng_state
+
+
 def install_checkpoint_bridges() -> None:
-    """Apply Gaps 5, 6 and 10. Idempotent; the MiMo builder calls it before stock ``pretrain()``
-    builds the optimizer (MiMo processes only: stock callers keep stock checkpoint behaviour)."""
+    """Apply Gaps 5, 6, 10 and 16. Idempotent; the MiMo builder calls it before stock
+    ``pretrain()`` builds the optimizer (MiMo processes only: stock callers keep stock checkpoint
+    behaviour)."""
     global _checkpoint_bridges_installed
     if _checkpoint_bridges_installed:
         return
     _install_mimo_module_common_state()
     _install_distributed_optimizer_resume()
     _install_module_data_state()
+    _install_rng_state_per_data_parallel_replica()
     _checkpoint_bridges_installed = True

@@ -1,4 +1,4 @@
-"""Checkpoint bridges (Gaps 5, 6, 10): canaries that the stock wheel still has each gap, and the
+"""Checkpoint bridges (Gaps 5, 6, 10, 16): canaries that the stock wheel still has each gap, and the
 bridges' tests."""
 
 from __future__ import annotations
@@ -149,3 +149,39 @@ def test_gap10_bridge_lets_a_module_stream_write_its_own_state(tmp_path):
     checkpointing.maybe_save_dataloader_state(stream, 8, None)
     checkpointing.maybe_save_dataloader_state(SimpleNamespace(iterable=[]), 8, None)
     assert len(written) == 1
+
+
+def test_gap16_canary_stock_saves_one_rng_state_replicated_over_data_parallel_ranks():
+    from megatron.training import checkpointing
+
+    source = inspect.getsource(checkpointing)
+    assert ("if args.data_parallel_random_init and torch.distributed.is_initialized() and "
+            "dp_world_size > 1:") in source
+    assert "            (pp_size, tp_size),\n            (pp_rank, tp_rank),\n" \
+           "            replica_id=dp_cp_rank," in source
+    assert "rng_state = rng_state[0]" in inspect.getsource(checkpointing.load_checkpoint)
+
+
+def test_gap16_bridge_shards_the_rng_state_over_data_parallel_replicas(monkeypatch):
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.training import checkpointing
+
+    install_checkpoint_bridges()
+    monkeypatch.setattr(checkpointing, "get_args",
+                        lambda: SimpleNamespace(data_parallel_random_init=False))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(4, dtype=torch.uint8))
+
+    def group(size: int, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(size=lambda: size, rank=lambda: rank)
+
+    second = checkpointing.get_rng_state("torch_dist", None, None, dp_cp_group=group(2, 1),
+                                         dp_group=group(2, 1), key_prefix="vision.")
+    assert isinstance(second, ShardedObject) and second.key == "vision.rng_state"
+    assert (second.global_shape, second.global_offset, second.replica_id) == ((1, 1, 2),
+                                                                            (0, 0, 1), 0)
+    assert len(second.data) == 1 and set(second.data[0]) >= {"torch_rng_state",
+                                                             "rng_tracker_states"}
+    alone = checkpointing.get_rng_state("torch_dist", None, None, dp_cp_group=group(1, 0),
+                                        dp_group=group(1, 0), key_prefix="language.")
+    assert (alone.global_shape, alone.global_offset) == ((1, 1), (0, 0))  # stock's, one replica

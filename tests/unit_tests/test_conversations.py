@@ -16,7 +16,8 @@ from PIL import Image
 
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
 from megatron_plugins.data.media import BadSampleError, encode_png
-from megatron_plugins.data.samples import ConversationSample
+from megatron_plugins.data.samples import (ConversationSample, conversation_parts,
+                                            load_conversation)
 from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
                                         read_chat_template)
 from megatron_plugins.errors import FlagError
@@ -122,8 +123,13 @@ def test_a_long_conversation_is_cut_after_the_placeholders(tokenizer):
     assert cut.truncated
     assert cut.tokens.tolist() == full.tokens[: length - 3].tolist()
     assert cut.loss_mask[:-1].tolist() == full.loss_mask[: length - 4].tolist()
-    with pytest.raises(ValueError, match="past --seq-length 6"):
-        encode(tokenizer, seq_length=6)
+    # Text before the run that does not fit is cut around it: the run is kept whole at the end.
+    vision = tokenizer.placeholder_ids["vision"]
+    short = encode(tokenizer, seq_length=6)
+    assert short.truncated and short.tokens.tolist() == full.tokens[:3].tolist() + [vision] * RUN
+    assert short.loss_mask.sum() == 0
+    with pytest.raises(ValueError, match="3 placeholder positions do not fit in --seq-length 2"):
+        encode(tokenizer, seq_length=2)
 
 
 @pytest.mark.parametrize("turns, problem", [
@@ -143,7 +149,7 @@ def test_a_bad_sample_stops_naming_its_key(tokenizer):
     inputs = _TextInputs(tokenizer, {"vision": vision}, tuple(MARKERS.items()), 64)
     image = encode_png(np.zeros((8, 8, 3), dtype=np.uint8))
     sample = ConversationSample(__key__="k7", __restore_key__=(), __subflavors__={},
-                                image=image, conversation=json.dumps(
+                                images=[image], conversation=json.dumps(
                                     [{"role": "user", "content": "what"}]))
     with pytest.raises(BadSampleError, match="sample 'k7': field 'conversation' .*no assistant"):
         inputs(sample)
@@ -215,40 +221,88 @@ def llava(tmp_path: Path) -> Path:
     return source
 
 
-def test_llava_json_converts_to_role_content_turns(tmp_path: Path, llava: Path) -> None:
+def _load_all(path: Path) -> dict:
     from tests.unit_tests.test_energon_dataset_tool import load_split
 
+    return {s.__key__: s for split in ("train", "val", "test") for s in load_split(path, split)}
+
+
+def test_llava_json_with_several_text_only_and_varied_images_converts(tmp_path: Path,
+                                                                      llava: Path) -> None:
     records = [_llava(i) for i in range(10)]
+    records[1]["image"] = ["img1.png", "img7.jpg", "img2.png"]  # markers in two turns
+    records[1]["conversations"][0]["value"] = "<image>\n<image>\nwhich is red"
+    records[1]["conversations"][2]["value"] = "and this <image>"
+    records[2] = {"id": "r2", "conversations": [{"from": "human", "value": "two plus two"},
+                                                {"from": "gpt", "value": "four"}]}
     records[3]["image"] = [records[3]["image"]]  # a one-element list is one image
     records[4]["conversations"].insert(0, {"from": "system", "value": "be brief"})
+    records[5]["image"] = ["img5.png", "img6.png"]  # no marker: both open the first human turn
+    records[5]["conversations"][0]["value"] = "what colors are they"
+    _image(llava / "img7.jpg", (40, 12))
     (llava / "llava.json").write_text(json.dumps(records))
-    path = make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "energon",
-                        split=(80, 10, 10))
-    samples = {s.__key__: s for split in ("train", "val", "test") for s in load_split(path, split)}
+    samples = _load_all(make_dataset(llava, llava / "llava.json", "conversation",
+                                     tmp_path / "energon", split=(80, 10, 10)))
     assert sorted(samples) == sorted(f"r{i}" for i in range(10))
-    sample = samples["r4"]
-    assert type(sample).__name__ == "ConversationSample"
-    assert sample.image == (llava / "img4.png").read_bytes()
-    assert SAMPLE_KINDS["ConversationSample"].text(sample) == Conversation((
+    kind = SAMPLE_KINDS["ConversationSample"]
+    assert type(samples["r4"]).__name__ == "ConversationSample"
+    assert samples["r4"].images == [(llava / "img4.png").read_bytes()]
+    assert kind.text(samples["r4"]) == Conversation((
         ("system", "be brief"), ("user", "<image>\nwhat color is it"), ("assistant", "red"),
         ("user", "and the shape"), ("assistant", "a square")))
+    assert samples["r1"].images == [(llava / name).read_bytes()
+                                    for name in ("img1.png", "img7.jpg", "img2.png")]
+    assert samples["r2"].images == [] and kind.text(samples["r2"]).turns[1] == ("assistant",
+                                                                               "four")
+    assert len(samples["r5"].images) == 2 and len(samples["r3"].images) == 1
+
+
+def test_sharegpt_text_only_records_convert(tmp_path: Path, llava: Path) -> None:
+    turns = [{"from": "system", "value": "be kind"}, {"from": "human", "value": "hi"},
+             {"from": "gpt", "value": "hello"}, {"from": "human", "value": "bye"},
+             {"from": "gpt", "value": "goodbye"}]
+    lines = "".join(json.dumps({"id": f"s{i}", "conversations": turns}) + "\n" for i in range(10))
+    (llava / "sharegpt.jsonl").write_text(lines)
+    samples = _load_all(make_dataset(llava, llava / "sharegpt.jsonl", "conversation",
+                                     tmp_path / "energon", split=(80, 10, 10)))
+    assert sorted(samples) == [f"s{i}" for i in range(10)]
+    assert all(sample.images == [] for sample in samples.values())
+    assert SAMPLE_KINDS["ConversationSample"].text(samples["s3"]).turns[-1] == ("assistant",
+                                                                                "goodbye")
+
+
+def test_datasets_written_with_one_image_part_stay_readable() -> None:
+    turns = json.dumps([{"role": "user", "content": "hi"}]).encode()
+    assert load_conversation({"__key__": "k", "png": b"P", "json": turns}) == dict(
+        images=[b"P"], conversation=turns.decode())
+    assert conversation_parts("png") and conversation_parts("12.jpg")
+    assert not conversation_parts("1.wav") and not conversation_parts("x.png")
+    with pytest.raises(BadSampleError, match=r"sample 'k': field 'images' has image parts "
+                                             r"numbered \[0, 2\]; they must run 0..N-1"):
+        load_conversation({"__key__": "k", "0.png": b"P", "2.png": b"Q", "json": turns})
 
 
 REFUSED = [
-    (dict(image=["img0.png", "img1.png"]), "2 images; the fixed-count pipeline"),
-    (dict(image=None, conversations=[{"from": "human", "value": "hi"},
-                                     {"from": "gpt", "value": "hello"}]),
-     "no image (text-only); the fixed-count pipeline"),
-    ({"image": ""}, "1 <image> marker but no image"),
+    (dict(image=["img0.png", "img1.png"]), "1 <image> marker for 2 images; give one marker per "
+                                           "image"),
+    ({"image": ""}, "'image' is not a file path"),
+    (dict(image=["img0.png", 3]), "'image[1]' is not a file path"),
     (dict(conversations=[{"from": "human", "value": "<image> <image> what"},
-                         {"from": "gpt", "value": "red"}]), "2 <image> markers for one image"),
+                         {"from": "gpt", "value": "red"}]), "2 <image> markers for 1 image"),
     (dict(image=None, conversations=[{"from": "human", "value": "<image> what"},
                                      {"from": "gpt", "value": "red"}]),
-     "1 <image> marker but no image"),
+     "1 <image> marker for 0 images"),
     (dict(conversations=[{"from": "human", "value": "<image> what"}]), "no assistant ('gpt') turn"),
+    (dict(image=None, conversations=[{"from": "human", "value": "hi"}]),
+     "no assistant ('gpt') turn"),
+    (dict(conversations=[{"from": "system", "value": "x"}, {"from": "gpt", "value": "red"}]),
+     "no <image> marker and no 'human' turn"),
     (dict(conversations=[{"from": "robot", "value": "beep"}]), "conversations[0] is not"),
     (dict(conversations=[]), "no 'conversations' list"),
     (dict(image="missing.png"), "image file"),
+    (dict(image=["img0.png", "missing.png"], conversations=[
+        {"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "red"}]),
+     "missing.png does not exist"),
     (dict(id="a/b"), "key 'a/b'"),
 ]
 
@@ -265,6 +319,7 @@ def test_records_that_cannot_train_yet_are_refused_in_one_line(
     err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
                                          str(llava / "llava.jsonl"), "--kind", "conversation"])
     assert "llava.jsonl line 7" in err and problem in err, err
+    assert "(id 'r6')" in err or "key 'a/b'" in err
 
 
 def test_an_image_that_does_not_decode_is_refused(capsys, tmp_path: Path, llava: Path) -> None:
@@ -275,7 +330,7 @@ def test_an_image_that_does_not_decode_is_refused(capsys, tmp_path: Path, llava:
     err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
                                          str(llava / "llava.json"), "--kind", "conversation",
                                          "--split", "80,10,10"])
-    assert "llava.json record 2" in err and "does not decode as image" in err
+    assert "llava.json record 2 (id 'r2')" in err and "img2.png does not decode as image" in err
 
 
 def test_conversations_cannot_come_as_csv(capsys, tmp_path: Path, llava: Path) -> None:

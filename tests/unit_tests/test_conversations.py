@@ -4,6 +4,7 @@ errors, and ``make_energon_dataset --kind conversation`` with each record it ref
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -340,3 +341,183 @@ def test_conversations_cannot_come_as_csv(capsys, tmp_path: Path, llava: Path) -
     err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
                                          str(llava / "a.csv"), "--kind", "conversation"])
     assert "must end in .jsonl or .json" in err
+
+
+# 0..N images per conversation through the Energon inputs, with a native-resolution vit
+
+SIZES = ((16, 16), (16, 40), (33, 20))
+"""Image sizes (height, width): 4, 10 and 8 patches of 8 pixels at native resolution."""
+
+
+def _native_vit(*flags: str):
+    import argparse
+
+    from megatron_plugins.encoders.vit import ViTEncoder
+    from megatron_plugins.layout import ModulePlacement
+
+    parser = argparse.ArgumentParser()
+    ViTEncoder.add_arguments(parser)
+    args = parser.parse_args(["--vit-native-resolution", "--vit-min-pixels", "64", *flags])
+    grid = ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit")
+    return ViTEncoder("vision", args, grid)
+
+
+def _sample(key: str, sizes, turns) -> ConversationSample:
+    return ConversationSample(
+        __key__=key, __restore_key__=(), __subflavors__={},
+        images=[encode_png(np.full((h, w, 3), 60, dtype=np.uint8)) for h, w in sizes],
+        conversation=json.dumps([{"role": role, "content": content} for role, content in turns]))
+
+
+MULTI = (("user", "<image> and <image>\nwhich is red"), ("assistant", "the cat is red"),
+         ("user", "and this <image>"), ("assistant", "a mat"))
+
+
+def _runs(tokens: torch.Tensor, placeholder: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of ``placeholder`` in ``tokens``."""
+    runs, flags = [], (tokens == placeholder).tolist() + [False]
+    for index, flag in enumerate(flags[:-1]):
+        if flag and (index == 0 or not flags[index - 1]):
+            runs.append([index, 0])
+        if flag:
+            runs[-1][1] += 1
+    return [tuple(run) for run in runs]
+
+
+def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
+    from megatron_plugins.data.energon import _EncoderInputs
+
+    vit = _native_vit()
+    sample = _sample("m1", SIZES, MULTI)
+    fields, counts, cut = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                      96)(sample)
+    assert counts == {"vision": (4, 10, 8)} and not cut
+    vision = tokenizer.placeholder_ids["vision"]
+    runs = _runs(fields["tokens"], vision)
+    assert [length for _, length in runs] == [4, 10, 8]
+    tokens = fields["tokens"].tolist()
+    # Runs one and two sit in the first user turn around " and", run three in the second.
+    between = tokenizer._hf.decode(tokens[runs[0][0] + 4: runs[1][0]])
+    assert between.strip() == "and"
+    assert tokenizer._hf.decode(tokens[runs[1][0] + 10: runs[2][0]]).count("the cat is red") == 1
+    assert tokenizer._hf.decode(fields["labels"][fields["loss_mask"] == 1]) == \
+        "the cat is red<eos> a mat<eos>"
+    items, encoder_counts, _ = _EncoderInputs(vit, vit.preprocessor())(sample)
+    assert encoder_counts == (4, 10, 8)
+    assert [item["patches"].shape[0] for item in items] == [4, 10, 8]
+
+
+def test_without_markers_every_image_opens_the_first_user_turn(tokenizer):
+    vit = _native_vit()
+    turns = (("system", "a cat"), ("user", "what colors"), ("assistant", "red"))
+    fields, counts, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                    96)(_sample("m2", SIZES[:2], turns))
+    vision = tokenizer.placeholder_ids["vision"]
+    runs = _runs(fields["tokens"], vision)
+    assert [length for _, length in runs] == [4, 10]
+    user = _ids(tokenizer, "\nuser : ")
+    tokens = fields["tokens"].tolist()
+    assert tokens[runs[0][0] - len(user): runs[0][0]] == user
+
+
+def test_a_text_only_conversation_has_no_items_on_either_side(tokenizer):
+    from megatron_plugins.data.energon import _EncoderInputs
+
+    vit = _native_vit()
+    sample = _sample("t1", (), (("user", "two plus two"), ("assistant", "four")))
+    fields, counts, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                    32)(sample)
+    assert counts == {"vision": ()}
+    assert not (fields["tokens"] == tokenizer.placeholder_ids["vision"]).any()
+    assert fields["loss_mask"].sum() > 0
+    assert _EncoderInputs(vit, vit.preprocessor())(sample) == ([], (), False)
+
+
+def test_runs_that_fill_the_row_keep_every_run_and_cut_the_text(tokenizer):
+    vit = _native_vit()
+    inputs = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)
+    full, _, _ = inputs(_sample("m3", SIZES, MULTI))
+    fields, _, cut = dataclasses.replace(inputs, seq_length=30)(_sample("m3", SIZES, MULTI))
+    vision = tokenizer.placeholder_ids["vision"]
+    tokens, whole = fields["tokens"], full["tokens"]
+    assert cut and int((tokens == vision).sum()) == 22  # all three runs, whole
+    # The text kept is the conversation's first 8 text tokens, in place around the runs.
+    assert tokens[tokens != vision].tolist() == whole[whole != vision][:8].tolist()
+    assert fields["loss_mask"].sum() == 0  # no answer token survives
+
+
+@pytest.mark.parametrize("sizes, turns, seq_length, problem", [
+    (SIZES, MULTI, 22, r"sample 'bad': field 'images' needs 23 positions for its placeholder "
+                       r"runs \(3 vision items \(4\+10\+8 tokens\)\) and a bos token, more than "
+                       r"--seq-length 22; raise --seq-length"),
+    (SIZES[:2], MULTI, 96, r"sample 'bad': field 'conversation' it holds 3 <image> markers for 2 "
+                           r"items"),
+    (SIZES, (("user", "<image> <image> <image>"),), 96,
+     r"sample 'bad': field 'conversation' it has no assistant turn"),
+])
+def test_samples_that_cannot_train_stop_naming_the_key(tokenizer, sizes, turns, seq_length,
+                                                       problem):
+    inputs = _TextInputs(tokenizer, {"vision": _native_vit()}, tuple(MARKERS.items()), seq_length)
+    with pytest.raises(BadSampleError, match=problem):
+        inputs(_sample("bad", sizes, turns))
+
+
+def test_an_image_below_the_towers_minimum_stops_every_rank_that_sees_it(tokenizer):
+    from megatron_plugins.data.energon import _EncoderInputs
+
+    vit = _native_vit()
+    sample = _sample("tiny", ((16, 16), (4, 30), (16, 16)), MULTI)
+    problem = (r"sample 'tiny': field 'images\[1\]' cannot be embedded by --encoder vision: image "
+               r"4x30 \(height x width\): its shorter side is below the patch size 8")
+    with pytest.raises(BadSampleError, match=problem):  # language ranks: from the header alone
+        _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
+    with pytest.raises(BadSampleError, match=problem):
+        _EncoderInputs(vit, vit.preprocessor())(sample)
+
+
+def test_shapes_are_static_only_for_one_fixed_item_per_encoder(tokenizer):
+    from megatron_plugins.data.energon import EnergonSource
+
+    fixed = _native_vit()
+    fixed.args.vit_native_resolution = False
+    source = EnergonSource(Path("x"), 0, 0, 64, 8, tokenizer, {"vision": fixed},
+                           SAMPLE_KINDS["CaptioningSample"])
+    assert source.static_shapes
+    assert not dataclasses.replace(source, kind=SAMPLE_KINDS["ConversationSample"]).static_shapes
+    assert not dataclasses.replace(source, kind=None).static_shapes  # a metadataset
+    assert not dataclasses.replace(source, plugins={"vision": _native_vit()}).static_shapes
+
+
+def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, llava,
+                                                                     tokenizer):
+    from megatron_plugins.data.addressing import RankSlice
+    from megatron_plugins.data.energon import EnergonSource
+    from megatron_plugins.data.streams import ITEM_TOKENS
+    from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+
+    records = [_llava(i, image=[f"img{i % 10}.png", f"img{(i + 3) % 10}.png"][: i % 3], conversations=[
+        {"from": "human", "value": "<image>" * (i % 3) + "what color"},
+        {"from": "gpt", "value": "red"}]) for i in range(20)]
+    (llava / "llava.json").write_text(json.dumps(records))
+    path = make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "energon",
+                        split=(100, 0, 0))
+    vit = _native_vit()
+    source = EnergonSource(path, 0, 0, 96, 4, tokenizer, {"vision": vit},
+                           SAMPLE_KINDS["ConversationSample"])
+    layout = ParallelLayout((
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
+        ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=2)))
+    language = source.open("train", RankSlice.of(layout, LANGUAGE, 0, 2), 0, None)
+    encoders = [source.open("train", RankSlice.of(layout, "vision", r, 2), 0, None)
+                for r in range(2)]
+    seen = set()
+    for _ in range(6):
+        keys, text = next(language)
+        parts = [next(stream) for stream in encoders]
+        assert [k for part_keys, _ in parts for k in part_keys] == keys
+        counts = [c for _, batch in parts for c in batch[ITEM_TOKENS]["vision"]]
+        assert text[ITEM_TOKENS]["vision"] == counts
+        placeholder = source.special_token_ids["vision"]
+        assert (text["tokens"] == placeholder).sum(dim=1).tolist() == [sum(c) for c in counts]
+        seen.update(len(c) for c in counts)
+    assert seen == {0, 1, 2}

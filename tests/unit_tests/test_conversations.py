@@ -17,8 +17,7 @@ from PIL import Image
 
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
 from megatron_plugins.data.media import BadSampleError, encode_png
-from megatron_plugins.data.samples import (ConversationSample, conversation_parts,
-                                            load_conversation)
+from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
 from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
                                         read_chat_template)
 from megatron_plugins.errors import FlagError
@@ -273,6 +272,7 @@ def test_sharegpt_text_only_records_convert(tmp_path: Path, llava: Path) -> None
 
 
 def test_datasets_written_with_one_image_part_stay_readable() -> None:
+    load_conversation = LOADERS["conversation"]
     turns = json.dumps([{"role": "user", "content": "hi"}]).encode()
     assert load_conversation({"__key__": "k", "png": b"P", "json": turns}) == dict(
         images=[b"P"], conversation=turns.decode())

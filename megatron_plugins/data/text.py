@@ -351,8 +351,9 @@ class PromptTokenizer:
         ``ids`` trains nothing."""
         room = seq_length - sum(in_run)
         if room < 0:
-            raise ValueError(f"its {sum(in_run)} placeholder positions do not fit in --seq-length "
-                             f"{seq_length}; raise --seq-length or give it fewer or smaller items")
+            raise ValueError(f"its {sum(in_run)} placeholder positions do not fit in "
+                             f"--seq-length {seq_length}; raise --seq-length or give it fewer or "
+                             "smaller items")
         kept: list[int] = []
         for index, run in enumerate(in_run):
             if run or room > 0:

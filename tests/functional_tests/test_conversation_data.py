@@ -159,7 +159,8 @@ def test_multi_image_and_text_only_conversations_train_by_the_readme_commands(
     losses = read_scalars(tmp_path, "lm loss")
     assert sorted(losses) == list(range(1, 21))
     assert all(math.isfinite(value) for value in losses.values())
-    first, last = np.mean([losses[i] for i in (1, 2, 3)]), np.mean([losses[i] for i in (18, 19, 20)])
+    first = np.mean([losses[i] for i in (1, 2, 3)])
+    last = np.mean([losses[i] for i in (18, 19, 20)])
     assert last < first - 0.5, losses
 
 

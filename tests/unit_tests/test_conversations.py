@@ -495,9 +495,10 @@ def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, 
     from megatron_plugins.data.streams import ITEM_TOKENS
     from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
 
-    records = [_llava(i, image=[f"img{i % 10}.png", f"img{(i + 3) % 10}.png"][: i % 3], conversations=[
-        {"from": "human", "value": "<image>" * (i % 3) + "what color"},
-        {"from": "gpt", "value": "red"}]) for i in range(20)]
+    images = [[f"img{i % 10}.png", f"img{(i + 3) % 10}.png"][: i % 3] for i in range(20)]
+    records = [_llava(i, image=names, conversations=[
+        {"from": "human", "value": "<image>" * len(names) + "what color"},
+        {"from": "gpt", "value": "red"}]) for i, names in enumerate(images)]
     (llava / "llava.json").write_text(json.dumps(records))
     path = make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "energon",
                         split=(100, 0, 0))

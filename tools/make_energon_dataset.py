@@ -9,20 +9,22 @@ relative to ``--input``:
 
 * caption: ``image``, ``caption``        * vqa: ``image``, ``question``, ``answer``
 * transcript: ``audio``, ``transcript``  * image_audio_caption: ``image``, ``audio``, ``caption``
-* conversation: LLaVA-style ``image`` and ``conversations`` (``[{"from": "human"|"gpt"|"system",
-  "value": ...}]``, the image at its ``<image>`` marker), stored as ``{role, content}`` turns.
-  Records the fixed-count pipeline cannot train yet are refused: no image, several images or
-  ``<image>`` markers, or no assistant (``gpt``) turn.
+* conversation: LLaVA-style ``conversations`` (``[{"from": "human"|"gpt"|"system", "value":
+  ...}]``) with ``image`` one path, a list of paths, or absent (text-only; ShareGPT records are
+  the same shape), stored as ``{role, content}`` turns. Image ``i`` sits at the ``i``-th
+  ``<image>`` marker; a record needs as many markers as images (or none: then the images open the
+  first ``human`` turn) and at least one assistant (``gpt``) turn.
 
 A record's ``key`` field (``id`` for conversations) names the sample (else its zero-padded
 index). Samples are split into train/val/test by ``--split`` (seeded shuffle, so every split gets
 its share however few shards there are) and written as WebDataset shards
-``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png`` (the source bytes), ``<key>.wav``, and the
-text as ``<key>.txt`` (one text field) or ``<key>.json`` (VQA's question and answer, a
-conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written
-as ``energon prepare`` writes it. Everything is checked (annotations, media files, that each image
-and WAV decodes) before the output folder appears: a problem is one line naming the record's
-line and the field or file, exit code 2, and nothing is left behind.
+``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png`` (the source bytes; a conversation's images
+as ``<key>.0.png``, ``<key>.1.jpg``, ...), ``<key>.wav``, and the text as ``<key>.txt`` (one text
+field) or ``<key>.json`` (VQA's question and answer, a conversation's turns). Energon's
+``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written as ``energon prepare`` writes it.
+Every record and media file is checked first (annotations, files, that each image and WAV
+decodes), with a progress bar, before anything is written: a problem is one line naming the
+record's line (and id) and the field or file, exit code 2, and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import megatron.energon
 import yaml
@@ -57,6 +59,8 @@ from megatron_plugins.data.samples import (
     AudioTranscriptSample,
     ConversationSample,
     ImageAudioCaptionSample,
+    conversation_part,
+    conversation_parts,
 )
 from megatron_plugins.data.text import media_marker
 from megatron_plugins.errors import UsageError, report
@@ -72,8 +76,6 @@ KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 """Sample keys WebDataset can split from the part name (no dots, no slashes)."""
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 """LLaVA's ``from`` values -> chat template roles."""
-LATER = ("the fixed-count pipeline trains exactly one image per sample (variable image counts "
-         "come later)")
 
 
 class DatasetError(UsageError):
@@ -90,11 +92,14 @@ class Kind:
     """Columns holding text: one is stored as ``txt``, several as one ``json`` object."""
     sample_type: type[Sample]
     conversation: bool = False
-    """LLaVA-style records, converted by :func:`_conversation_row` into ``media`` and ``text``."""
+    """LLaVA-style records, converted by :func:`_conversation_row` into 0..N images and
+    ``text``."""
+    part_filter: Callable[[str], bool] | None = None
+    """Energon's part filter where :attr:`parts` cannot list every part (numbered images)."""
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return ("image", "conversations") if self.conversation else self.media + self.text
+        return ("conversations",) if self.conversation else self.media + self.text
 
     @property
     def text_part(self) -> str:
@@ -112,33 +117,43 @@ KINDS: dict[str, Kind] = {
     "vqa": Kind(("image",), ("question", "answer"), VQASample),
     "transcript": Kind(("audio",), ("transcript",), AudioTranscriptSample),
     "image_audio_caption": Kind(("image", "audio"), ("caption",), ImageAudioCaptionSample),
-    "conversation": Kind(("image",), ("conversation",), ConversationSample, conversation=True),
+    "conversation": Kind(("image",), ("conversation",), ConversationSample, conversation=True,
+                         part_filter=conversation_parts),
 }
 
 
 @dataclass(frozen=True)
 class Record:
     """One annotation record, resolved: where it was (file and line, for messages), its key,
-    media paths and text."""
+    media (``(column, path)`` in order: a conversation's images in marker order) and text."""
 
     where: str
     key: str
-    media: dict[str, Path]
+    media: tuple[tuple[str, Path], ...]
     text: dict[str, str]
 
 
-def _conversation_row(row: dict[str, Any], where: str) -> dict[str, str]:
-    """A LLaVA-style record as the columns of the ``conversation`` kind: its one image path and
-    its turns as JSON ``{role, content}`` text; records not trainable yet are refused."""
+def _image_paths(row: dict[str, Any], where: str) -> list[str]:
+    """A LLaVA-style record's image paths: ``image`` one path, a list of them, or absent."""
     image = row.get("image")
-    if isinstance(image, list):
-        if len(image) > 1:
-            raise DatasetError(f"{where}: {len(image)} images; {LATER}")
-        image = image[0] if image else None
+    images = [] if image is None else image if isinstance(image, list) else [image]
+    for index, path in enumerate(images):
+        if not isinstance(path, str) or not path:
+            what = "image" if not isinstance(image, list) else f"image[{index}]"
+            raise DatasetError(f"{where}: {what!r} is not a file path (give a path, a list of "
+                               "paths, or no 'image' for a text-only record)")
+    return images
+
+
+def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A LLaVA-style (or ShareGPT) record as the columns of the ``conversation`` kind: its image
+    paths and its turns as JSON ``{role, content}`` text; records that cannot train are
+    refused."""
     turns = row.get("conversations")
     if not isinstance(turns, list) or not turns:
-        raise DatasetError(f"{where}: no 'conversations' list; each record needs image and "
-                           "conversations [{from, value}, ...]")
+        raise DatasetError(f"{where}: no 'conversations' list; each record needs conversations "
+                           "[{from, value}, ...] (and image: a path or a list, if it has any)")
+    images = _image_paths(row, where)
     converted = []
     for index, turn in enumerate(turns):
         speaker = turn.get("from") if isinstance(turn, dict) else None
@@ -148,19 +163,16 @@ def _conversation_row(row: dict[str, Any], where: str) -> dict[str, str]:
                                f"{'|'.join(LLAVA_ROLES)}, \"value\": text}}")
         converted.append({"role": LLAVA_ROLES[speaker], "content": value})
     markers = sum(turn["content"].count(media_marker("image")) for turn in converted)
-    if image in (None, ""):
-        what = (f"{markers} <image> marker{'s' * (markers > 1)} but no image" if markers
-                else "no image (text-only)")
-        raise DatasetError(f"{where}: {what}; {LATER}")
-    if not isinstance(image, str):
-        raise DatasetError(f"{where}: 'image' is not a file path")
-    if markers > 1:
-        raise DatasetError(f"{where}: {markers} <image> markers for one image; {LATER}")
+    if markers and markers != len(images):
+        raise DatasetError(f"{where}: {markers} <image> marker{'s' * (markers != 1)} for "
+                           f"{len(images)} image{'s' * (len(images) != 1)}; give one marker per "
+                           "image, in image order (or none: the images then open the first "
+                           "'human' turn)")
     if not any(turn["role"] == "assistant" for turn in converted):
         raise DatasetError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
-    if not markers and not any(turn["role"] == "user" for turn in converted):
-        raise DatasetError(f"{where}: no <image> marker and no 'human' turn to put the image in")
-    return {"key": row.get("id"), "image": image,
+    if images and not markers and not any(turn["role"] == "user" for turn in converted):
+        raise DatasetError(f"{where}: no <image> marker and no 'human' turn to put the images in")
+    return {"key": row.get("id"), "images": images,
             "conversation": json.dumps(converted, ensure_ascii=False)}
 
 
@@ -214,7 +226,9 @@ def _read_rows(annotations: Path, kind: Kind) -> list[tuple[str, dict[str, Any]]
     if not rows:
         raise DatasetError(f"--annotations {annotations}: no records")
     if kind.conversation:
-        return [(where, _conversation_row(row, where)) for where, row in rows]
+        named = [(where if row.get("id") in (None, "") else f"{where} (id {row['id']!r})", row)
+                 for where, row in rows]
+        return [(where, _conversation_row(row, where)) for where, row in named]
     for where, row in rows:
         for column in kind.columns:
             value = row.get(column)
@@ -241,9 +255,11 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
         if key in seen:
             raise DatasetError(f"{where}: key {key!r} is already used by {seen[key]}")
         seen[key] = where
-        media: dict[str, Path] = {}
-        for column in kind.media:
-            path = input_dir / row[column]
+        named = ([("image", name) for name in row["images"]] if kind.conversation
+                 else [(column, row[column]) for column in kind.media])
+        media = []
+        for column, name in named:
+            path = input_dir / name
             suffixes = MEDIA_SUFFIXES[column]
             if path.suffix.lower() not in suffixes:
                 raise DatasetError(
@@ -251,26 +267,33 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
                 )
             if not path.is_file():
                 raise DatasetError(f"{where}: {column} file {path} does not exist")
-            media[column] = path
-        records.append(Record(where, key, media, {c: row[c] for c in kind.text}))
+            media.append((column, path))
+        records.append(Record(where, key, tuple(media), {c: row[c] for c in kind.text}))
     return records
 
 
-def _check_media(data: bytes, column: str, where: str) -> None:
-    """Decode one media file exactly as training will, so a broken file fails here, not mid-run."""
-    try:
-        DECODERS[column](data, where, column)
-    except BadSampleError as error:
-        raise DatasetError(f"{where} does not decode as {column}: {error}") from None
+def check_media(records: Sequence[Record], quiet: bool = False) -> None:
+    """Decode every media file exactly as training will (a progress bar on a terminal), so a
+    broken file fails here, before anything is written, not mid-run."""
+    with tqdm(records, unit="sample", desc=f"{PROG}: checking",
+              disable=quiet or not sys.stderr.isatty()) as bar:
+        for record in bar:
+            for column, path in record.media:
+                where = f"{record.where}: {column} file {path}"
+                try:
+                    DECODERS[column](path.read_bytes(), where, column)
+                except BadSampleError as error:
+                    raise DatasetError(f"{where} does not decode as {column}: {error}") from None
 
 
 def _parts(record: Record, kind: Kind) -> dict[str, bytes | str]:
-    """The tar parts of one sample: media bytes as they are on disk (checked), and the text."""
+    """The tar parts of one sample: media bytes as they are on disk (checked before), numbered
+    for conversations (:func:`conversation_part`), and the text."""
     parts: dict[str, bytes | str] = {"__key__": record.key}
-    for column, path in record.media.items():
-        data = path.read_bytes()
-        _check_media(data, column, f"{record.where}: {column} file {path}")
-        parts[MEDIA_SUFFIXES[column][path.suffix.lower()]] = data
+    for index, (column, path) in enumerate(record.media):
+        extension = MEDIA_SUFFIXES[column][path.suffix.lower()]
+        parts[conversation_part(index, extension) if kind.conversation else extension] = (
+            path.read_bytes())
     text = (
         record.text[kind.text[0]] if len(kind.text) == 1
         else json.dumps(record.text, ensure_ascii=False)
@@ -311,13 +334,14 @@ def split_records(
 def _dataset_yaml(kind_name: str) -> dict[str, Any]:
     """``.nv-meta/dataset.yaml``: the sample type, loaded by ``sample_loader.py`` (text as str,
     media as raw bytes whether Energon's decoder is on or off) from this kind's parts."""
-    sample_type = KINDS[kind_name].sample_type
+    kind = KINDS[kind_name]
+    sample_type = kind.sample_type
     exported = getattr(megatron.energon, sample_type.__name__, None) is sample_type
     module = "megatron.energon" if exported else sample_type.__module__
     return {
         "sample_type": {"__module__": module, "__class__": sample_type.__name__},
         "sample_loader": "sample_loader.py:sample_loader",
-        "part_filter": KINDS[kind_name].parts,
+        "part_filter": "sample_loader.py:part_filter" if kind.part_filter else kind.parts,
     }
 
 
@@ -334,11 +358,13 @@ def _write_meta(root: Path, kind_name: str, splits: dict[str, list[Record]]) -> 
         )
     meta = root / MAIN_FOLDER_NAME
     (meta / "dataset.yaml").write_text(yaml.safe_dump(_dataset_yaml(kind_name), sort_keys=False))
-    loader = LOADERS[kind_name]
-    (meta / "sample_loader.py").write_text(
-        f'"""Written by tools.make_energon_dataset: text parts as str, media as raw bytes."""\n'
-        f"from {loader.__module__} import {loader.__name__} as sample_loader  # noqa: F401\n"
-    )
+    loader, part_filter = LOADERS[kind_name], KINDS[kind_name].part_filter
+    lines = [f'"""Written by tools.make_energon_dataset: text parts as str, media as raw bytes."""',
+             f"from {loader.__module__} import {loader.__name__} as sample_loader  # noqa: F401"]
+    if part_filter is not None:
+        lines.append(f"from {part_filter.__module__} import {part_filter.__name__} as part_filter"
+                     "  # noqa: F401")
+    (meta / "sample_loader.py").write_text("\n".join(lines) + "\n")
 
 
 def make_dataset(
@@ -362,10 +388,11 @@ def make_dataset(
         raise DatasetError(f"--output {output} already exists; give a new folder")
     records = read_records(input_dir, annotations, KINDS[kind])
     splits = split_records(records, split, seed)
+    check_media(records, quiet)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        bar = tqdm(total=len(records), unit="sample", desc=PROG,
+        bar = tqdm(total=len(records), unit="sample", desc=f"{PROG}: writing",
                    disable=quiet or not sys.stderr.isatty())
         with bar:
             for name, members in splits.items():

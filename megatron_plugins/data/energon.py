@@ -86,6 +86,19 @@ class SampleKind:
         """Every field training reads, so every field a dataset's ``field_map`` must fill."""
         return (*self.media, *([self.prompt] if self.prompt else []), self.target)
 
+    @property
+    def one_item_each(self) -> bool:
+        """Every sample holds exactly one item of each of its media kinds."""
+        return True
+
+    def items(self, sample: Any, media: str) -> list[tuple[str, Any]]:
+        """The sample's undecoded items of ``media`` in order, each with the field it came from
+        (for messages); a missing or empty one stops naming the sample."""
+        data = getattr(sample, media, None)
+        if not data:
+            raise BadSampleError(sample.__key__, media, "is missing or empty")
+        return [(media, data)]
+
     def text(self, sample: Any) -> SampleText:
         """The sample's text as ``str``: a ``field_map`` hands text parts over as raw bytes."""
         key = sample.__key__
@@ -101,7 +114,27 @@ class SampleKind:
 @dataclasses.dataclass(frozen=True)
 class ConversationKind(SampleKind):
     """Multi-turn samples: ``target`` holds the turns as JSON text, rendered with the chat
-    template."""
+    template; each media kind's 0..N items are in a list field (``image`` -> ``images``)."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (*(f"{media}s" for media in self.media), self.target)
+
+    @property
+    def one_item_each(self) -> bool:
+        return False
+
+    def items(self, sample: Any, media: str) -> list[tuple[str, Any]]:
+        field = f"{media}s"
+        data = getattr(sample, field, None)
+        if data is None:
+            raise BadSampleError(sample.__key__, field, "is missing")
+        if isinstance(data, (bytes, bytearray, memoryview)):  # a field_map's single part
+            data = [data]
+        for index, item in enumerate(data):
+            if not item:
+                raise BadSampleError(sample.__key__, f"{field}[{index}]", "is empty")
+        return [(f"{field}[{index}]", item) for index, item in enumerate(data)]
 
     def text(self, sample: Any) -> Conversation:  # type: ignore[override]
         """The sample's turns, each a ``(role, content)`` of a known role."""
@@ -133,8 +166,8 @@ class DataPathError(UsageError):
     """A ``--data-path`` that cannot be trained on; the message says what to fix."""
 
 
-def _sample_text(sample: Any) -> SampleText | Conversation:
-    return SAMPLE_KINDS[type(sample).__name__].text(sample)
+def _sample_kind(sample: Any) -> SampleKind:
+    return SAMPLE_KINDS[type(sample).__name__]
 
 
 def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: str) -> int:
@@ -158,20 +191,36 @@ class _TextInputs:
 
     def item_tokens(self, sample: Any) -> dict[str, tuple[int, ...]]:
         """Each encoder's item token counts, from the media parts' headers (never decoded)."""
+        kind = _sample_kind(sample)
         counts = {}
         for name, plugin in self.plugins.items():
-            kind = plugin.preprocessor().media
-            data = getattr(sample, kind, None)
-            if not data:
-                raise BadSampleError(sample.__key__, kind, "is missing or empty")
-            size = probe_size(kind, data, sample.__key__, kind)
-            counts[name] = (_item_tokens(plugin, size, sample.__key__, kind),)
+            media = plugin.preprocessor().media
+            counts[name] = tuple(
+                _item_tokens(plugin, probe_size(media, data, sample.__key__, field),
+                             sample.__key__, field)
+                for field, data in kind.items(sample, media))
         return counts
+
+    def _check_room(self, sample: Any, counts: dict[str, tuple[int, ...]]) -> None:
+        """The placeholder runs are never cut, so runs that alone overflow the row stop the run
+        naming the sample (text is cut to fit around runs that do fit)."""
+        needed = 1 + sum(sum(items) for items in counts.values())  # a bos token before them
+        if needed > self.seq_length:
+            runs = ", ".join(f"{len(items)} {name} item{'s' * (len(items) != 1)} "
+                             f"({'+'.join(map(str, items))} tokens)"
+                             for name, items in counts.items() if items)
+            kind = _sample_kind(sample)
+            raise BadSampleError(sample.__key__, "+".join(kind.fields[: len(kind.media)]),
+                                 f"needs {needed} positions for its placeholder runs ({runs}) "
+                                 f"and a bos token, more than --seq-length {self.seq_length}; "
+                                 "raise --seq-length, lower the encoder's tokens per item, or "
+                                 "split the sample")
 
     def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]],
                                              bool]:
-        text = _sample_text(sample)
+        text = _sample_kind(sample).text(sample)
         counts = self.item_tokens(sample)
+        self._check_room(sample, counts)
         blocks = tuple((name, count) for name, items in counts.items() for count in items)
         if isinstance(text, Conversation):
             try:
@@ -194,16 +243,17 @@ class _EncoderInputs:
 
     def __call__(self, sample: Any) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...],
                                              bool]:
-        kind = self.preprocessor.media
-        data = getattr(sample, kind, None)
-        if not data:
-            raise BadSampleError(sample.__key__, kind, "is missing or empty")
-        media = DECODERS[kind](data, sample.__key__, kind)
-        count = _item_tokens(self.plugin, media_size(media), sample.__key__, kind)
-        try:
-            return [self.preprocessor(media)], (count,), False
-        except ValueError as error:
-            raise BadSampleError(sample.__key__, kind, f"cannot be preprocessed: {error}") from None
+        media_kind = self.preprocessor.media
+        items, counts = [], []
+        for field, data in _sample_kind(sample).items(sample, media_kind):
+            media = DECODERS[media_kind](data, sample.__key__, field)
+            counts.append(_item_tokens(self.plugin, media_size(media), sample.__key__, field))
+            try:
+                items.append(self.preprocessor(media))
+            except ValueError as error:
+                raise BadSampleError(sample.__key__, field,
+                                     f"cannot be preprocessed: {error}") from None
+        return items, tuple(counts), False
 
 
 class RankSliceEncoder(DefaultTaskEncoder):
@@ -360,6 +410,8 @@ class EnergonSource:
     layout (micro-batch size, DP sizes) and the number of loader workers."""
     tokenizer: PromptTokenizer
     plugins: dict[str, EncoderPlugin]
+    kind: SampleKind | None = None
+    """The folder's sample kind; None for a metadataset (its datasets' kinds are not known)."""
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -367,8 +419,9 @@ class EnergonSource:
 
     @property
     def static_shapes(self) -> bool:
-        """One item per encoder in every sample (these sample kinds), of one token count."""
-        return all(plugin.fixed_item_tokens for plugin in self.plugins.values())
+        """Exactly one item per encoder in every sample (the kind says so), of one token count."""
+        return (self.kind is not None and self.kind.one_item_each
+                and all(plugin.fixed_item_tokens for plugin in self.plugins.values()))
 
     def _inputs(self, module: str) -> Any:
         if module == LANGUAGE:
@@ -472,4 +525,4 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
     if isinstance(kind, ConversationKind):
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,
-                         args.global_batch_size, tokenizer, plugins)
+                         args.global_batch_size, tokenizer, plugins, kind)

@@ -9,6 +9,7 @@ rank that needs them decodes them; the loaders here turn the text parts (``txt``
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable
 
 from megatron.energon import Sample
@@ -17,8 +18,8 @@ from megatron.energon.edataclass import edataclass
 from megatron_plugins.data.media import BadSampleError, decode_text
 
 __all__ = [
-    "AUDIO_PART", "AudioTranscriptSample", "ConversationSample", "ImageAudioCaptionSample",
-    "LOADERS"
+    "AUDIO_PART", "AudioTranscriptSample", "ConversationSample", "IMAGE_PARTS",
+    "ImageAudioCaptionSample", "LOADERS", "conversation_part", "conversation_parts"
 ]
 
 #: Tar part extensions an image may be stored under (the source file's own encoding is kept).
@@ -51,12 +52,17 @@ class ImageAudioCaptionSample(Sample):
 
 @edataclass
 class ConversationSample(Sample):
-    """An image and a multi-turn conversation about it (one image: the fixed-count pipeline)."""
+    """A multi-turn conversation with 0..N images, each at its ``<image>`` marker, in order.
 
-    #: The image file's bytes (PNG or JPEG), undecoded.
-    image: bytes
+    Stored as tar parts ``<key>.0.png``, ``<key>.1.jpg``, ... (:func:`conversation_part`) and
+    ``<key>.json``; a text-only sample has the ``json`` part alone.
+    """
+
+    #: The image files' bytes (PNG or JPEG), undecoded, in marker order (empty: text-only).
+    images: list[bytes]
     #: The turns as JSON text: a list of ``{"role": "system"|"user"|"assistant", "content"}``,
-    #: the image at the ``<image>`` marker of its turn (else at the start of the first user turn).
+    #: image ``i`` at the ``i``-th ``<image>`` marker (with no marker, all images at the start of
+    #: the first user turn).
     conversation: str
 
 
@@ -101,12 +107,42 @@ def load_image_audio_caption(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw, "txt"))
 
 
+_CONVERSATION_IMAGE = re.compile(rf"(\d+)\.({'|'.join(IMAGE_PARTS)})")
+"""A conversation's image part: its index in marker order, then the source file's encoding."""
+
+
+def conversation_part(index: int, extension: str) -> str:
+    """The tar part of a conversation's ``index``-th image stored as ``extension`` (jpg, png)."""
+    return f"{index}.{extension}"
+
+
+def conversation_parts(part: str) -> bool:
+    """Energon's part filter of conversation datasets: the turns and every numbered image (and
+    the single ``jpg`` / ``png`` part of datasets written before samples held several)."""
+    return part == "json" or part in IMAGE_PARTS or bool(_CONVERSATION_IMAGE.fullmatch(part))
+
+
+def _conversation_images(raw: dict[str, Any]) -> list[bytes]:
+    """A conversation's images in index order; the indices must run 0..N-1."""
+    numbered = {}
+    for part, data in raw.items():
+        match = _CONVERSATION_IMAGE.fullmatch(part)
+        if match:
+            numbered[int(match.group(1))] = data
+    if sorted(numbered) != list(range(len(numbered))):
+        raise BadSampleError(raw["__key__"], "images", f"has image parts numbered "
+                             f"{sorted(numbered)}; they must run 0..N-1 (rewrite the dataset with "
+                             "python -m tools.make_energon_dataset --kind conversation)")
+    legacy = [raw[part] for part in IMAGE_PARTS if part in raw]
+    return legacy + [numbered[index] for index in sorted(numbered)]
+
+
 def load_conversation(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fields of ``ConversationSample`` from an image part and a ``json`` list of turns (kept as
-    JSON text, re-serialized where Energon's decoder already parsed it)."""
+    """Fields of ``ConversationSample`` from numbered image parts and a ``json`` list of turns
+    (kept as JSON text, re-serialized where Energon's decoder already parsed it)."""
     turns = raw["json"]
     text = json.dumps(turns) if isinstance(turns, (list, dict)) else _text(raw, "json")
-    return dict(image=_image(raw), conversation=text)
+    return dict(images=_conversation_images(raw), conversation=text)
 
 
 #: The loader for each dataset kind of ``tools.make_energon_dataset``.

@@ -48,8 +48,8 @@ ROLES = ("system", "user", "assistant")
 class Conversation:
     """A multi-turn sample's text: ``(role, content)`` turns, the loss on the assistant turns only.
 
-    An encoder's item sits where its marker (:func:`media_marker`) is in a turn; with no marker, at
-    the start of the first user turn.
+    An encoder's ``i``-th item sits at the ``i``-th of its markers (:func:`media_marker`), in turn
+    order; with no marker, all its items at the start of the first user turn.
     """
 
     turns: tuple[tuple[str, str], ...]
@@ -257,24 +257,27 @@ class PromptTokenizer:
         except TemplateError as error:
             raise ValueError(f"the chat template cannot render it: {error}") from None
 
-    def _messages(self, conversation: Conversation,
-                  markers: Mapping[str, str]) -> list[dict[str, str]]:
-        """The turns as chat messages, each encoder's marker replaced by its placeholder token
-        (the marker put at the start of the first user turn where the turns hold none)."""
+    def _messages(self, conversation: Conversation, markers: Mapping[str, str],
+                  items: Mapping[str, int]) -> list[dict[str, str]]:
+        """The turns as chat messages, each encoder's markers replaced by its placeholder token:
+        as many markers as the sample has ``items`` of that encoder, or none (then that many put
+        at the start of the first user turn)."""
         turns = [list(turn) for turn in conversation.turns]
         for name in markers:
             if any(placeholder_token(name) in content for _, content in turns):
                 raise ValueError(f"a turn holds {placeholder_token(name)} as text")
         for name, marker in markers.items():
-            count = sum(content.count(marker) for _, content in turns)
-            if count > 1:
-                raise ValueError(f"it holds {count} {marker} markers; a sample carries one item "
-                                 "per encoder")
-            if count == 0:
+            count, wanted = sum(content.count(marker) for _, content in turns), items.get(name, 0)
+            if count and count != wanted:
+                raise ValueError(f"it holds {count} {marker} marker{'s' * (count != 1)} for "
+                                 f"{wanted} item{'s' * (wanted != 1)} of that kind; give one "
+                                 "marker per item (or none)")
+            if wanted and not count:
                 first_user = next((turn for turn in turns if turn[0] == "user"), None)
                 if first_user is None:
-                    raise ValueError(f"it has no {marker} marker and no user turn to put it in")
-                first_user[1] = f"{marker}\n{first_user[1]}"
+                    raise ValueError(f"it has no {marker} marker and no user turn to put its "
+                                     f"{wanted} item{'s' * (wanted != 1)} in")
+                first_user[1] = f"{marker}\n" * wanted + first_user[1]
             for turn in turns:
                 turn[1] = turn[1].replace(marker, placeholder_token(name))
         return [{"role": role, "content": content} for role, content in turns]
@@ -299,46 +302,73 @@ class PromptTokenizer:
     def encode_conversation(self, conversation: Conversation,
                             encoder_blocks: Sequence[tuple[str, int]],
                             markers: Mapping[str, str], seq_length: int) -> EncodedText:
-        """A conversation rendered with the chat template, each encoder's placeholder block where
-        its marker (``markers``: encoder -> marker) is; the loss on assistant tokens only.
+        """A conversation rendered with the chat template, each item's placeholder run at its
+        marker (``encoder_blocks``: ``(encoder, tokens)`` per item, each encoder's in marker
+        order; ``markers``: encoder -> marker); the loss on assistant tokens only.
 
-        Too-long text is cut at ``seq_length`` (``truncated`` set), never inside a placeholder
-        block: ValueError when a block does not fit, or when the turns cannot be rendered.
+        Too-long text is cut at the end, never inside a placeholder run: text past the row is
+        dropped until every run fits (``truncated`` set; no loss across a cut). ValueError when
+        the runs alone do not fit, or when the turns cannot be rendered.
         """
         self.require_chat_template("a conversation dataset")
-        blocks = dict(encoder_blocks)
-        messages = self._messages(conversation, {name: markers[name] for name in blocks})
+        runs: dict[str, list[int]] = {name: [] for name in markers}
+        for name, count in encoder_blocks:
+            runs.setdefault(name, []).append(count)
+        messages = self._messages(conversation, markers,
+                                  {name: len(counts) for name, counts in runs.items()})
         if not any(message["role"] == "assistant" for message in messages):
             raise ValueError("it has no assistant turn, so nothing to train on")
         rendered = self._render(messages)
         spans = self._assistant_spans(messages, rendered)
         encoded = self._hf(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        by_id = {self.placeholder_ids[name]: name for name in runs}
+        pending = {name: list(counts) for name, counts in runs.items()}
         ids: list[int] = []
         trained: list[bool] = []
-        by_id = {self.placeholder_ids[name]: name for name in blocks}
+        in_run: list[bool] = []
         for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
             if token_id in by_id:
-                ids += [token_id] * blocks[by_id[token_id]]
-                trained += [False] * blocks[by_id[token_id]]
+                name = by_id[token_id]
+                if not pending[name]:
+                    raise ValueError(f"the chat template rendered more {markers[name]} markers "
+                                     f"than its {len(runs[name])} items")
+                count = pending[name].pop(0)
+                ids += [token_id] * count
+                trained += [False] * count
+                in_run += [True] * count
             else:
                 ids.append(token_id)
                 # Overlap, not containment: a first content token may carry the space before it.
                 trained.append(any(start < span.stop and end > span.start for span in spans))
-        for token_id, name in by_id.items():
-            if ids.count(token_id) != blocks[name]:
-                raise ValueError(f"the chat template did not render its {markers[name]} exactly "
-                                 "once")
-        block_end = max(index for index, token_id in enumerate(ids) if token_id in by_id) + 1
-        if block_end > seq_length:
-            raise ValueError(f"its encoder placeholders end at token {block_end}, past "
-                             f"--seq-length {seq_length}; shorten the text before them")
-        kept = ids[:seq_length]
+                in_run.append(False)
+        for name, left in pending.items():
+            if left:
+                raise ValueError(f"the chat template dropped {len(left)} of its "
+                                 f"{markers[name]} markers")
+        return self._fit(ids, trained, in_run, seq_length)
+
+    def _fit(self, ids: list[int], trained: list[bool], in_run: list[bool],
+             seq_length: int) -> EncodedText:
+        """``ids`` in ``seq_length`` positions: every placeholder run kept whole, text kept from
+        the start until the row is full; a position whose next kept token did not follow it in
+        ``ids`` trains nothing."""
+        room = seq_length - sum(in_run)
+        if room < 0:
+            raise ValueError(f"its {sum(in_run)} placeholder positions do not fit in "
+                             f"--seq-length {seq_length}; raise --seq-length or give it fewer or "
+                             "smaller items")
+        kept: list[int] = []
+        for index, run in enumerate(in_run):
+            if run or room > 0:
+                kept.append(index)
+                room -= not run
         tokens = torch.full((seq_length,), self.pad_id, dtype=torch.int64)
-        tokens[: len(kept)] = torch.tensor(kept, dtype=torch.int64)
+        tokens[: len(kept)] = torch.tensor([ids[i] for i in kept], dtype=torch.int64)
         labels = torch.full_like(tokens, self.pad_id)
         labels[:-1] = tokens[1:]
         loss_mask = torch.zeros(seq_length, dtype=torch.float32)
-        loss_mask[: len(kept) - 1] = torch.tensor(trained[1: len(kept)], dtype=torch.float32)
+        for position, (here, following) in enumerate(zip(kept, kept[1:])):
+            loss_mask[position] = float(following == here + 1 and trained[following])
         return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
                            position_ids=torch.arange(seq_length, dtype=torch.int64),
-                           truncated=len(ids) > seq_length, length=len(kept))
+                           truncated=len(kept) < len(ids), length=len(kept))

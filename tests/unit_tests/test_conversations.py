@@ -4,6 +4,7 @@ errors, and ``make_energon_dataset --kind conversation`` with each record it ref
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -16,7 +17,7 @@ from PIL import Image
 
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
 from megatron_plugins.data.media import BadSampleError, encode_png
-from megatron_plugins.data.samples import ConversationSample
+from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
 from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
                                         read_chat_template)
 from megatron_plugins.errors import FlagError
@@ -122,8 +123,13 @@ def test_a_long_conversation_is_cut_after_the_placeholders(tokenizer):
     assert cut.truncated
     assert cut.tokens.tolist() == full.tokens[: length - 3].tolist()
     assert cut.loss_mask[:-1].tolist() == full.loss_mask[: length - 4].tolist()
-    with pytest.raises(ValueError, match="past --seq-length 6"):
-        encode(tokenizer, seq_length=6)
+    # Text before the run that does not fit is cut around it: the run is kept whole at the end.
+    vision = tokenizer.placeholder_ids["vision"]
+    short = encode(tokenizer, seq_length=6)
+    assert short.truncated and short.tokens.tolist() == full.tokens[:3].tolist() + [vision] * RUN
+    assert short.loss_mask.sum() == 0
+    with pytest.raises(ValueError, match="3 placeholder positions do not fit in --seq-length 2"):
+        encode(tokenizer, seq_length=2)
 
 
 @pytest.mark.parametrize("turns, problem", [
@@ -143,7 +149,7 @@ def test_a_bad_sample_stops_naming_its_key(tokenizer):
     inputs = _TextInputs(tokenizer, {"vision": vision}, tuple(MARKERS.items()), 64)
     image = encode_png(np.zeros((8, 8, 3), dtype=np.uint8))
     sample = ConversationSample(__key__="k7", __restore_key__=(), __subflavors__={},
-                                image=image, conversation=json.dumps(
+                                images=[image], conversation=json.dumps(
                                     [{"role": "user", "content": "what"}]))
     with pytest.raises(BadSampleError, match="sample 'k7': field 'conversation' .*no assistant"):
         inputs(sample)
@@ -215,40 +221,89 @@ def llava(tmp_path: Path) -> Path:
     return source
 
 
-def test_llava_json_converts_to_role_content_turns(tmp_path: Path, llava: Path) -> None:
+def _load_all(path: Path) -> dict:
     from tests.unit_tests.test_energon_dataset_tool import load_split
 
+    return {s.__key__: s for split in ("train", "val", "test") for s in load_split(path, split)}
+
+
+def test_llava_json_with_several_text_only_and_varied_images_converts(tmp_path: Path,
+                                                                      llava: Path) -> None:
     records = [_llava(i) for i in range(10)]
+    records[1]["image"] = ["img1.png", "img7.jpg", "img2.png"]  # markers in two turns
+    records[1]["conversations"][0]["value"] = "<image>\n<image>\nwhich is red"
+    records[1]["conversations"][2]["value"] = "and this <image>"
+    records[2] = {"id": "r2", "conversations": [{"from": "human", "value": "two plus two"},
+                                                {"from": "gpt", "value": "four"}]}
     records[3]["image"] = [records[3]["image"]]  # a one-element list is one image
     records[4]["conversations"].insert(0, {"from": "system", "value": "be brief"})
+    records[5]["image"] = ["img5.png", "img6.png"]  # no marker: both open the first human turn
+    records[5]["conversations"][0]["value"] = "what colors are they"
+    _image(llava / "img7.jpg", (40, 12))
     (llava / "llava.json").write_text(json.dumps(records))
-    path = make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "energon",
-                        split=(80, 10, 10))
-    samples = {s.__key__: s for split in ("train", "val", "test") for s in load_split(path, split)}
+    samples = _load_all(make_dataset(llava, llava / "llava.json", "conversation",
+                                     tmp_path / "energon", split=(80, 10, 10)))
     assert sorted(samples) == sorted(f"r{i}" for i in range(10))
-    sample = samples["r4"]
-    assert type(sample).__name__ == "ConversationSample"
-    assert sample.image == (llava / "img4.png").read_bytes()
-    assert SAMPLE_KINDS["ConversationSample"].text(sample) == Conversation((
+    kind = SAMPLE_KINDS["ConversationSample"]
+    assert type(samples["r4"]).__name__ == "ConversationSample"
+    assert samples["r4"].images == [(llava / "img4.png").read_bytes()]
+    assert kind.text(samples["r4"]) == Conversation((
         ("system", "be brief"), ("user", "<image>\nwhat color is it"), ("assistant", "red"),
         ("user", "and the shape"), ("assistant", "a square")))
+    assert samples["r1"].images == [(llava / name).read_bytes()
+                                    for name in ("img1.png", "img7.jpg", "img2.png")]
+    assert samples["r2"].images == [] and kind.text(samples["r2"]).turns[1] == ("assistant",
+                                                                               "four")
+    assert len(samples["r5"].images) == 2 and len(samples["r3"].images) == 1
+
+
+def test_sharegpt_text_only_records_convert(tmp_path: Path, llava: Path) -> None:
+    turns = [{"from": "system", "value": "be kind"}, {"from": "human", "value": "hi"},
+             {"from": "gpt", "value": "hello"}, {"from": "human", "value": "bye"},
+             {"from": "gpt", "value": "goodbye"}]
+    lines = "".join(json.dumps({"id": f"s{i}", "conversations": turns}) + "\n" for i in range(10))
+    (llava / "sharegpt.jsonl").write_text(lines)
+    samples = _load_all(make_dataset(llava, llava / "sharegpt.jsonl", "conversation",
+                                     tmp_path / "energon", split=(80, 10, 10)))
+    assert sorted(samples) == [f"s{i}" for i in range(10)]
+    assert all(sample.images == [] for sample in samples.values())
+    assert SAMPLE_KINDS["ConversationSample"].text(samples["s3"]).turns[-1] == ("assistant",
+                                                                                "goodbye")
+
+
+def test_datasets_written_with_one_image_part_stay_readable() -> None:
+    load_conversation = LOADERS["conversation"]
+    turns = json.dumps([{"role": "user", "content": "hi"}]).encode()
+    assert load_conversation({"__key__": "k", "png": b"P", "json": turns}) == dict(
+        images=[b"P"], conversation=turns.decode())
+    assert conversation_parts("png") and conversation_parts("12.jpg")
+    assert not conversation_parts("1.wav") and not conversation_parts("x.png")
+    with pytest.raises(BadSampleError, match=r"sample 'k': field 'images' has image parts "
+                                             r"numbered \[0, 2\]; they must run 0..N-1"):
+        load_conversation({"__key__": "k", "0.png": b"P", "2.png": b"Q", "json": turns})
 
 
 REFUSED = [
-    (dict(image=["img0.png", "img1.png"]), "2 images; the fixed-count pipeline"),
-    (dict(image=None, conversations=[{"from": "human", "value": "hi"},
-                                     {"from": "gpt", "value": "hello"}]),
-     "no image (text-only); the fixed-count pipeline"),
-    ({"image": ""}, "1 <image> marker but no image"),
+    (dict(image=["img0.png", "img1.png"]), "1 <image> marker for 2 images; give one marker per "
+                                           "image"),
+    ({"image": ""}, "'image' is not a file path"),
+    (dict(image=["img0.png", 3]), "'image[1]' is not a file path"),
     (dict(conversations=[{"from": "human", "value": "<image> <image> what"},
-                         {"from": "gpt", "value": "red"}]), "2 <image> markers for one image"),
+                         {"from": "gpt", "value": "red"}]), "2 <image> markers for 1 image"),
     (dict(image=None, conversations=[{"from": "human", "value": "<image> what"},
                                      {"from": "gpt", "value": "red"}]),
-     "1 <image> marker but no image"),
+     "1 <image> marker for 0 images"),
     (dict(conversations=[{"from": "human", "value": "<image> what"}]), "no assistant ('gpt') turn"),
+    (dict(image=None, conversations=[{"from": "human", "value": "hi"}]),
+     "no assistant ('gpt') turn"),
+    (dict(conversations=[{"from": "system", "value": "x"}, {"from": "gpt", "value": "red"}]),
+     "no <image> marker and no 'human' turn"),
     (dict(conversations=[{"from": "robot", "value": "beep"}]), "conversations[0] is not"),
     (dict(conversations=[]), "no 'conversations' list"),
     (dict(image="missing.png"), "image file"),
+    (dict(image=["img0.png", "missing.png"], conversations=[
+        {"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "red"}]),
+     "missing.png does not exist"),
     (dict(id="a/b"), "key 'a/b'"),
 ]
 
@@ -265,6 +320,7 @@ def test_records_that_cannot_train_yet_are_refused_in_one_line(
     err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
                                          str(llava / "llava.jsonl"), "--kind", "conversation"])
     assert "llava.jsonl line 7" in err and problem in err, err
+    assert "(id 'r6')" in err or "key 'a/b'" in err
 
 
 def test_an_image_that_does_not_decode_is_refused(capsys, tmp_path: Path, llava: Path) -> None:
@@ -275,7 +331,7 @@ def test_an_image_that_does_not_decode_is_refused(capsys, tmp_path: Path, llava:
     err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
                                          str(llava / "llava.json"), "--kind", "conversation",
                                          "--split", "80,10,10"])
-    assert "llava.json record 2" in err and "does not decode as image" in err
+    assert "llava.json record 2 (id 'r2')" in err and "img2.png does not decode as image" in err
 
 
 def test_conversations_cannot_come_as_csv(capsys, tmp_path: Path, llava: Path) -> None:
@@ -285,3 +341,184 @@ def test_conversations_cannot_come_as_csv(capsys, tmp_path: Path, llava: Path) -
     err = run_failing(capsys, tmp_path, ["--input", str(llava), "--annotations",
                                          str(llava / "a.csv"), "--kind", "conversation"])
     assert "must end in .jsonl or .json" in err
+
+
+# 0..N images per conversation through the Energon inputs, with a native-resolution vit
+
+SIZES = ((16, 16), (16, 40), (33, 20))
+"""Image sizes (height, width): 4, 10 and 8 patches of 8 pixels at native resolution."""
+
+
+def _native_vit(*flags: str):
+    import argparse
+
+    from megatron_plugins.encoders.vit import ViTEncoder
+    from megatron_plugins.layout import ModulePlacement
+
+    parser = argparse.ArgumentParser()
+    ViTEncoder.add_arguments(parser)
+    args = parser.parse_args(["--vit-native-resolution", "--vit-min-pixels", "64", *flags])
+    grid = ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit")
+    return ViTEncoder("vision", args, grid)
+
+
+def _sample(key: str, sizes, turns) -> ConversationSample:
+    return ConversationSample(
+        __key__=key, __restore_key__=(), __subflavors__={},
+        images=[encode_png(np.full((h, w, 3), 60, dtype=np.uint8)) for h, w in sizes],
+        conversation=json.dumps([{"role": role, "content": content} for role, content in turns]))
+
+
+MULTI = (("user", "<image> and <image>\nwhich is red"), ("assistant", "the cat is red"),
+         ("user", "and this <image>"), ("assistant", "a mat"))
+
+
+def _runs(tokens: torch.Tensor, placeholder: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of ``placeholder`` in ``tokens``."""
+    runs, flags = [], (tokens == placeholder).tolist() + [False]
+    for index, flag in enumerate(flags[:-1]):
+        if flag and (index == 0 or not flags[index - 1]):
+            runs.append([index, 0])
+        if flag:
+            runs[-1][1] += 1
+    return [tuple(run) for run in runs]
+
+
+def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
+    from megatron_plugins.data.energon import _EncoderInputs
+
+    vit = _native_vit()
+    sample = _sample("m1", SIZES, MULTI)
+    fields, counts, cut = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                      96)(sample)
+    assert counts == {"vision": (4, 10, 8)} and not cut
+    vision = tokenizer.placeholder_ids["vision"]
+    runs = _runs(fields["tokens"], vision)
+    assert [length for _, length in runs] == [4, 10, 8]
+    tokens = fields["tokens"].tolist()
+    # Runs one and two sit in the first user turn around " and", run three in the second.
+    between = tokenizer._hf.decode(tokens[runs[0][0] + 4: runs[1][0]])
+    assert between.strip() == "and"
+    assert tokenizer._hf.decode(tokens[runs[1][0] + 10: runs[2][0]]).count("the cat is red") == 1
+    assert tokenizer._hf.decode(fields["labels"][fields["loss_mask"] == 1]) == \
+        "the cat is red<eos> a mat<eos>"
+    items, encoder_counts, _ = _EncoderInputs(vit, vit.preprocessor())(sample)
+    assert encoder_counts == (4, 10, 8)
+    assert [item["patches"].shape[0] for item in items] == [4, 10, 8]
+
+
+def test_without_markers_every_image_opens_the_first_user_turn(tokenizer):
+    vit = _native_vit()
+    turns = (("system", "a cat"), ("user", "what colors"), ("assistant", "red"))
+    fields, counts, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                    96)(_sample("m2", SIZES[:2], turns))
+    vision = tokenizer.placeholder_ids["vision"]
+    runs = _runs(fields["tokens"], vision)
+    assert [length for _, length in runs] == [4, 10]
+    user = _ids(tokenizer, "\nuser : ")
+    tokens = fields["tokens"].tolist()
+    assert tokens[runs[0][0] - len(user): runs[0][0]] == user
+
+
+def test_a_text_only_conversation_has_no_items_on_either_side(tokenizer):
+    from megatron_plugins.data.energon import _EncoderInputs
+
+    vit = _native_vit()
+    sample = _sample("t1", (), (("user", "two plus two"), ("assistant", "four")))
+    fields, counts, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                    32)(sample)
+    assert counts == {"vision": ()}
+    assert not (fields["tokens"] == tokenizer.placeholder_ids["vision"]).any()
+    assert fields["loss_mask"].sum() > 0
+    assert _EncoderInputs(vit, vit.preprocessor())(sample) == ([], (), False)
+
+
+def test_runs_that_fill_the_row_keep_every_run_and_cut_the_text(tokenizer):
+    vit = _native_vit()
+    inputs = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)
+    full, _, _ = inputs(_sample("m3", SIZES, MULTI))
+    fields, _, cut = dataclasses.replace(inputs, seq_length=30)(_sample("m3", SIZES, MULTI))
+    vision = tokenizer.placeholder_ids["vision"]
+    tokens, whole = fields["tokens"], full["tokens"]
+    assert cut and int((tokens == vision).sum()) == 22  # all three runs, whole
+    # The text kept is the conversation's first 8 text tokens, in place around the runs.
+    assert tokens[tokens != vision].tolist() == whole[whole != vision][:8].tolist()
+    assert fields["loss_mask"].sum() == 0  # no answer token survives
+
+
+@pytest.mark.parametrize("sizes, turns, seq_length, problem", [
+    (SIZES, MULTI, 22, r"sample 'bad': field 'images' needs 23 positions for its placeholder "
+                       r"runs \(3 vision items \(4\+10\+8 tokens\)\) and a bos token, more than "
+                       r"--seq-length 22; raise --seq-length"),
+    (SIZES[:2], MULTI, 96, r"sample 'bad': field 'conversation' it holds 3 <image> markers for 2 "
+                           r"items"),
+    (SIZES, (("user", "<image> <image> <image>"),), 96,
+     r"sample 'bad': field 'conversation' it has no assistant turn"),
+])
+def test_samples_that_cannot_train_stop_naming_the_key(tokenizer, sizes, turns, seq_length,
+                                                       problem):
+    inputs = _TextInputs(tokenizer, {"vision": _native_vit()}, tuple(MARKERS.items()), seq_length)
+    with pytest.raises(BadSampleError, match=problem):
+        inputs(_sample("bad", sizes, turns))
+
+
+def test_an_image_below_the_towers_minimum_stops_every_rank_that_sees_it(tokenizer):
+    from megatron_plugins.data.energon import _EncoderInputs
+
+    vit = _native_vit()
+    sample = _sample("tiny", ((16, 16), (4, 30), (16, 16)), MULTI)
+    problem = (r"sample 'tiny': field 'images\[1\]' cannot be embedded by --encoder vision: image "
+               r"4x30 \(height x width\): its shorter side is below the patch size 8")
+    with pytest.raises(BadSampleError, match=problem):  # language ranks: from the header alone
+        _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
+    with pytest.raises(BadSampleError, match=problem):
+        _EncoderInputs(vit, vit.preprocessor())(sample)
+
+
+def test_shapes_are_static_only_for_one_fixed_item_per_encoder(tokenizer):
+    from megatron_plugins.data.energon import EnergonSource
+
+    fixed = _native_vit()
+    fixed.args.vit_native_resolution = False
+    source = EnergonSource(Path("x"), 0, 0, 64, 8, tokenizer, {"vision": fixed},
+                           SAMPLE_KINDS["CaptioningSample"])
+    assert source.static_shapes
+    assert not dataclasses.replace(source, kind=SAMPLE_KINDS["ConversationSample"]).static_shapes
+    assert not dataclasses.replace(source, kind=None).static_shapes  # a metadataset
+    assert not dataclasses.replace(source, plugins={"vision": _native_vit()}).static_shapes
+
+
+def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, llava,
+                                                                     tokenizer):
+    from megatron_plugins.data.addressing import RankSlice
+    from megatron_plugins.data.energon import EnergonSource
+    from megatron_plugins.data.streams import ITEM_TOKENS
+    from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+
+    images = [[f"img{i % 10}.png", f"img{(i + 3) % 10}.png"][: i % 3] for i in range(20)]
+    records = [_llava(i, image=names, conversations=[
+        {"from": "human", "value": "<image>" * len(names) + "what color"},
+        {"from": "gpt", "value": "red"}]) for i, names in enumerate(images)]
+    (llava / "llava.json").write_text(json.dumps(records))
+    path = make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "energon",
+                        split=(100, 0, 0))
+    vit = _native_vit()
+    source = EnergonSource(path, 0, 0, 96, 4, tokenizer, {"vision": vit},
+                           SAMPLE_KINDS["ConversationSample"])
+    layout = ParallelLayout((
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
+        ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=2)))
+    language = source.open("train", RankSlice.of(layout, LANGUAGE, 0, 2), 0, None)
+    encoders = [source.open("train", RankSlice.of(layout, "vision", r, 2), 0, None)
+                for r in range(2)]
+    seen = set()
+    for _ in range(6):
+        keys, text = next(language)
+        parts = [next(stream) for stream in encoders]
+        assert [k for part_keys, _ in parts for k in part_keys] == keys
+        counts = [c for _, batch in parts for c in batch[ITEM_TOKENS]["vision"]]
+        assert text[ITEM_TOKENS]["vision"] == counts
+        placeholder = source.special_token_ids["vision"]
+        assert (text["tokens"] == placeholder).sum(dim=1).tolist() == [sum(c) for c in counts]
+        seen.update(len(c) for c in counts)
+    assert seen == {0, 1, 2}

@@ -499,10 +499,15 @@ def _check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> 
         needed["val"] = "or set --eval-iters 0"
     for part, fix in needed.items():
         size = sizes.get(part, 0)
-        if size is not None and size < args.global_batch_size:
+        # A finite split is dealt out evenly to the loader workers: one must fill a batch.
+        workers = max(1, args.num_workers) if part == "val" else 1
+        if size is not None and -(-size // workers) < args.global_batch_size:
+            per = (f" in any of its {workers} loader workers' shares (--num-workers)"
+                   if workers > 1 else "")
             raise DataPathError(
                 f"{flag}: its {part} split holds {size} samples, fewer than one global batch "
-                f"(--global-batch-size {args.global_batch_size}); add samples to it {fix}")
+                f"(--global-batch-size {args.global_batch_size}){per}; add samples to it {fix}"
+                + (" or lower --num-workers" if workers > 1 else ""))
     return SAMPLE_KINDS[sample_type]
 
 

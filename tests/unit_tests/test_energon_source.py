@@ -76,11 +76,14 @@ def test_placeholders_are_special_tokens_of_the_real_tokenizer(root):
     ({"global_batch_size": 1000}, r"train split holds 270 samples, fewer than one global batch "
                                   r"\(--global-batch-size 1000\)"),
     ({"global_batch_size": 16}, r"val split holds 15 samples.*--eval-iters 0"),
+    ({"global_batch_size": 8, "num_workers": 3},
+     r"val split holds 15 samples, fewer than one global batch \(--global-batch-size 8\) in "
+     r"any of its 3 loader workers' shares \(--num-workers\).*or lower --num-workers"),
     ({"seq_length": 8}, r"--seq-length 8 leaves no room for text"),
     ({"rampup_batch_size": ["4", "4", "16"]}, r"--rampup-batch-size cannot be used"),
     ({"data_path": ["a", "b"]}, r"--data-path takes one Energon dataset"),
 ], ids=["missing-folder", "no-tokenizer", "missing-tokenizer", "train-too-small",
-        "val-too-small", "seq-too-short", "rampup", "two-paths"])
+        "val-too-small", "val-too-small-per-worker", "seq-too-short", "rampup", "two-paths"])
 def test_configuration_problems_are_one_line_errors(root, overrides, match):
     with pytest.raises(UsageError, match=match) as error:
         _source(root, **overrides)

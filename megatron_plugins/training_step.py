@@ -6,8 +6,9 @@ its samples' counts (how the bridge splits it over language replicas); language 
 and, on the last stage, return the summed token loss and the token count (with
 ``--pack-sequences`` a batch carries its row's THD segments as ``packing_kwargs``, read on every
 language stage). With ``--balance-encoder-work`` the first language stage first puts each balanced
-encoder's received rows in its samples' order. The loss is never divided here: the global token count divides the gradients once
-(see :mod:`megatron_plugins.grad_sync`) and the logged ``lm loss``.
+encoder's received rows in its samples' order. The loss is never divided here: the global token
+count divides the gradients once (see :mod:`megatron_plugins.grad_sync`) and the logged ``lm
+loss``.
 """
 
 from __future__ import annotations

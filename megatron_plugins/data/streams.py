@@ -31,8 +31,8 @@ from megatron_plugins.topology import HeteroTopology
 
 __all__ = [
     "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch", "MicrobatchStream", "POSITIONS",
-    "Packing", "RECEIVED_ORDER", "SPLITS", "TRUNCATED", "alignment_guard", "collate_items", "collate_text", "data_provider",
-    "data_state_path"
+    "Packing", "RECEIVED_ORDER", "SPLITS", "TRUNCATED", "alignment_guard", "collate_items",
+    "collate_text", "data_provider", "data_state_path"
 ]
 
 SPLITS = ("train", "valid", "test")

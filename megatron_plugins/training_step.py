@@ -5,8 +5,10 @@ the grid), each output checked against the token counts its items declared and l
 its samples' counts (how the bridge splits it over language replicas); language ranks feed text
 and, on the last stage, return the summed token loss and the token count (with
 ``--pack-sequences`` a batch carries its row's THD segments as ``packing_kwargs``, read on every
-language stage). The loss is never divided here: the global token count divides the gradients once
-(see :mod:`megatron_plugins.grad_sync`) and the logged ``lm loss``.
+language stage). With ``--balance-encoder-work`` the first language stage first puts each balanced
+encoder's received rows in its samples' order. The loss is never divided here: the global token
+count divides the gradients once (see :mod:`megatron_plugins.grad_sync`) and the logged ``lm
+loss``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from megatron.core.utils import unwrap_model
 
-from megatron_plugins.data.streams import ITEM_TOKENS
+from megatron_plugins.data.streams import ITEM_TOKENS, RECEIVED_ORDER
 from megatron_plugins.encoders import EncoderPluginError
 
 __all__ = ["forward_step"]
@@ -59,10 +62,26 @@ def _label_encoder_outputs(outputs: Mapping[str, torch.Tensor],
         setattr(output, SPLIT_SIZES, per_sample)
 
 
+def _in_sample_order(model: torch.nn.Module, orders: Mapping[str, torch.Tensor]) -> None:
+    """Reorder the encoder outputs the schedule handed the first language stage (rows in the
+    fan-in group's replica order) into the batch's sample order. The gradient flows back through
+    the index in received order, as the bridge splits it per replica (Gap 15)."""
+    mimo = unwrap_model(model)
+    received = getattr(mimo, "input_tensors", None)
+    if not isinstance(received, dict):
+        return  # a later pipeline stage: it receives hidden states, not encoder outputs
+    mimo.input_tensors = {
+        name: (tensor.index_select(0, orders[name]) if name in orders and tensor is not None
+               else tensor)
+        for name, tensor in received.items()}
+
+
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
                  ) -> tuple[Any, Callable]:
     """One microbatch through this rank's part of the MiMo model."""
     batch = _to_device(next(data_iterator))
+    if RECEIVED_ORDER in batch:
+        _in_sample_order(model, batch[RECEIVED_ORDER])
     output, loss_mask = model(
         input_ids=batch.get("tokens"),
         position_ids=batch.get("position_ids"),

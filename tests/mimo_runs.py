@@ -42,10 +42,11 @@ def _misalign_encoder_batches() -> None:
 
     def reversed_next(self):
         keys, batch = next(self._source)
+        positions = batch.pop(streams.POSITIONS)
         counts = {name: per_sample[::-1]
                   for name, per_sample in batch[streams.ITEM_TOKENS].items()}
         if self._guard is not None:
-            self._guard.record(keys[::-1], counts)
+            self._guard.record(keys[::-1], positions, counts)
         return batch
 
     streams.MicrobatchStream.__next__ = reversed_next
@@ -71,14 +72,16 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
             _misalign_encoder_batches()
         if observe_keys:
             keys = result.setdefault("keys", [])
+            held = result.setdefault("positions", [])
             item_tokens = result.setdefault("item_tokens", [])
             record = session.guard.record
 
-            def recording(batch_keys, counts):
+            def recording(batch_keys, positions, counts):
                 keys.append(list(batch_keys))
+                held.append(list(positions))
                 item_tokens.append({name: [list(c) for c in per_sample]
                                     for name, per_sample in counts.items()})
-                record(batch_keys, counts)
+                record(batch_keys, positions, counts)
 
             session.guard.record = recording
 

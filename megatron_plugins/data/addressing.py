@@ -5,7 +5,9 @@ Every data source reads one global sample stream, identical on every rank. Globa
 a module whose replicas hold ``b`` samples each takes positions ``r*b .. r*b + b - 1``. That is
 the order Megatron's bridge communicator concatenates encoder DP replicas in and splits them over
 language DP replicas, for encoder DP equal to, larger or smaller than language DP, so the samples
-an encoder replica embeds are by construction those of the language positions it fills.
+an encoder replica embeds are by construction those of the language positions it fills. With
+``--balance-encoder-work`` the replicas of an encoder that fill one language replica share its
+positions by work instead (:mod:`.balance`), and :meth:`RankSlice.held_positions` says which.
 
 :class:`AlignmentGuard` checks it anyway, at no extra collective: each step, every module's
 witness rank (tensor rank 0 of the first pipeline stage) turns the keys of the samples it held,
@@ -18,12 +20,13 @@ language replica lays them out (a wrong size, a lost item) fails it as a wrong k
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_plugins.data.balance import assign_samples, balanced_encoders
 from megatron_plugins.layout import LANGUAGE, ParallelLayout, encoder_micro_batch_size
 
 __all__ = ["AlignmentGuard", "DataMisalignmentError", "RankSlice"]
@@ -43,20 +46,36 @@ class RankSlice:
     """Samples one language DP replica holds per microbatch (``--micro-batch-size``)."""
     global_batch: int
     """Samples per global microbatch, ``micro_batch_size x language dp``."""
+    balance_replicas: int = 1
+    """Replicas sharing this replica's language positions by work (``--balance-encoder-work``
+    on an encoder with more DP replicas than the language); 1: the fixed slice."""
 
     @classmethod
     def of(cls, layout: ParallelLayout, module: str, dp_rank: int,
-           micro_batch_size: int) -> RankSlice:
-        """The slice of DP replica ``dp_rank`` of ``module``."""
+           micro_batch_size: int, balance: bool = False) -> RankSlice:
+        """The slice of DP replica ``dp_rank`` of ``module``; with ``balance``, balanced within
+        its fan-in group where the module has one."""
         batch = (micro_batch_size if module == LANGUAGE
                  else encoder_micro_batch_size(layout, module, micro_batch_size))
+        replicas = balanced_encoders(layout).get(module, 1) if balance else 1
         return cls(module, dp_rank, batch, micro_batch_size,
-                   micro_batch_size * layout.language.dp)
+                   micro_batch_size * layout.language.dp, replicas)
 
     @property
     def positions(self) -> range:
         """Positions within a global microbatch, in the order the bridge sends them."""
         return range(self.dp_rank * self.batch, (self.dp_rank + 1) * self.batch)
+
+    def held_positions(self, item_tokens: Callable[[int], Sequence[int]]) -> list[int]:
+        """The positions this replica holds in a global microbatch, in the order it sends them:
+        its fixed slice, or (balanced) the samples :func:`.balance.assign_samples` gives it from
+        its fan-in group, whose item token counts ``item_tokens(position)`` reads."""
+        if self.balance_replicas == 1:
+            return list(self.positions)
+        first = self.dp_rank // self.balance_replicas * self.language_batch
+        group = [item_tokens(first + index) for index in range(self.language_batch)]
+        mine = assign_samples(group, self.balance_replicas)[self.dp_rank % self.balance_replicas]
+        return [first + index for index in mine]
 
     def language_replica(self, position: int) -> int:
         """The language DP replica that holds ``position``."""
@@ -101,15 +120,18 @@ class AlignmentGuard:
         """Entries this guard adds to the all-reduce: one per (encoder, language replica)."""
         return len(self._encoders) * self._language_dp
 
-    def record(self, keys: Sequence[str],
+    def record(self, keys: Sequence[str], positions: Sequence[int],
                item_tokens: Mapping[str, Sequence[tuple[int, ...]]]) -> None:
-        """The keys of one training microbatch, in this rank's position order, and per encoder
-        (this rank's, or every encoder on language ranks) each sample's item token counts."""
+        """The keys of one training microbatch and the positions they hold (in the batch's
+        order), and per encoder (this rank's, or every encoder on language ranks) each sample's
+        item token counts."""
+        if len(positions) != len(keys):
+            raise ValueError(f"{len(keys)} keys recorded at {len(positions)} positions")
         if self._witness:
             self._held += [
                 (self._microbatch, position, key,
                  {name: tuple(counts[index]) for name, counts in item_tokens.items()})
-                for index, (position, key) in enumerate(zip(self._slice.positions, keys))]
+                for index, (position, key) in enumerate(zip(positions, keys))]
         self._microbatch += 1
 
     def contribution(self) -> torch.Tensor:

@@ -45,6 +45,7 @@ from megatron_plugins.data.media import (
     probe_size,
 )
 from megatron_plugins.data.streams import (
+    POSITIONS,
     TRUNCATED,
     Microbatch,
     collate_items,
@@ -179,6 +180,15 @@ def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: 
                                          f"{error}") from None
 
 
+def _header_item_tokens(plugin: EncoderPlugin, sample: Any) -> tuple[int, ...]:
+    """One encoder's item token counts of a sample, from its media parts' headers (never
+    decoded)."""
+    media = plugin.preprocessor().media
+    return tuple(_item_tokens(plugin, probe_size(media, data, sample.__key__, field),
+                              sample.__key__, field)
+                 for field, data in _sample_kind(sample).items(sample, media))
+
+
 @dataclasses.dataclass(frozen=True)
 class _TextInputs:
     """Language ranks: a sample's text, tokenized and laid out after the encoders' placeholder
@@ -191,15 +201,7 @@ class _TextInputs:
 
     def item_tokens(self, sample: Any) -> dict[str, tuple[int, ...]]:
         """Each encoder's item token counts, from the media parts' headers (never decoded)."""
-        kind = _sample_kind(sample)
-        counts = {}
-        for name, plugin in self.plugins.items():
-            media = plugin.preprocessor().media
-            counts[name] = tuple(
-                _item_tokens(plugin, probe_size(media, data, sample.__key__, field),
-                             sample.__key__, field)
-                for field, data in kind.items(sample, media))
-        return counts
+        return {name: _header_item_tokens(plugin, sample) for name, plugin in self.plugins.items()}
 
     def _check_room(self, sample: Any, counts: dict[str, tuple[int, ...]]) -> None:
         """The placeholder runs are never cut, so runs that alone overflow the row stop the run
@@ -275,7 +277,10 @@ class RankSliceEncoder(DefaultTaskEncoder):
     def encode_batch(self, samples: list) -> list[Microbatch]:
         microbatches = []
         for first in range(0, len(samples), self._slice.global_batch):
-            mine = [samples[first + position] for position in self._slice.positions]
+            positions = self._slice.held_positions(
+                lambda position, first=first: _header_item_tokens(
+                    self._inputs.plugin, samples[first + position]))
+            mine = [samples[first + position] for position in positions]
             prepared = [self._inputs(sample) for sample in mine]
             inputs = [fields for fields, _, _ in prepared]
             counts = [count for _, count, _ in prepared]
@@ -284,6 +289,7 @@ class RankSliceEncoder(DefaultTaskEncoder):
                                       counts)
             else:
                 batch = collate_text(inputs, counts)
+            batch[POSITIONS] = positions
             truncated = [s.__key__ for s, (_, _, cut) in zip(mine, prepared) if cut]
             if truncated:
                 batch[TRUNCATED] = truncated

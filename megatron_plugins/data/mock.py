@@ -24,7 +24,7 @@ import torch
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.mock_media import MOCK_KINDS, NUM_CLASSES, mock_media, mock_size
 from megatron_plugins.data.streams import (
-    LENGTH, SPLITS, Microbatch, collate_items, collate_text
+    LENGTH, POSITIONS, SPLITS, Microbatch, collate_items, collate_text
 )
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
@@ -169,15 +169,18 @@ class MockSource:
         preprocess = None if module == LANGUAGE else self.plugins[module].preprocessor()
         first = start
         while True:
-            indices = [first + position for position in rank_slice.positions]
+            positions = rank_slice.held_positions(
+                lambda position, first=first: self.item_tokens(split, first + position)[module])
+            indices = [first + position for position in positions]
             first += rank_slice.global_batch
             keys = [f"{split}/{index}" for index in indices]
             if preprocess is None:
-                yield keys, collate_text([self.text(split, index) for index in indices],
-                                         [self.item_tokens(split, index) for index in indices])
+                batch = collate_text([self.text(split, index) for index in indices],
+                                     [self.item_tokens(split, index) for index in indices])
             else:
-                yield keys, collate_items(
+                batch = collate_items(
                     module, preprocess,
                     [[preprocess(item) for item in self.media(module, split, index)]
                      for index in indices],
                     [self.item_tokens(split, index)[module] for index in indices])
+            yield keys, {**batch, POSITIONS: positions}

@@ -27,6 +27,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Mock data only: each sample holds MIN to MAX items (images, clips) "
                             "per encoder, drawn uniformly (0: a text-only sample for that "
                             "encoder); one number N for exactly N. Default 0:2.")
+    group.add_argument("--balance-encoder-work", action="store_true",
+                       help="Where an encoder has more DP replicas than the language model, let "
+                            "the replicas that fill one language replica share its samples by "
+                            "work (sum over items of tokens^2 + tokens, largest first onto the "
+                            "least-loaded replica) instead of in fixed slices; the language puts "
+                            "the received rows back in sample order. Encoders with as many DP "
+                            "replicas as the language or fewer have nothing to balance.")
     group.add_argument("--pack-sequences", action="store_true",
                        help="Pack each language microbatch's --micro-batch-size samples into "
                             "one --seq-length row, end to end, each with its own positions and "

@@ -7,13 +7,15 @@ encoder; every batch carries each sample's item token counts (:data:`ITEM_TOKENS
 language ranks read from the samples' metadata and the encoder ranks from the items they embed.
 :class:`MicrobatchStream` hands batches to the forward step, reports the keys and counts of
 training microbatches to the :class:`~megatron_plugins.data.addressing.AlignmentGuard`, and saves
-the source's position into checkpoints.
+the source's position into checkpoints. With ``--balance-encoder-work`` a language stream also
+tells the forward step how to put each balanced encoder's received rows in sample order
+(:data:`RECEIVED_ORDER`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -21,15 +23,16 @@ from typing import Any, Callable, Protocol
 import torch
 
 from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
+from megatron_plugins.data.balance import balanced_encoders, received_order
 from megatron_plugins.data.packing import pack_row, padding_share
 from megatron_plugins.encoders.base import MediaPreprocessor
 from megatron_plugins.layout import LANGUAGE
 from megatron_plugins.topology import HeteroTopology
 
 __all__ = [
-    "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch", "MicrobatchStream", "Packing",
-    "SPLITS", "TRUNCATED", "alignment_guard", "collate_items", "collate_text", "data_provider",
-    "data_state_path"
+    "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch", "MicrobatchStream", "POSITIONS",
+    "Packing", "RECEIVED_ORDER", "SPLITS", "TRUNCATED", "alignment_guard", "collate_items",
+    "collate_text", "data_provider", "data_state_path"
 ]
 
 SPLITS = ("train", "valid", "test")
@@ -40,6 +43,15 @@ Microbatch = tuple[list[str], dict[str, Any]]
 ITEM_TOKENS = "item_tokens"
 """Batch entry: per encoder (every encoder on language ranks, its own on encoder ranks), each
 sample's item token counts, a tuple per sample (empty for a sample without such items)."""
+
+POSITIONS = "positions"
+"""Batch entry (set by every source, read by the stream): the positions of the global microbatch
+the batch's samples hold, in the batch's order."""
+
+RECEIVED_ORDER = "received_order"
+"""Batch entry (language ranks, ``--balance-encoder-work``): per balanced encoder, a ``long``
+tensor indexing the rows received from its fan-in group into this batch's sample order
+(:func:`.balance.received_order`)."""
 
 TRUNCATED = "truncated_keys"
 """Batch entry (language ranks) naming samples whose text was cut to ``--seq-length``."""
@@ -132,14 +144,17 @@ class _PaddingTally:
 
 class MicrobatchStream(Iterator[dict[str, Any]]):
     """One split's batches on this rank, as stock ``pretrain()`` iterates them; with
-    ``packing`` a language microbatch's samples become one row (:func:`.packing.pack_row`)."""
+    ``packing`` a language microbatch's samples become one row (:func:`.packing.pack_row`);
+    ``balanced`` (language ranks) names each balanced encoder's fan-in replicas."""
 
     def __init__(self, source: Iterator[Microbatch], rank_slice: RankSlice,
                  guard: AlignmentGuard | None, writes_state: bool,
-                 packing: Packing | None = None, tally: _PaddingTally | None = None) -> None:
+                 packing: Packing | None = None, tally: _PaddingTally | None = None,
+                 balanced: Mapping[str, int] | None = None) -> None:
         self._source = source
         self._slice = rank_slice
         self._guard = guard
+        self._balanced = dict(balanced or {})
         self._writes_state = writes_state
         self._packing = packing
         self._tally = tally
@@ -148,8 +163,14 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
 
     def __next__(self) -> dict[str, Any]:
         keys, batch = next(self._source)
+        positions = batch.pop(POSITIONS)
         if self._guard is not None:
-            self._guard.record(keys, batch[ITEM_TOKENS])
+            self._guard.record(keys, positions, batch[ITEM_TOKENS])
+        if self._balanced:
+            batch[RECEIVED_ORDER] = {
+                name: torch.tensor(received_order(batch[ITEM_TOKENS][name], replicas),
+                                   dtype=torch.long)
+                for name, replicas in self._balanced.items()}
         truncated = batch.pop(TRUNCATED, [])
         if truncated and self._writes_state and not self._noticed_truncation:
             self._noticed_truncation = True
@@ -189,11 +210,12 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
         torch.save(state(), path)
 
 
-def rank_slice(topology: HeteroTopology, micro_batch_size: int) -> RankSlice:
-    """This rank's slice of every global microbatch."""
+def rank_slice(topology: HeteroTopology, micro_batch_size: int,
+               balance: bool = False) -> RankSlice:
+    """This rank's slice of every global microbatch (``balance``: ``--balance-encoder-work``)."""
     [module] = topology.active_modules
     return RankSlice.of(topology.layout, module, topology.module_pgs[module].dp.rank(),
-                        micro_batch_size)
+                        micro_batch_size, balance)
 
 
 def is_witness(topology: HeteroTopology) -> bool:
@@ -231,7 +253,7 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
 
     def provider(train_valid_test_num_samples: Any, vp_stage: int | None = None) -> tuple:
         args = get_args()
-        this = rank_slice(topology, args.micro_batch_size)
+        this = rank_slice(topology, args.micro_batch_size, args.balance_encoder_work)
         resume = None
         if args.load and args.iteration:
             from megatron.training.checkpointing import get_checkpoint_name
@@ -239,6 +261,8 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
             resume = Path(get_checkpoint_name(args.load, args.iteration, return_base_dir=True))
         starts = (args.consumed_train_samples, args.consumed_valid_samples, 0)
         language = this.module == LANGUAGE
+        balanced = (balanced_encoders(topology.layout)
+                    if language and args.balance_encoder_work else {})
         packing = (Packing(frozenset(source.special_token_ids.values()))
                    if language and args.pack_sequences else None)
         streams = []
@@ -248,7 +272,8 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
                 opened, this, guard if split == "train" else None,
                 writes_state=is_witness(topology), packing=packing,
                 tally=_training_tally(args, this) if split == "train" and language
-                and this.dp_rank == 0 and is_witness(topology) else None))
+                and this.dp_rank == 0 and is_witness(topology) else None,
+                balanced=balanced))
         return tuple(streams)
 
     provider.is_distributed = True

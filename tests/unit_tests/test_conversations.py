@@ -488,11 +488,13 @@ def test_shapes_are_static_only_for_one_fixed_item_per_encoder(tokenizer):
     assert not dataclasses.replace(source, plugins={"vision": _native_vit()}).static_shapes
 
 
+@pytest.mark.parametrize("balance", [False, True], ids=["fixed", "balanced"])
 def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, llava,
-                                                                     tokenizer):
+                                                                     tokenizer, balance):
     from megatron_plugins.data.addressing import RankSlice
+    from megatron_plugins.data.balance import assign_samples
     from megatron_plugins.data.energon import EnergonSource
-    from megatron_plugins.data.streams import ITEM_TOKENS
+    from megatron_plugins.data.streams import ITEM_TOKENS, POSITIONS
     from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
 
     images = [[f"img{i % 10}.png", f"img{(i + 3) % 10}.png"][: i % 3] for i in range(20)]
@@ -509,16 +511,22 @@ def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, 
         ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
         ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=2)))
     language = source.open("train", RankSlice.of(layout, LANGUAGE, 0, 2), 0, None)
-    encoders = [source.open("train", RankSlice.of(layout, "vision", r, 2), 0, None)
+    encoders = [source.open("train", RankSlice.of(layout, "vision", r, 2, balance), 0, None)
                 for r in range(2)]
-    seen = set()
+    seen, moved = set(), False
     for _ in range(6):
         keys, text = next(language)
+        counts = text[ITEM_TOKENS]["vision"]
+        # Balanced: the vision replicas share the microbatch by work, as the headers say.
+        held = assign_samples(counts, 2) if balance else [[0], [1]]
+        moved |= held != [[0], [1]]
         parts = [next(stream) for stream in encoders]
-        assert [k for part_keys, _ in parts for k in part_keys] == keys
-        counts = [c for _, batch in parts for c in batch[ITEM_TOKENS]["vision"]]
-        assert text[ITEM_TOKENS]["vision"] == counts
+        assert [part_keys for part_keys, _ in parts] == [[keys[i] for i in h] for h in held]
+        assert [batch[POSITIONS] for _, batch in parts] == held
+        assert [batch[ITEM_TOKENS]["vision"] for _, batch in parts] == [
+            [counts[i] for i in h] for h in held]
         placeholder = source.special_token_ids["vision"]
         assert (text["tokens"] == placeholder).sum(dim=1).tolist() == [sum(c) for c in counts]
         seen.update(len(c) for c in counts)
     assert seen == {0, 1, 2}
+    assert moved == balance

@@ -160,9 +160,10 @@ def _guard_sums(layout: ParallelLayout, keys_of: dict[tuple[str, int], list[tupl
     guards = []
     total = None
     for (module, dp_rank), microbatches in keys_of.items():
-        guard = AlignmentGuard(layout, module, RankSlice.of(layout, module, dp_rank, 2), True)
+        this = RankSlice.of(layout, module, dp_rank, 2)
+        guard = AlignmentGuard(layout, module, this, True)
         for keys, counts in microbatches:
-            guard.record(keys, counts)
+            guard.record(keys, this.positions, counts)
         part = guard.contribution()
         total = part if total is None else total + part
         guards.append(guard)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megatron_plugins.data.packing import PackingError, pack_row
-from megatron_plugins.data.streams import LENGTH, MicrobatchStream, Packing, collate_text
+from megatron_plugins.data.streams import (
+    LENGTH, POSITIONS, MicrobatchStream, Packing, collate_text
+)
 from megatron_plugins.data.addressing import RankSlice
 
 SEQ = 12
@@ -84,7 +86,8 @@ def test_placeholder_runs_that_cannot_fit_name_the_samples_and_flags() -> None:
 def test_the_stream_packs_language_batches_into_one_row_without_a_mask() -> None:
     batch = collate_text([_sample([1, 2, 3], [1, 1, 0]), _sample([4, 5], [1, 0])],
                          [{"vision": ()}, {"vision": ()}])
-    stream = MicrobatchStream(iter([(["a", "b"], batch)]), RankSlice("language", 0, 2, 2, 2),
+    stream = MicrobatchStream(iter([(["a", "b"], {**batch, POSITIONS: [0, 1]})]),
+                              RankSlice("language", 0, 2, 2, 2),
                               None, writes_state=False, packing=Packing({IMAGE}))
     packed = next(stream)
     assert packed["tokens"].shape == (1, SEQ) and "attention_mask" not in packed

@@ -130,9 +130,9 @@ def test_language_pipeline_parallel_trains_identically_from_the_same_weights(tmp
     train_mimo(2, one, extra=("--train-iters", "2", "--eval-iters", "0", "--save", checkpoint,
                               "--save-interval", "2"))
     load = ("--load", checkpoint, "--finetune", "--no-load-optim", "--no-load-rng")
-    reference = train_mimo(2, one, extra=load, observe_params=True)
+    reference = train_mimo(2, one, extra=load, observe_params=True, observe_keys=True)
     pipelined = train_mimo(3, (*VISION, "vision:", "--grid", "language:pp=2", *untied),
-                           extra=load, observe_params=True)
+                           extra=load, observe_params=True, observe_keys=True)
     _assert_same_training(reference, pipelined, ("vision",))
 
 

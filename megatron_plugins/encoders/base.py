@@ -186,6 +186,13 @@ class EncoderPlugin(abc.ABC):
         sizes read from the sample's metadata, the encoder ranks must produce exactly that many."""
         return self.tokens_per_item
 
+    def item_grid(self, size: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """The ``(t, h, w)`` layout of an item's language tokens for multimodal RoPE
+        (``t * h * w == item_tokens(size)``), a pure function of the size like
+        :meth:`item_tokens`; None (the default) gives the item's tokens consecutive positions,
+        as text has."""
+        return None
+
     @property
     def fixed_item_tokens(self) -> bool:
         """Every item fills :attr:`tokens_per_item` positions, whatever its size; true unless

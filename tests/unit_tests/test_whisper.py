@@ -6,6 +6,7 @@ clips that cannot be used."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -136,6 +137,7 @@ def test_export_refuses_a_nonzero_key_bias():
 
 def test_missing_hf_tensor_is_one_line_naming_it(whisper, tmp_path):
     broken = drop_tensor(whisper, tmp_path / "broken", "model.encoder.layers.1.fc2.bias")
+    shutil.copy(whisper / "preprocessor_config.json", broken)
     [message] = run_in_processes(import_error, 1, args=(str(broken),), timeout=120,
                                  simulated=True)
     assert "\n" not in message

@@ -166,3 +166,37 @@ def test_errors_name_the_flag_file_and_sample_field(whisper, tmp_path):
                                                  r"model takes 100 \(config.json "
                                                  r"max_source_positions 50 x 2\)"):
         plugin(config)
+
+
+def test_trained_whisper_encoder_exports_what_it_streams_and_transformers_loads_it(tmp_path):
+    """Round trip through stock pretrain(): Whisper imported at encoder TP 2 behind a language
+    model, trained 2 steps, saved, exported; the key bias stayed zero (streaming refuses it
+    otherwise), the exported encoder folder holds exactly the live encoder's streamed tensors, and
+    transformers' WhisperEncoder loads it with no tensor missing or left over."""
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from tests import hf_models
+
+    language = hf_models.save_tiny("llama", tmp_path / "llama")
+    whisper = save_tiny(tmp_path / "whisper", seed=7)
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
+    encoder = ("--encoder", "audio=whisper", "--grid", "audio:tp=2",
+               "--encoder-hf-weights", f"audio={whisper}")
+    pieces, _ = hf_models.train_from_hf(
+        3, str(language), "language:", ("--seq-length", "64", "--mock-items-per-sample", "1",
+                                        "--train-iters", "2",
+                                        "--save", str(checkpoint), "--save-interval", "2"),
+        module="audio", encoder=encoder)
+    run_in_processes(hf_models.export_rank, 1,
+                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    exported = safetensors_of(out / "audio")
+    original = {n.removeprefix("model.encoder."): t for n, t in safetensors_of(whisper).items()
+                if n.startswith("model.encoder.")}
+    assert sorted(exported) == sorted(streamed) == sorted(original)
+    for name, tensor in streamed.items():
+        assert torch.equal(exported[name], tensor), name
+    trained = [n for n in original if not torch.equal(original[n], streamed[n])]
+    assert "layers.0.fc1.weight" in trained and "embed_positions.weight" not in trained
+    model, info = WhisperEncoder.from_pretrained(out / "audio", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -38,8 +36,8 @@ from megatron_plugins.encoders.base import (
     encoder_config,
     encoder_layer_spec,
 )
+from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
-from megatron_plugins.weights.flags import ENCODER_FLAG
 
 if TYPE_CHECKING:
     from megatron_plugins.data.media import Waveform
@@ -168,33 +166,14 @@ class WhisperEncoder(EncoderPlugin):
 
     def __init__(self, name: str, args: argparse.Namespace, grid: Any) -> None:
         super().__init__(name, args, grid)
-        folders = [value.partition("=")[2] for value in getattr(args, "encoder_hf_weights", None)
-                   or [] if value.partition("=")[0] == name]
-        if not folders or not folders[-1]:
-            raise EncoderPluginError(f"--encoder {name}={self.provider} needs {ENCODER_FLAG} "
-                                     f"{name}=DIR, a HF Whisper folder (its config.json shapes "
-                                     "the encoder)")
-        self.folder = Path(folders[-1])
-        self.where = f"{ENCODER_FLAG} {name}={self.folder}"
+        source = HFSource.of(name, self.provider, args, "a HF Whisper folder")
+        self.folder, self.where, self.source = source.folder, source.where, source
         self.hf_config = self._read_config()
         self._preprocessor = self._read_preprocessor()
 
-    def _read_json(self, filename: str) -> dict[str, Any] | None:
-        path = self.folder / filename
-        if not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise EncoderPluginError(f"{self.where}: {filename} is unreadable JSON "
-                                     f"({error})") from None
-
     def _read_config(self) -> Any:
         """transformers' ``WhisperConfig`` of the folder (its defaults fill missing fields)."""
-        from huggingface_hub.errors import StrictDataclassError
-        from transformers import AutoConfig
-
-        config = self._read_json("config.json")
+        config = self.source.read_json("config.json")
         if config is None:
             raise EncoderPluginError(f"{self.where}: no config.json; give a folder saved by "
                                      "save_pretrained")
@@ -203,12 +182,7 @@ class WhisperEncoder(EncoderPlugin):
                                      f"{config.get('model_type')!r} model, not "
                                      f"{WHISPER_MODEL_TYPE!r}; use the provider matching the model")
         fields = {key: value for key, value in config.items() if key != "model_type"}
-        try:
-            hf_config = AutoConfig.for_model(WHISPER_MODEL_TYPE, **fields)
-        except (TypeError, ValueError, StrictDataclassError) as error:
-            reason = " ".join(str(error).split())
-            raise EncoderPluginError(f"{self.where}: config.json rejected by transformers: "
-                                     f"{reason}") from None
+        hf_config = self.source.hf_config(WHISPER_MODEL_TYPE, fields)
         if hf_config.activation_function != "gelu":
             raise EncoderPluginError(f"{self.where}: activation_function "
                                      f"{hf_config.activation_function!r} is not supported; "
@@ -219,7 +193,7 @@ class WhisperEncoder(EncoderPlugin):
         """preprocessor_config.json's recipe (or the extractor's defaults); its chunk must make
         the frames the model takes."""
         where = f"{self.where}: preprocessor_config.json"
-        given = self._read_json("preprocessor_config.json") or {}
+        given = self.source.read_json("preprocessor_config.json") or {}
         config = {**EXTRACTOR_DEFAULTS, "feature_size": self.hf_config.num_mel_bins, **given}
         if config["dither"]:
             raise EncoderPluginError(f"{where} dither {config['dither']} is not supported (it "

@@ -115,7 +115,7 @@ def check_parser() -> argparse.ArgumentParser:
     stock.add_argument("--group-query-attention", action="store_true")
     stock.add_argument("--overlap-grad-reduce", action="store_true")
     stock.add_argument("--language-hf-weights")
-    # An HF encoder (clip, siglip) reads its head count from this folder's config.json.
+    # An HF encoder (clip, siglip, whisper) reads its head count from this folder's config.json.
     stock.add_argument("--encoder-hf-weights", action="append", default=[])
     return _raise_instead_of_exit(parser)
 

@@ -198,6 +198,13 @@ def _heads(args: Any) -> Heads:
                  args.kv_channels or args.hidden_size // args.num_attention_heads)
 
 
+def _encoder_heads(config: Mapping[str, Any]) -> Heads:
+    """HF encoders use plain multi-head attention; Whisper names its shape fields differently."""
+    heads = config.get("num_attention_heads", config.get("encoder_attention_heads"))
+    hidden = config.get("hidden_size", config.get("d_model"))
+    return Heads(heads, heads, hidden // heads)
+
+
 def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None = None,
            max_shard_size: int = 5 * 10**9, language_family: str | None = None,
            progress: bool = True) -> list[Path]:
@@ -217,9 +224,7 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
                   "not exported", file=sys.stderr)
         elif name in ckpt.modules:
             config = family.hf_config(args, None)
-            heads = config["num_attention_heads"]  # HF vision encoders: plain multi-head
-            pieces = hf_pieces(ckpt.tensors(name), family,
-                               Heads(heads, heads, config["hidden_size"] // heads), None,
+            pieces = hf_pieces(ckpt.tensors(name), family, _encoder_heads(config), None,
                                str(ckpt.folder))
             tensors = {**assemble(pieces), **untrained_tensors(family, args)}
             written += write_folder(tensors, out / name, max_shard_size, config, progress)

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,8 +38,8 @@ from megatron_plugins.encoders.base import (
     MediaPreprocessor,
     encoder_config,
 )
+from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
-from megatron_plugins.weights.flags import ENCODER_FLAG
 from megatron_plugins.weights.mapping import Family
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
 
@@ -140,32 +138,16 @@ class HFVisionEncoder(EncoderPlugin):
 
     def __init__(self, name: str, args: argparse.Namespace, grid: Any) -> None:
         super().__init__(name, args, grid)
-        folders = [value.partition("=")[2] for value in getattr(args, "encoder_hf_weights", None)
-                   or [] if value.partition("=")[0] == name]
-        if not folders or not folders[-1]:
-            raise EncoderPluginError(f"--encoder {name}={self.provider} needs {ENCODER_FLAG} "
-                                     f"{name}=DIR, a HF {self.model_type} folder (its "
-                                     "config.json shapes the encoder)")
-        self.folder = Path(folders[-1])
-        self.where = f"{ENCODER_FLAG} {name}={self.folder}"
+        source = HFSource.of(name, self.provider, args, f"a HF {self.model_type} folder")
+        self.folder, self.where, self.source = source.folder, source.where, source
         self.hf_config = self._read_config()
         self._preprocessor = self._read_preprocessor()
 
     def _read_json(self, filename: str) -> dict[str, Any] | None:
-        path = self.folder / filename
-        if not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise EncoderPluginError(f"{self.where}: {filename} is unreadable JSON "
-                                     f"({error})") from None
+        return self.source.read_json(filename)
 
     def _read_config(self) -> Any:
         """The HF vision config object (HF's own defaults fill fields the file leaves out)."""
-        from huggingface_hub.errors import StrictDataclassError
-        from transformers import AutoConfig
-
         config = self._read_json("config.json")
         if config is None:
             raise EncoderPluginError(f"{self.where}: no config.json; give a "
@@ -178,12 +160,7 @@ class HFVisionEncoder(EncoderPlugin):
                 f"{self.where}: config.json is a {model_type!r} model, not "
                 f"{self.model_type!r}; use the provider matching the model")
         fields = {key: value for key, value in vision.items() if key != "model_type"}
-        try:
-            hf_config = AutoConfig.for_model(self.model_type, **fields)
-        except (TypeError, ValueError, StrictDataclassError) as error:
-            reason = " ".join(str(error).split())
-            raise EncoderPluginError(f"{self.where}: config.json rejected by "
-                                     f"transformers: {reason}") from None
+        hf_config = self.source.hf_config(self.model_type, fields)
         act = hf_config.hidden_act
         if act not in ACTIVATIONS:
             raise EncoderPluginError(f"{self.where}: hidden_act {act!r} is "

@@ -45,8 +45,8 @@ def check_names(params: Sequence[LocalParam], checkpoint: HFCheckpoint, pg_colle
                 family: Family, where: str) -> None:
     """Missing HF tensors (named with the parameter needing them) and unused ones are errors."""
     available = checkpoint.names()
-    missing = {name: p.bound.megatron for p in params for name in p.bound.hf
-               if name not in available}
+    missing = {name: p.bound.megatron for p in params
+               for name in p.bound.rule.present_hf(p.bound.hf) if name not in available}
     if missing:
         first = sorted(missing)[0]
         raise HFWeightsError(f"{where}: missing HF tensors {names_text(missing)} (e.g. "
@@ -74,7 +74,13 @@ def read_local(p: LocalParam, checkpoint: HFCheckpoint, heads: Heads | None, whe
     """This rank's tensor for one parameter, from slices of the HF tensors."""
     rule = p.bound.rule
     parts = []
-    for name, dim, start, length in source_slices(p.bound, tuple(p.param.shape), p.tp_rank, heads):
+    slices = source_slices(p.bound, tuple(p.param.shape), p.tp_rank, heads)
+    for index, (name, dim, start, length) in enumerate(slices):
+        if index in rule.absent_zero:
+            shape = list(p.param.shape)
+            shape[dim] = length
+            parts.append(torch.zeros(shape, dtype=p.param.dtype))
+            continue
         if length < 0:
             parts.append(checkpoint.read(name, 0, 0, -1))
             continue
@@ -108,7 +114,7 @@ def read_local(p: LocalParam, checkpoint: HFCheckpoint, heads: Heads | None, whe
 def check_dtypes(p: LocalParam, checkpoint: HFCheckpoint, where: str) -> None:
     """Same dtype, or an exact widening to fp32; anything else would change the weights."""
     want = p.param.dtype
-    for name in p.bound.hf:
+    for name in p.bound.rule.present_hf(p.bound.hf):
         have = checkpoint.dtype(name)
         if have == want or (have, want) in WIDENING:
             continue

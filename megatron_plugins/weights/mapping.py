@@ -44,6 +44,10 @@ class Rule:
     leading_ones: int = 0
     """copy only: the Megatron tensor has this many extra leading size-1 dims (CLIP's class token
     is ``[1, 1, H]`` in Megatron, ``[H]`` in HF)."""
+    absent_zero: tuple[int, ...] = ()
+    """Positions in ``hf`` of tensors the HF model does not have, whose part of the Megatron
+    tensor is zeros (Whisper's key bias: Megatron's fused qkv bias has a k part, HF's k_proj no
+    bias): imported as zeros, left out on export, which refuses them if they are no longer zero."""
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
@@ -52,6 +56,13 @@ class Rule:
         arity = {"copy": 1, "qkv": 3, "gate_up": 2}[self.combine]
         if len(self.hf) != arity:
             raise ValueError(f"Rule {self.megatron}: {self.combine} takes {arity} HF tensors")
+        if any(not 0 <= i < arity for i in self.absent_zero) or (
+                self.absent_zero and self.tp_dim is None):
+            raise ValueError(f"Rule {self.megatron}: absent_zero needs tp_dim and positions in hf")
+
+    def present_hf(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """``names`` (this rule's HF names, bound) without the absent ones."""
+        return tuple(name for i, name in enumerate(names) if i not in self.absent_zero)
 
     @property
     def is_expert(self) -> bool:

@@ -19,7 +19,7 @@ from math import prod
 import torch
 
 from megatron_plugins.weights.local_view import LocalParam, heads_of, local_params, unwrap
-from megatron_plugins.weights.mapping import Family, Heads
+from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.slicing import split
 
 __all__ = ["AssembleError", "WeightPiece", "assemble", "iter_hf_weights", "pieces_of"]
@@ -51,7 +51,10 @@ def pieces_of(p: LocalParam, tensor: torch.Tensor, heads: Heads | None,
     rule = p.bound.rule
     if rule.tp_dim is None and p.tp_rank != 0:
         return
-    for piece in split(p.bound, tensor, p.tp_rank, heads):
+    for index, piece in enumerate(split(p.bound, tensor, p.tp_rank, heads)):
+        if index in rule.absent_zero:
+            _check_zero(p, piece.hf_name, piece.tensor)
+            continue
         shape = list(piece.tensor.shape)
         data = piece.tensor
         if rule.tp_dim is not None:
@@ -66,6 +69,15 @@ def pieces_of(p: LocalParam, tensor: torch.Tensor, heads: Heads | None,
         if rule.tp_dim is not None:
             offsets[piece.dim] = piece.start
         yield WeightPiece(piece.hf_name, data, tuple(shape), tuple(offsets))
+
+
+def _check_zero(p: LocalParam, hf_name: str, part: torch.Tensor) -> None:
+    """A part the HF model has no tensor for is dropped only while it is zero, as imported."""
+    if torch.count_nonzero(part):
+        raise HFWeightsError(
+            f"{p.bound.megatron}: its {hf_name} part is nonzero (max |x| "
+            f"{part.abs().max().item():.3g}) but the HF model has no {hf_name}, so the export "
+            "would change the model; keep that part zero (it has no effect on the output)")
 
 
 def _tied_copy(module: torch.nn.Module) -> torch.Tensor | None:

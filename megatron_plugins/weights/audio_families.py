@@ -1,0 +1,108 @@
+"""Audio-encoder families: the HF Whisper encoder <-> :class:`~megatron_plugins.encoders.whisper.
+WhisperNetwork`.
+
+Megatron names are relative to the encoder network, local spec first; the Transformer Engine spec
+fuses the pre-attention / pre-MLP LayerNorms into ``linear_qkv`` / ``linear_fc1``, named here too.
+HF names are those of a transformers 5 ``WhisperEncoder`` save; a ``WhisperModel`` has them under
+``encoder.``, a ``WhisperForConditionalGeneration`` under ``model.encoder.``, and the decoder in
+those folders is another model's (``unused``). HF's key projection has no bias; Megatron's fused
+qkv bias has a key part, held at zero (``absent_zero``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
+
+__all__ = ["WHISPER_ENCODER", "WHISPER_MODEL_TYPE", "whisper_source_config"]
+
+WHISPER_MODEL_TYPE = "whisper"
+
+LAYER = "decoder.layers.{layer}."
+HF_LAYER = "layers.{layer}."
+
+
+def _norm(megatron: str, hf: str, te: bool = False) -> tuple[Rule, ...]:
+    prefix = "layer_norm_" if te else ""
+    return tuple(Rule(f"{megatron}.{prefix}{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
+
+
+def _qkv(part: str) -> tuple[str, str, str]:
+    return tuple(f"{HF_LAYER}self_attn.{x}_proj.{part}" for x in "qkv")
+
+
+RULES = (
+    Rule("conv1.weight", ("conv1.weight",)),
+    Rule("conv1.bias", ("conv1.bias",)),
+    Rule("conv2.weight", ("conv2.weight",)),
+    Rule("conv2.bias", ("conv2.bias",)),
+    Rule("embed_positions", ("embed_positions.weight",)),
+    *_norm(f"{LAYER}input_layernorm", f"{HF_LAYER}self_attn_layer_norm"),
+    *_norm(f"{LAYER}self_attention.linear_qkv", f"{HF_LAYER}self_attn_layer_norm", te=True),
+    Rule(f"{LAYER}self_attention.linear_qkv.weight", _qkv("weight"), "qkv", tp_dim=0),
+    Rule(f"{LAYER}self_attention.linear_qkv.bias", _qkv("bias"), "qkv", tp_dim=0,
+         absent_zero=(1,)),
+    Rule(f"{LAYER}self_attention.linear_proj.weight", (f"{HF_LAYER}self_attn.out_proj.weight",),
+         tp_dim=1),
+    Rule(f"{LAYER}self_attention.linear_proj.bias", (f"{HF_LAYER}self_attn.out_proj.bias",)),
+    *_norm(f"{LAYER}pre_mlp_layernorm", f"{HF_LAYER}final_layer_norm"),
+    *_norm(f"{LAYER}mlp.linear_fc1", f"{HF_LAYER}final_layer_norm", te=True),
+    Rule(f"{LAYER}mlp.linear_fc1.weight", (f"{HF_LAYER}fc1.weight",), tp_dim=0),
+    Rule(f"{LAYER}mlp.linear_fc1.bias", (f"{HF_LAYER}fc1.bias",), tp_dim=0),
+    Rule(f"{LAYER}mlp.linear_fc2.weight", (f"{HF_LAYER}fc2.weight",), tp_dim=1),
+    Rule(f"{LAYER}mlp.linear_fc2.bias", (f"{HF_LAYER}fc2.bias",)),
+    *_norm("decoder.final_layernorm", "layer_norm"),
+)
+
+OTHER_MODEL = (r"(model\.)?decoder\.", r"proj_out\.", r"projector\.", r"classifier\.",
+               r"layer_weights$")
+"""Tensors of a full Whisper model that are not the encoder: the text decoder and its output
+layer, an audio classifier's head."""
+
+
+def whisper_source_config(args: Any) -> tuple[Path, dict[str, Any]]:
+    """The one ``--encoder-hf-weights`` Whisper folder and its config.json: what an export of the
+    encoder takes its config from."""
+    given = getattr(args, "encoder_hf_weights", None) or []
+    # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
+    folders = (given.values() if isinstance(given, Mapping)
+               else [value.partition("=")[2] for value in given])
+    found = []
+    for folder in map(Path, folders):
+        config = json.loads((folder / "config.json").read_text())
+        if config.get("model_type") == WHISPER_MODEL_TYPE:
+            found.append((folder, config))
+    if len(found) != 1:
+        raise HFWeightsError(f"--encoder-hf-weights: {len(found)} {WHISPER_MODEL_TYPE} folders "
+                             "given; exporting its config.json needs exactly one")
+    return found[0]
+
+
+def _no_stock_flags(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The encoder is shaped by its provider from ``config.json``, not by stock flags."""
+    return {}
+
+
+def _encoder_config(args: Any, vocab_size: int | None) -> dict[str, Any]:
+    """The run's Whisper config.json as an encoder-only save's (``WhisperEncoder``): the export
+    writes the tensors without prefix, as that class saves them."""
+    config = dict(whisper_source_config(args)[1])
+    config["architectures"] = ["WhisperEncoder"]
+    return config
+
+
+WHISPER_ENCODER = Family(
+    name="whisper_encoder",
+    architectures=("WhisperEncoder", "WhisperModel", "WhisperForConditionalGeneration",
+                   "WhisperForAudioClassification"),
+    model_type=WHISPER_MODEL_TYPE,
+    rules=RULES,
+    megatron_args=_no_stock_flags,
+    hf_config=_encoder_config,
+    unused=OTHER_MODEL,
+    hf_prefixes=("", "model.encoder.", "encoder."),
+)

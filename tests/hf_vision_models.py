@@ -188,18 +188,20 @@ def _redraw(model: Any) -> None:
                 param.copy_(0.15 * torch.randn_like(param))
 
 
-def save_tiny_qwen(folder: str | Path, seed: int = 0, vision_only: bool = False) -> Path:
+def save_tiny_qwen(folder: str | Path, seed: int = 0, vision_only: bool = False,
+                   text_hidden: int = QWEN_TEXT_HIDDEN) -> Path:
     """A tiny random Qwen2.5-VL saved to ``folder`` with a preprocessor_config.json: the whole
-    model (``visual.*``, ``model.*``, ``lm_head.*``), or ``vision_only`` its vision model."""
+    model (``visual.*``, ``model.*``, ``lm_head.*``), or ``vision_only`` its vision model; the
+    merger maps to ``text_hidden``, the language model's hidden size."""
     import transformers
 
-    text = dict(vocab_size=64, hidden_size=QWEN_TEXT_HIDDEN, intermediate_size=32,
+    text = dict(vocab_size=64, hidden_size=text_hidden, intermediate_size=32,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                 bos_token_id=1, eos_token_id=2,
                 rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 1],
                                  "rope_theta": 10000.0})
     config = transformers.Qwen2_5_VLConfig(
-        vision_config={**QWEN_VISION, "out_hidden_size": QWEN_TEXT_HIDDEN}, text_config=text)
+        vision_config={**QWEN_VISION, "out_hidden_size": text_hidden}, text_config=text)
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     _redraw(model)
@@ -249,7 +251,8 @@ def qwen_hf_features(folder: str | Path, images: list[np.ndarray]) -> np.ndarray
     return output.pooler_output.numpy()
 
 
-def qwen_rank(folder: str, tp: int, images: list[np.ndarray]) -> dict[str, Any]:
+def qwen_rank(folder: str, tp: int, images: list[np.ndarray],
+              text_hidden: int = QWEN_TEXT_HIDDEN) -> dict[str, Any]:
     """One TP rank of our ``qwen2_5_vl`` encoder and its projection built from ``folder``, HF
     weights imported through the family table; its projected output on the packed ``images``,
     its token counts and its streamed HF pieces (serialized)."""
@@ -269,10 +272,10 @@ def qwen_rank(folder: str, tp: int, images: list[np.ndarray]) -> dict[str, Any]:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     encoder = plugin("qwen2_5_vl", folder, tp)
-    language = dataclasses.replace(language_config(), hidden_size=QWEN_TEXT_HIDDEN)
+    language = dataclasses.replace(language_config(), hidden_size=text_hidden)
     config = encoder.transformer_config(language)
     view = EncoderView(build_module(encoder.encoder_spec(config, pgc)),
-                       build_module(encoder.projection_spec(config, QWEN_TEXT_HIDDEN, pgc)))
+                       build_module(encoder.projection_spec(config, text_hidden, pgc)))
     family = load_hf_weights(view, folder, f"{ENCODER_FLAG} vision=", pgc, (encoder.hf_family,))
     view.eval()
     preprocessor = encoder.preprocessor()

@@ -287,3 +287,26 @@ def qwen_rank(folder: str, tp: int, images: list[np.ndarray],
             "item_grids": [encoder.item_grid(image.shape[:2]) for image in images],
             "tokens_per_item": encoder.tokens_per_item,
             "pieces": streamed(view, family, pgc, None)}
+
+
+def train_and_export(folder: Path, provider: str, encoder_folder: str | Path,
+                     seq_length: int = 32) -> tuple[dict[str, torch.Tensor], Path]:
+    """A MiMo run (tiny llama in ``folder / "llama"``) whose encoder ``vision`` (``provider`` at
+    encoder TP 2) starts from ``encoder_folder``, trained 2 steps, saved and exported to
+    ``folder / "out"``: the live encoder's streamed tensors (assembled) and the export folder."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests import hf_models
+    from tests.multiprocess import run_in_processes
+
+    language = hf_models.save_tiny("llama", folder / "llama")
+    checkpoint, out = folder / "ckpt", folder / "out"
+    encoder = ("--encoder", f"vision={provider}", "--grid", "vision:tp=2",
+               "--encoder-hf-weights", f"vision={encoder_folder}")
+    pieces, _ = hf_models.train_from_hf(
+        3, str(language), "language:", ("--seq-length", str(seq_length),
+                                        "--mock-items-per-sample", "1", "--train-iters", "2",
+                                        "--save", str(checkpoint), "--save-interval", "2"),
+        module="vision", encoder=encoder)
+    run_in_processes(hf_models.export_rank, 1,
+                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    return assemble(piece for rank in pieces for piece in rank), out

@@ -15,7 +15,6 @@ projection's output is HF's merged image features.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,6 +36,7 @@ from megatron_plugins.encoders.base import (
     mlp_projection_spec,
 )
 from megatron_plugins.encoders.hf_vision import ACTIVATIONS, HFVisionEncoder, hf_normalized
+from megatron_plugins.encoders.native_vit import MAX_ASPECT_RATIO, nearest_grid
 from megatron_plugins.encoders.packed_attention import packed_layer_spec, packed_seq_params
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
 from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
@@ -59,19 +59,10 @@ def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int,
                       max_pixels: int) -> tuple[int, int]:
     """HF Qwen2-VL's ``smart_resize``, rounding for rounding; ValueError (naming the image) for an
     aspect ratio above 200 or a size whose grid lies above ``max_pixels``."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"image {height}x{width} (height x width): aspect ratio above 200; crop "
-                         "or drop such images")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image {height}x{width} (height x width): aspect ratio above "
+                         f"{MAX_ASPECT_RATIO}; crop or drop such images")
+    h_bar, w_bar = nearest_grid(height, width, factor, min_pixels, max_pixels)
     if h_bar * w_bar > max_pixels:
         raise ValueError(f"image {height}x{width} (height x width): its {factor}-pixel grid "
                          f"{h_bar}x{w_bar} is above max_pixels {max_pixels}; crop such images")
@@ -80,9 +71,10 @@ def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int,
 
 @dataclass(frozen=True)
 class QwenImagePreprocessor(MediaPreprocessor):
-    """HF's ``Qwen2VLImageProcessor`` (PIL) for one still image: resize to :func:`qwen_smart_resize`,
-    rescale, normalize, repeat over ``temporal_patch_size`` frames, flatten patches with each
-    ``merge_size`` x ``merge_size`` block contiguous; a microbatch's images are packed."""
+    """HF's ``Qwen2VLImageProcessor`` (PIL) for one still image: resize to
+    :func:`qwen_smart_resize`, rescale, normalize, repeat over ``temporal_patch_size`` frames,
+    flatten patches with each ``merge_size`` x ``merge_size`` block contiguous; a microbatch's
+    images are packed."""
 
     media: ClassVar[str] = "image"
     patch_size: int
@@ -111,7 +103,9 @@ class QwenImagePreprocessor(MediaPreprocessor):
                                               resample=Image.Resampling(self.resample))
         pixels = torch.from_numpy(hf_normalized(np.asarray(image), self.rescale_factor, self.mean,
                                                 self.std)).permute(2, 0, 1)
-        patches = pixels.reshape(3, rows // m, m, p, columns // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        # (block row, block column, row in block, column in block, channel, y, x), as HF.
+        patches = pixels.reshape(3, rows // m, m, p, columns // m, m, p)
+        patches = patches.permute(1, 4, 2, 5, 0, 3, 6)
         patches = patches.unsqueeze(5).expand(*patches.shape[:5], frames, p, p)
         return {"pixel_values": patches.reshape(rows * columns, 3 * frames * p * p).contiguous(),
                 "grid_thw": torch.tensor([1, rows, columns], dtype=torch.int64)}

@@ -315,10 +315,6 @@ class QwenVisionEncoder(HFVisionEncoder):
         factor = self.hf_config.patch_size * self.hf_config.spatial_merge_size
         return self._preprocessor.max_pixels // (factor * factor)
 
-    @property
-    def fixed_item_tokens(self) -> bool:
-        return False
-
     def item_tokens(self, size: tuple[int, ...]) -> int:
         """Merged tokens (language positions) of an image of this (height, width)."""
         _, rows, columns = self.item_grid(size)

@@ -280,6 +280,7 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
 
     patches.activate()
     from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.weights.encoder_view import encoder_module
     from megatron_plugins.weights.flags import encoder_family
     from megatron_plugins.weights.language_families import FAMILIES
     from megatron_plugins.weights.local_view import unwrap
@@ -301,9 +302,10 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
                 result["pieces"] = streamed(language, family, pgc, args.vocab_size)
                 result["logits"] = forward_logits(language, pgc, TOKENS)
             elif encoder_family(session.run.plugins[module]) is not None:
-                network = unwrap(models[0].modality_submodules[module]).encoders[module]
-                result["pieces"] = streamed(network, encoder_family(session.run.plugins[module]),
-                                            pgc, None)
+                family = encoder_family(session.run.plugins[module])
+                network = encoder_module(unwrap(models[0].modality_submodules[module]), module,
+                                         family)
+                result["pieces"] = streamed(network, family, pgc, None)
             close()
 
         session.close = stream_then_close

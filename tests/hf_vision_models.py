@@ -7,6 +7,7 @@ included, is redrawn so a mapping that swaps or misses a tensor changes the hidd
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,149 @@ def import_error(provider: str, folder: str) -> str:
     except HFWeightsError as error:
         return str(error)
     return "no error"
+
+
+QWEN_VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                   fullatt_block_indexes=[1])
+"""A tiny Qwen2.5-VL vision tower: 2x2-block windows (16 pixels), layer 1 full attention."""
+QWEN_TEXT_HIDDEN = 24
+QWEN_PIXELS = dict(min_pixels=8 * 8 * 2, max_pixels=8 * 8 * 20)
+"""The tiny processor's pixel range (at most 20 merged tokens an image)."""
+QWEN_IMAGES = ((24, 40), (16, 16), (50, 30), (13, 21), (7, 9))
+"""(height, width) of one packed microbatch: wide, square, one resized down, odd sizes, one
+resized up."""
+
+
+def _redraw(model: Any) -> None:
+    """Every weight redrawn (norm weights near 1) so a swapped or missed tensor shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+
+
+def save_tiny_qwen(folder: str | Path, seed: int = 0, vision_only: bool = False,
+                   text_hidden: int = QWEN_TEXT_HIDDEN) -> Path:
+    """A tiny random Qwen2.5-VL saved to ``folder`` with a preprocessor_config.json: the whole
+    model (``visual.*``, ``model.*``, ``lm_head.*``), or ``vision_only`` its vision model; the
+    merger maps to ``text_hidden``, the language model's hidden size."""
+    import transformers
+
+    text = dict(vocab_size=64, hidden_size=text_hidden, intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 1],
+                                 "rope_theta": 10000.0})
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config={**QWEN_VISION, "out_hidden_size": text_hidden}, text_config=text)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    _redraw(model)
+    (model.model.visual if vision_only else model).save_pretrained(folder,
+                                                                   safe_serialization=True)
+    qwen_processor(**QWEN_PIXELS).save_pretrained(folder)
+    return Path(folder)
+
+
+def qwen_processor(folder: str | Path | None = None, **kwargs: Any) -> Any:
+    """HF's Qwen2-VL image processor: ``AutoImageProcessor`` of a folder, or the PIL class
+    at the tiny model's patch sizes."""
+    from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
+
+    if folder is not None:
+        return AutoImageProcessor.from_pretrained(folder)
+    return Qwen2VLImageProcessorPil(patch_size=QWEN_VISION["patch_size"], merge_size=2,
+                                    temporal_patch_size=2, **kwargs)
+
+
+def qwen_images(sizes: tuple[tuple[int, int], ...] = QWEN_IMAGES, seed: int = 0
+                ) -> list[np.ndarray]:
+    """Random uint8 RGB images of these (height, width)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), np.uint8) for h, w in sizes]
+
+
+def qwen_hf_features(folder: str | Path, images: list[np.ndarray]) -> np.ndarray:
+    """transformers' merged image features (the vision model's ``pooler_output``, fp32) of the
+    images as the folder's ``AutoImageProcessor`` makes them."""
+    import transformers
+
+    inputs = qwen_processor(folder)(images, return_tensors="pt")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    if config.model_type == "qwen2_5_vl":
+        visual = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            folder, dtype=torch.float32).model.visual
+    else:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        visual = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(folder,
+                                                                          dtype=torch.float32)
+    with torch.no_grad():
+        output = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+    return output.pooler_output.numpy()
+
+
+def qwen_rank(folder: str, tp: int, images: list[np.ndarray],
+              text_hidden: int = QWEN_TEXT_HIDDEN) -> dict[str, Any]:
+    """One TP rank of our ``qwen2_5_vl`` encoder and its projection built from ``folder``, HF
+    weights imported through the family table; its projected output on the packed ``images``,
+    its token counts and its streamed HF pieces (serialized)."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_plugins.weights.encoder_view import EncoderView
+    from megatron_plugins.weights.flags import ENCODER_FLAG
+    from megatron_plugins.weights.hf_import import load_hf_weights
+    from tests.hf_models import streamed
+
+    parallel_state.initialize_model_parallel(tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    encoder = plugin("qwen2_5_vl", folder, tp)
+    language = dataclasses.replace(language_config(), hidden_size=text_hidden)
+    config = encoder.transformer_config(language)
+    view = EncoderView(build_module(encoder.encoder_spec(config, pgc)),
+                       build_module(encoder.projection_spec(config, text_hidden, pgc)))
+    family = load_hf_weights(view, folder, f"{ENCODER_FLAG} vision=", pgc, (encoder.hf_family,))
+    view.eval()
+    preprocessor = encoder.preprocessor()
+    inputs = preprocessor.collate([preprocessor(image) for image in images])
+    with torch.no_grad():
+        output = view.projection(view.encoder(**inputs))
+    return {"family": family.name, "output": output.detach().numpy(),
+            "item_tokens": [encoder.item_tokens(image.shape[:2]) for image in images],
+            "item_grids": [encoder.item_grid(image.shape[:2]) for image in images],
+            "tokens_per_item": encoder.tokens_per_item,
+            "pieces": streamed(view, family, pgc, None)}
+
+
+def train_and_export(folder: Path, provider: str, encoder_folder: str | Path,
+                     seq_length: int = 32) -> tuple[dict[str, torch.Tensor], Path]:
+    """A MiMo run (tiny llama in ``folder / "llama"``) whose encoder ``vision`` (``provider`` at
+    encoder TP 2) starts from ``encoder_folder``, trained 2 steps, saved and exported to
+    ``folder / "out"``: the live encoder's streamed tensors (assembled) and the export folder."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests import hf_models
+    from tests.multiprocess import run_in_processes
+
+    language = hf_models.save_tiny("llama", folder / "llama")
+    checkpoint, out = folder / "ckpt", folder / "out"
+    encoder = ("--encoder", f"vision={provider}", "--grid", "vision:tp=2",
+               "--encoder-hf-weights", f"vision={encoder_folder}")
+    pieces, _ = hf_models.train_from_hf(
+        3, str(language), "language:", ("--seq-length", str(seq_length),
+                                        "--mock-items-per-sample", "1", "--train-iters", "2",
+                                        "--save", str(checkpoint), "--save-interval", "2"),
+        module="vision", encoder=encoder)
+    run_in_processes(hf_models.export_rank, 1,
+                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    return assemble(piece for rank in pieces for piece in rank), out

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_plugins.errors import UsageError, report
+from megatron_plugins.weights.encoder_view import includes_projection, module_tensors
 from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.megatron_init import split_key
@@ -199,8 +200,10 @@ def _heads(args: Any) -> Heads:
 
 
 def _encoder_heads(config: Mapping[str, Any]) -> Heads:
-    """HF encoders use plain multi-head attention; Whisper names its shape fields differently."""
-    heads = config.get("num_attention_heads", config.get("encoder_attention_heads"))
+    """HF encoders use plain multi-head attention; Whisper and Qwen2.5-VL name their shape
+    fields differently."""
+    heads = (config.get("num_attention_heads") or config.get("encoder_attention_heads")
+             or config["num_heads"])
     hidden = config.get("hidden_size", config.get("d_model"))
     return Heads(heads, heads, hidden // heads)
 
@@ -224,12 +227,17 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
                   "not exported", file=sys.stderr)
         elif name in ckpt.modules:
             config = family.hf_config(args, None)
-            pieces = hf_pieces(ckpt.tensors(name), family, _encoder_heads(config), None,
+            pieces = hf_pieces(module_tensors(ckpt.tensors, name, family), family,
+                               _encoder_heads(config), None,
                                str(ckpt.folder))
             tensors = {**assemble(pieces), **untrained_tensors(family, args)}
             written += write_folder(tensors, out / name, max_shard_size, config, progress)
+    # A projection its encoder's family maps (Qwen2.5-VL's merger) is in that encoder's folder.
+    exported = {f"{name}:projection" for name, family in _encoder_families(args).items()
+                if family is not None and includes_projection(family)}
     projections = {f"{module.partition(':')[0]}.{name}": tensor
-                   for module in ckpt.modules if module.endswith(":projection")
+                   for module in ckpt.modules
+                   if module.endswith(":projection") and module not in exported
                    for name, tensor in ckpt.tensors(module)}
     if projections:
         from safetensors.torch import save_file

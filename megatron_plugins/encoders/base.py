@@ -32,7 +32,7 @@ from megatron_plugins.layout import ModulePlacement
 
 __all__ = [
     "EncoderPlugin", "EncoderPluginError", "MediaPreprocessor", "TensorReplicated",
-    "encoder_config", "encoder_layer_spec", "encoder_norm", "is_replicated"
+    "encoder_config", "encoder_layer_spec", "encoder_norm", "is_replicated", "mlp_projection_spec"
 ]
 
 NUMERICS = (
@@ -46,6 +46,37 @@ NUMERICS = (
     "use_te_rng_tracker",
 )
 """TransformerConfig fields an encoder copies from the language model: numerics, not shape."""
+
+
+def mlp_projection_spec(config: TransformerConfig, input_size: int, ffn_hidden_size: int,
+                        output_size: int, pg_collection: ProcessGroupCollection | None,
+                        **fields: object) -> ModuleSpec:
+    """Megatron's ``MultimodalProjector`` MLP (``linear_fc1`` input -> ffn, activation,
+    ``linear_fc2`` ffn -> output, biases), column / row parallel on the encoder's TP, with the
+    encoder's numerics; ``fields`` override projection config fields (its activation)."""
+    projection = TransformerConfig(
+        **{**{name: getattr(config, name) for name in NUMERICS}, **fields},
+        # The projector is an MLP: one layer and one head per TP rank only satisfy the checks.
+        num_layers=1, hidden_size=output_size, ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=config.tensor_model_parallel_size,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        expert_tensor_parallel_size=config.tensor_model_parallel_size,
+    )
+    if config.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TERowParallelLinear,
+        )
+
+        linears = MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
+    else:
+        linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(
+        module=MultimodalProjector,
+        params={"config": projection, "projector_type": "mlp", "input_size": input_size,
+                "pg_collection": pg_collection},
+        submodules=linears,
+    )
 
 
 class EncoderPluginError(UsageError):
@@ -223,30 +254,8 @@ class EncoderPlugin(abc.ABC):
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
                         pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
         """A two-layer MLP from the encoder's hidden size to the language model's, sharded on TP."""
-        projection = TransformerConfig(
-            **{name: getattr(config, name) for name in NUMERICS},
-            # The projector is an MLP: one layer and one head per TP rank only satisfy the checks.
-            num_layers=1, hidden_size=language_hidden_size, ffn_hidden_size=language_hidden_size,
-            num_attention_heads=config.tensor_model_parallel_size,
-            tensor_model_parallel_size=config.tensor_model_parallel_size,
-            expert_tensor_parallel_size=config.tensor_model_parallel_size,
-        )
-        if config.transformer_impl == "transformer_engine":
-            from megatron.core.extensions.transformer_engine import (
-                TEColumnParallelLinear,
-                TERowParallelLinear,
-            )
-
-            linears = MLPSubmodules(linear_fc1=TEColumnParallelLinear,
-                                    linear_fc2=TERowParallelLinear)
-        else:
-            linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-        return ModuleSpec(
-            module=MultimodalProjector,
-            params={"config": projection, "projector_type": "mlp",
-                    "input_size": config.hidden_size, "pg_collection": pg_collection},
-            submodules=linears,
-        )
+        return mlp_projection_spec(config, config.hidden_size, language_hidden_size,
+                                   language_hidden_size, pg_collection)
 
     def submodule_spec(self, config: TransformerConfig, language_hidden_size: int,
                        pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

@@ -43,7 +43,8 @@ from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
 from megatron_plugins.weights.mapping import Family
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
 
-__all__ = ["CLIPVisionEncoder", "HFImagePreprocessor", "HFVisionEncoder", "SiglipVisionEncoder"]
+__all__ = ["ACTIVATIONS", "CLIPVisionEncoder", "HFImagePreprocessor", "HFVisionEncoder",
+           "SiglipVisionEncoder", "hf_normalized"]
 
 ACTIVATIONS = {
     "quick_gelu": quick_gelu,
@@ -54,6 +55,14 @@ ACTIVATIONS = {
 
 HALF = (0.5, 0.5, 0.5)
 """SigLIP's per-channel pixel mean and std (RGB, on [0, 1]); CLIP uses the ViT's statistics."""
+
+
+def hf_normalized(pixels: np.ndarray, rescale_factor: float, mean: tuple[float, ...],
+                  std: tuple[float, ...]) -> np.ndarray:
+    """uint8 ``[H, W, 3]`` -> float32 ``[H, W, 3]`` as HF's PIL processors make it: rescaled in
+    float64 then float32, normalized in float32 (bit for bit)."""
+    scaled = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    return (scaled - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 
 
 @dataclass(frozen=True)
@@ -85,8 +94,7 @@ class HFImagePreprocessor(MediaPreprocessor):
                                  f"than the {crop_w}x{crop_h} crop after resizing")
             top, left = (pixels.shape[0] - crop_h) // 2, (pixels.shape[1] - crop_w) // 2
             pixels = pixels[top:top + crop_h, left:left + crop_w]
-        scaled = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        normalized = (scaled - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        normalized = hf_normalized(pixels, self.rescale_factor, self.mean, self.std)
         return {"x": torch.from_numpy(np.ascontiguousarray(normalized.transpose(2, 0, 1)))}
 
     def _resized(self, height: int, width: int) -> tuple[int, int]:

@@ -27,12 +27,30 @@ from megatron_plugins.encoders.base import MediaPreprocessor, encoder_norm
 from megatron_plugins.encoders.packed_attention import packed_layer_spec, packed_seq_params
 
 __all__ = [
-    "MAX_ASPECT_RATIO", "NativeImagePreprocessor", "NativeViT", "native_vit_spec",
+    "MAX_ASPECT_RATIO", "NativeImagePreprocessor", "NativeViT", "native_vit_spec", "nearest_grid",
     "normalized_pixels", "position_grid_side", "smart_resize",
 ]
 
 MAX_ASPECT_RATIO = 200
 """Longest over shortest side beyond which :func:`smart_resize` refuses an image (Qwen2-VL's)."""
+
+
+def nearest_grid(height: int, width: int, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's rounding of a ``height`` x ``width`` image to multiples of ``factor`` with its
+    pixel count moved into ``[min_pixels, max_pixels]`` (transformers' ``smart_resize`` without
+    its checks); the ceiling that reaches ``min_pixels`` may overshoot ``max_pixels``."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -51,16 +69,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int,
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"{size}: aspect ratio above {MAX_ASPECT_RATIO}; crop or drop such "
                          "images from the dataset")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    h_bar, w_bar = nearest_grid(height, width, factor, min_pixels, max_pixels)
     if h_bar * w_bar > max_pixels:
         raise ValueError(f"{size}: at its aspect ratio the nearest {factor}-pixel patch grid is "
                          f"{h_bar}x{w_bar} pixels, above --vit-max-pixels {max_pixels} (or "

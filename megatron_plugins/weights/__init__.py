@@ -20,6 +20,7 @@ def load_pretrained(model: Any, module_pgs: Mapping[str, Any], language_folder: 
                     encoder_folders: Mapping[str, str], plugins: Mapping[str, Any]) -> None:
     """Load each HF folder into this rank's module of the (unwrapped) ``MimoModel``."""
     from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.weights.encoder_view import encoder_module
     from megatron_plugins.weights.flags import ENCODER_FLAG, LANGUAGE_FLAG, encoder_family
     from megatron_plugins.weights.hf_import import load_hf_weights
     from megatron_plugins.weights.language_families import FAMILIES
@@ -28,6 +29,7 @@ def load_pretrained(model: Any, module_pgs: Mapping[str, Any], language_folder: 
         if name == LANGUAGE and language_folder:
             load_hf_weights(model.language_model, language_folder, LANGUAGE_FLAG, pgc, FAMILIES)
         elif name in encoder_folders:
-            network = model.modality_submodules[name].encoders[name]
-            load_hf_weights(network, encoder_folders[name], f"{ENCODER_FLAG} {name}=", pgc,
-                            (encoder_family(plugins[name]),))
+            family = encoder_family(plugins[name])
+            module = encoder_module(model.modality_submodules[name], name, family)
+            load_hf_weights(module, encoder_folders[name], f"{ENCODER_FLAG} {name}=", pgc,
+                            (family,))

@@ -35,7 +35,8 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "safetensors) once at start; its config sets the model's shape flags.")
     group.add_argument(ENCODER_FLAG, metavar="NAME=DIR", action="append", default=[],
                        help="Load encoder NAME's network from this HF folder once at start "
-                            "(the projection starts from init). Repeatable.")
+                            "(the projection starts from init unless the HF model holds it, as "
+                            "Qwen2.5-VL's merger). Repeatable.")
     return parser
 
 

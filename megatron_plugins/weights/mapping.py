@@ -19,9 +19,10 @@ from megatron_plugins.errors import UsageError
 
 __all__ = ["Bound", "Family", "HFWeightsError", "Heads", "Rule"]
 
-COMBINES = ("copy", "qkv", "gate_up")
+COMBINES = ("copy", "qkv", "gate_up", "fused_qkv")
 """copy: one HF tensor (optionally sliced on ``tp_dim``); qkv: q, k, v -> Megatron's fused layout,
-per query group [that group's q heads, k, v]; gate_up: SwiGLU ``linear_fc1`` = [gate; up]."""
+per query group [that group's q heads, k, v]; gate_up: SwiGLU ``linear_fc1`` = [gate; up];
+fused_qkv: as qkv, from one HF tensor laid out [q; k; v] (Qwen2.5-VL's vision ``attn.qkv``)."""
 
 PLACEHOLDERS = ("layer", "expert")
 
@@ -53,7 +54,7 @@ class Rule:
         if self.combine not in COMBINES:
             raise ValueError(f"Rule {self.megatron}: combine {self.combine!r} is not one of "
                              f"{', '.join(COMBINES)}")
-        arity = {"copy": 1, "qkv": 3, "gate_up": 2}[self.combine]
+        arity = {"copy": 1, "qkv": 3, "gate_up": 2, "fused_qkv": 1}[self.combine]
         if len(self.hf) != arity:
             raise ValueError(f"Rule {self.megatron}: {self.combine} takes {arity} HF tensors")
         if any(not 0 <= i < arity for i in self.absent_zero) or (

@@ -24,6 +24,9 @@ class Piece:
     tensor: torch.Tensor
     dim: int
     start: int
+    total: int | None = None
+    """The HF tensor's size on ``dim`` when it is not this slice's times the TP size (one HF
+    tensor holding q, k and v: each slice is a third of it)."""
 
 
 def source_slices(bound: Bound, local_shape: Sequence[int], rank: int, heads: Heads | None
@@ -42,6 +45,11 @@ def source_slices(bound: Bound, local_shape: Sequence[int], rank: int, heads: He
     per_group = heads.heads // heads.groups
     groups = rows // ((per_group + 2) * heads.head_dim)
     q_rows, kv_rows = groups * per_group * heads.head_dim, groups * heads.head_dim
+    if rule.combine == "fused_qkv":
+        name = bound.hf[0]
+        q_total, kv_total = heads.heads * heads.head_dim, heads.groups * heads.head_dim
+        return [(name, dim, rank * q_rows, q_rows), (name, dim, q_total + rank * kv_rows, kv_rows),
+                (name, dim, q_total + kv_total + rank * kv_rows, kv_rows)]
     return [(bound.hf[0], dim, rank * q_rows, q_rows), (bound.hf[1], dim, rank * kv_rows, kv_rows),
             (bound.hf[2], dim, rank * kv_rows, kv_rows)]
 
@@ -65,6 +73,7 @@ def split(bound: Bound, local: torch.Tensor, rank: int, heads: Heads | None) -> 
     """The inverse of :func:`combine`: this rank's HF slices and where they sit."""
     slices = source_slices(bound, tuple(local.shape), rank, heads)
     kind = bound.rule.combine
+    total = (heads.heads + 2 * heads.groups) * heads.head_dim if kind == "fused_qkv" else None
     if kind == "copy":
         parts = [local.reshape(local.shape[bound.rule.leading_ones:])]
     elif kind == "gate_up":
@@ -76,5 +85,5 @@ def split(bound: Bound, local: torch.Tensor, rank: int, heads: Heads | None) -> 
         q_size, kv_size = q_rows // groups, kv_rows // groups
         q, k, v = per_group.split([q_size, kv_size, kv_size], dim=1)
         parts = [part.reshape(-1, *local.shape[1:]) for part in (q, k, v)]
-    return [Piece(name, part, dim, max(start, 0))
+    return [Piece(name, part, dim, max(start, 0), total)
             for (name, dim, start, _), part in zip(slices, parts)]

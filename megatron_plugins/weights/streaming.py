@@ -58,7 +58,7 @@ def pieces_of(p: LocalParam, tensor: torch.Tensor, heads: Heads | None,
         shape = list(piece.tensor.shape)
         data = piece.tensor
         if rule.tp_dim is not None:
-            shape[piece.dim] *= p.tp_size
+            shape[piece.dim] = piece.total or shape[piece.dim] * p.tp_size
             if rule.pad_vocab and vocab_size is not None:
                 shape[piece.dim] = vocab_size
                 keep = max(0, min(data.shape[piece.dim], vocab_size - piece.start))

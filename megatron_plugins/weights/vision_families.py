@@ -1,4 +1,6 @@
-"""Vision-encoder families: HF CLIP and SigLIP vision towers <-> Megatron's ``CLIPViTModel``.
+"""Vision-encoder families: HF CLIP and SigLIP vision towers <-> Megatron's ``CLIPViTModel``, and
+Qwen2.5-VL's vision tower + merger <-> :class:`~megatron_plugins.encoders.qwen_vision.QwenViT` and
+its input projection (names of :class:`~megatron_plugins.weights.encoder_view.EncoderView`).
 
 Megatron names are relative to the encoder network (``model_subtype="clip"`` / ``"siglip"``),
 local spec first; the Transformer Engine spec fuses the pre-attention / pre-MLP LayerNorms into
@@ -17,10 +19,11 @@ from typing import Any
 
 import torch
 
+from megatron_plugins.weights.encoder_view import PROJECTION, TOWER
 from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
-__all__ = ["CLIP_VISION", "SIGLIP_VISION", "untrained_tensors"]
+__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "SIGLIP_VISION", "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."
@@ -156,4 +159,45 @@ SIGLIP_VISION = Family(
     hf_prefixes=PREFIXES,
 )
 
-FAMILIES = (CLIP_VISION, SIGLIP_VISION)
+
+QWEN_LAYER = f"{TOWER}decoder.layers.{{layer}}."
+QWEN_BLOCK = "blocks.{layer}."
+
+QWEN2_5_VL_VISION = Family(
+    name="qwen2_5_vl_vision",
+    architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel",
+                   "Qwen2_5_VisionTransformerPretrainedModel"),
+    model_type="qwen2_5_vl_vision",
+    rules=(
+        Rule(f"{TOWER}patch_embed", ("patch_embed.proj.weight",)),
+        Rule(f"{QWEN_LAYER}input_layernorm.weight", (f"{QWEN_BLOCK}norm1.weight",)),
+        Rule(f"{QWEN_LAYER}self_attention.linear_qkv.layer_norm_weight",
+             (f"{QWEN_BLOCK}norm1.weight",)),
+        *(Rule(f"{QWEN_LAYER}self_attention.linear_qkv.{p}", (f"{QWEN_BLOCK}attn.qkv.{p}",),
+               "fused_qkv", tp_dim=0) for p in ("weight", "bias")),
+        Rule(f"{QWEN_LAYER}self_attention.linear_proj.weight", (f"{QWEN_BLOCK}attn.proj.weight",),
+             tp_dim=1),
+        Rule(f"{QWEN_LAYER}self_attention.linear_proj.bias", (f"{QWEN_BLOCK}attn.proj.bias",)),
+        Rule(f"{QWEN_LAYER}pre_mlp_layernorm.weight", (f"{QWEN_BLOCK}norm2.weight",)),
+        Rule(f"{QWEN_LAYER}mlp.linear_fc1.layer_norm_weight", (f"{QWEN_BLOCK}norm2.weight",)),
+        *(Rule(f"{QWEN_LAYER}mlp.linear_fc1.{p}",
+               (f"{QWEN_BLOCK}mlp.gate_proj.{p}", f"{QWEN_BLOCK}mlp.up_proj.{p}"), "gate_up",
+               tp_dim=0) for p in ("weight", "bias")),
+        Rule(f"{QWEN_LAYER}mlp.linear_fc2.weight", (f"{QWEN_BLOCK}mlp.down_proj.weight",),
+             tp_dim=1),
+        Rule(f"{QWEN_LAYER}mlp.linear_fc2.bias", (f"{QWEN_BLOCK}mlp.down_proj.bias",)),
+        Rule(f"{TOWER}ln_q.weight", ("merger.ln_q.weight",)),
+        # The merger's MLP is the encoder's input projection (EncoderPlugin.projection_spec).
+        *(Rule(f"{PROJECTION}encoder.linear_fc1.{p}", (f"merger.mlp.0.{p}",), tp_dim=0)
+          for p in ("weight", "bias")),
+        Rule(f"{PROJECTION}encoder.linear_fc2.weight", ("merger.mlp.2.weight",), tp_dim=1),
+        Rule(f"{PROJECTION}encoder.linear_fc2.bias", ("merger.mlp.2.bias",)),
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_loaded_config("qwen2_5_vl_vision"),
+    # A whole Qwen2.5-VL folder also holds the language model, another module's weights.
+    unused=(r"model\.", r"lm_head\."),
+    hf_prefixes=("", "visual."),
+)
+
+FAMILIES = (CLIP_VISION, SIGLIP_VISION, QWEN2_5_VL_VISION)

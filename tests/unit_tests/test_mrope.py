@@ -16,7 +16,8 @@ from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.encoders.base import EncoderPluginError
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.layout import ModulePlacement
-from megatron_plugins.weights.flags import language_args
+from megatron_plugins.weights.hf_config import find_family, read_config
+from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import HFWeightsError
 from tests.hf_models import rel_diff
 from tests.mrope_models import (
@@ -173,6 +174,10 @@ def test_mock_mrope_positions_follow_the_items_grids(native: bool) -> None:
 
 def test_qwen2_5_vl_folder_implies_mrope_and_refuses_sections_megatron_splits_otherwise(
         tmp_path) -> None:
+    def language_args(folder):
+        family = find_family(read_config(folder, "--language-hf-weights"), FAMILIES, "test")
+        return family, family.megatron_args(read_config(folder, "--language-hf-weights"))
+
     folder = save_tiny_qwen2_5_vl(tmp_path / "qwen2_5_vl")
     family, implied = language_args(str(folder))
     assert family.name == "qwen2_5_vl"

@@ -211,3 +211,25 @@ def test_qwen2_5_vl_language_model_reproduces_transformers_logits(tmp_path) -> N
     assert rel_diff(got, want) < 1e-5
     consecutive = torch.arange(12).expand(3, 2, -1)
     assert rel_diff(got, hf_language_logits(folder, embeddings, consecutive)) > 1e-3
+
+
+def test_a_flag_contradicting_the_folders_mrope_is_one_line(tmp_path) -> None:
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from megatron_plugins.weights.flags import add_weights_args, implied_language_args
+
+    folder = save_tiny_qwen2_5_vl(tmp_path / "qwen2_5_vl")
+    saved, sys.argv = sys.argv, ["test", "--language-hf-weights", str(folder),
+                                 "--position-embedding-type", "rope"]
+    try:
+        args = parse_args(add_weights_args)
+    finally:
+        sys.argv = saved
+    given = {"position_embedding_type": "--position-embedding-type"}
+    with pytest.raises(HFWeightsError) as error:
+        implied_language_args(args, given.get)
+    assert str(error.value) == (f"--position-embedding-type rope contradicts "
+                                f"--language-hf-weights {folder}/config.json, which gives mrope; "
+                                "drop --position-embedding-type")

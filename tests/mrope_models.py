@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import SHAPE, build_stock_gpt
+from tests.hf_models import SHAPE, build_stock_gpt, redraw_parameters
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,12 +47,7 @@ def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, **text_overrides: An
 
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_config(**text_overrides))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    redraw_parameters(model)
     model.save_pretrained(folder)
     return Path(folder)
 

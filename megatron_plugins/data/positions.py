@@ -22,7 +22,7 @@ __all__ = ["Grid", "ItemLayout", "item_layout", "mrope_position_ids"]
 Grid = tuple[int, int, int]
 """An item's ``(t, h, w)`` token layout."""
 
-ItemLayout = tuple[int, "Grid | None"]
+ItemLayout = tuple[int, Grid | None]
 """An item's token count and its grid (None: consecutive positions)."""
 
 

@@ -233,3 +233,32 @@ def test_a_flag_contradicting_the_folders_mrope_is_one_line(tmp_path) -> None:
     assert str(error.value) == (f"--position-embedding-type rope contradicts "
                                 f"--language-hf-weights {folder}/config.json, which gives mrope; "
                                 "drop --position-embedding-type")
+
+
+def test_the_language_config_written_back_implies_the_same_flags_and_loads(tmp_path) -> None:
+    import transformers
+
+    from megatron_plugins.weights.language_families import QWEN2_5_VL
+
+    folder = save_tiny_qwen2_5_vl(tmp_path / "qwen2_5_vl")
+    implied = QWEN2_5_VL.megatron_args(read_config(folder, "--language-hf-weights"))
+    args = argparse.Namespace(**implied, params_dtype=torch.float32)
+    written = QWEN2_5_VL.hf_config(args, 100)
+    assert QWEN2_5_VL.megatron_args(written) == implied
+    text = transformers.Qwen2_5_VLConfig(**written).text_config
+    assert text.rope_parameters["mrope_section"] == MROPE_SECTION
+    assert (text.num_hidden_layers, text.num_key_value_heads, text.vocab_size) == (2, 2, 100)
+
+
+def test_a_transformers_4_config_with_top_level_text_fields_imports_alike(tmp_path) -> None:
+    """Published Qwen2.5-VL folders keep the text fields at the top level and name the rope
+    type 'mrope' in ``rope_scaling``."""
+    from megatron_plugins.weights.language_families import QWEN2_5_VL
+
+    config = read_config(save_tiny_qwen2_5_vl(tmp_path / "qwen2_5_vl"), "--language-hf-weights")
+    text = config.pop("text_config")
+    params = text.pop("rope_parameters")
+    old = {**config, **text, "rope_theta": params["rope_theta"],
+           "rope_scaling": {"type": "mrope", "mrope_section": params["mrope_section"]}}
+    assert QWEN2_5_VL.megatron_args(old) == QWEN2_5_VL.megatron_args(
+        read_config(tmp_path / "qwen2_5_vl", "--language-hf-weights"))

@@ -262,3 +262,19 @@ def test_a_transformers_4_config_with_top_level_text_fields_imports_alike(tmp_pa
            "rope_scaling": {"type": "mrope", "mrope_section": params["mrope_section"]}}
     assert QWEN2_5_VL.megatron_args(old) == QWEN2_5_VL.megatron_args(
         read_config(tmp_path / "qwen2_5_vl", "--language-hf-weights"))
+
+
+def test_sections_that_do_not_split_a_heads_rotary_pairs_are_one_line() -> None:
+    from megatron_plugins.errors import FlagError
+    from megatron_plugins.run_settings import check_mrope
+
+    def args(section):
+        return argparse.Namespace(position_embedding_type="mrope", mrope_section=section,
+                                  kv_channels=16, rotary_percent=1.0)
+
+    check_mrope(args([2, 3, 3]))
+    with pytest.raises(FlagError, match=r"^--mrope-section 2 3 4 must be three counts \(temporal, "
+                                        r"height, width\) summing to the 8 rotary frequency"):
+        check_mrope(args([2, 3, 4]))
+    with pytest.raises(FlagError, match="^--mrope-section 4 4 must be three counts"):
+        check_mrope(args([4, 4]))

@@ -66,7 +66,8 @@ def _sources(root: Path, workers: int) -> tuple[Any, Any, Any]:
     args = parser.parse_args([])
     common = dict(seed=1234, seq_length=32, num_workers=workers, global_batch_size=8,
                   micro_batch_size=2, eval_iters=0, eval_interval=0, rampup_batch_size=None,
-                  special_tokens=None, padded_vocab_size=None)
+                  special_tokens=None, padded_vocab_size=None,
+                  position_embedding_type="learned_absolute")
     plugins = {"vision": ViTEncoder("vision", args, layout.module("vision")),
                "audio": AudioFrameEncoder("audio", args, layout.module("audio"))}
     mock = build_source(SimpleNamespace(**vars(args), **common, data_path=None, vocab_size=128),

@@ -46,7 +46,7 @@ from megatron_plugins.preflight import Preflight
 from megatron_plugins.weights.flags import LANGUAGE_FLAG, encoder_folders, implied_language_args
 from megatron_plugins.weights.megatron_init import check_init_flags
 
-__all__ = ["Adjustment", "Settled", "settle"]
+__all__ = ["Adjustment", "Settled", "check_mrope", "settle"]
 
 DEFAULT_EVAL_INTERVAL = 1000
 """--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""
@@ -296,6 +296,20 @@ def check_packing(args: argparse.Namespace) -> None:
                         f"cp={args.context_parallel_size})")
 
 
+def check_mrope(args: argparse.Namespace) -> None:
+    """``--mrope-section`` splits a head's rotary frequency pairs over (t, h, w): three counts
+    summing to half the rotary dims, else Megatron fails deep in the first forward."""
+    if args.position_embedding_type != "mrope":
+        return
+    pairs = int(args.kv_channels * args.rotary_percent) // 2
+    section = list(args.mrope_section or [])
+    if len(section) != 3 or sum(section) != pairs:
+        raise FlagError(f"--mrope-section {' '.join(map(str, section))} must be three counts "
+                        f"(temporal, height, width) summing to the {pairs} rotary frequency pairs "
+                        f"of a head (--kv-channels {args.kv_channels} x --rotary-percent "
+                        f"{args.rotary_percent} / 2)")
+
+
 def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser,
            checked: Preflight) -> Settled:
     """Apply every step to parsed ``args`` in order; returns the record and the run's encoder
@@ -324,6 +338,7 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.apply(language_grid(args, checked))
     validate(args, checked, given)
     check_packing(args)
+    check_mrope(args)
     record.apply(padded_vocabulary(args, source))
     record.apply(init_checkpoints(args, plugins, checked))
     record.apply(mimo_after_validation(args))

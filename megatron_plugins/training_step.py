@@ -76,6 +76,13 @@ def _in_sample_order(model: torch.nn.Module, orders: Mapping[str, torch.Tensor])
         for name, tensor in received.items()}
 
 
+def _model_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Multimodal RoPE's ids come per sample (``[B, 3, S]``); the model takes ``[3, B, S]``."""
+    if position_ids is None or position_ids.dim() != 3:
+        return position_ids
+    return position_ids.transpose(0, 1).contiguous()
+
+
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
                  ) -> tuple[Any, Callable]:
     """One microbatch through this rank's part of the MiMo model."""
@@ -84,7 +91,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
         _in_sample_order(model, batch[RECEIVED_ORDER])
     output, loss_mask = model(
         input_ids=batch.get("tokens"),
-        position_ids=batch.get("position_ids"),
+        position_ids=_model_position_ids(batch.get("position_ids")),
         attention_mask=batch.get("attention_mask"),
         loss_mask=batch.get("loss_mask"),
         labels=batch.get("labels"),

@@ -45,7 +45,8 @@ def source_args(root: Path, encoders: Iterable[Any], **overrides: Any) -> argpar
                   tokenizer_model=str(root / "tokenizer"), seed=1234, seq_length=32,
                   num_workers=0, global_batch_size=8, micro_batch_size=2, eval_iters=1,
                   eval_interval=5, rampup_batch_size=None, special_tokens=None,
-                  padded_vocab_size=None, vocab_size=None)
+                  padded_vocab_size=None, vocab_size=None,
+                  position_embedding_type="learned_absolute")
     values.update(overrides)
     for name, value in values.items():
         setattr(args, name, value)

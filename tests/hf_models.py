@@ -36,6 +36,16 @@ TOKENS = torch.tensor([[3, 17, 42, 99, 5, 8, 61, 23, 0, 77, 12, 34],
                        [50, 1, 2, 98, 44, 31, 7, 7, 64, 19, 88, 26]])
 
 
+def redraw_parameters(model: torch.nn.Module) -> None:
+    """Every parameter redrawn from the current seed: norms around 1, the rest small."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+
+
 def save_tiny(family: str, folder: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
               **overrides: Any) -> Path:
     """A tiny random ``family`` model saved to ``folder`` (safetensors, config.json); another
@@ -49,12 +59,8 @@ def save_tiny(family: str, folder: str | Path, seed: int = 0, dtype: torch.dtype
     config = getattr(transformers, config_name)(**{**SHAPE, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
+    redraw_parameters(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
         params = dict(model.named_parameters())
         for name, tensor in model.state_dict().items():
             if name not in params:  # a persistent buffer (the expert bias): non-zero too

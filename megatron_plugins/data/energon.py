@@ -44,6 +44,7 @@ from megatron_plugins.data.media import (
     media_size,
     probe_size,
 )
+from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.data.streams import (
     POSITIONS,
     TRUNCATED,
@@ -180,13 +181,18 @@ def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: 
                                          f"{error}") from None
 
 
-def _header_item_tokens(plugin: EncoderPlugin, sample: Any) -> tuple[int, ...]:
-    """One encoder's item token counts of a sample, from its media parts' headers (never
-    decoded)."""
+def _header_sizes(plugin: EncoderPlugin, sample: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """One encoder's items of a sample: each one's field and size, from its media part's header
+    (never decoded)."""
     media = plugin.preprocessor().media
-    return tuple(_item_tokens(plugin, probe_size(media, data, sample.__key__, field),
-                              sample.__key__, field)
-                 for field, data in _sample_kind(sample).items(sample, media))
+    return [(field, probe_size(media, data, sample.__key__, field))
+            for field, data in _sample_kind(sample).items(sample, media)]
+
+
+def _header_item_tokens(plugin: EncoderPlugin, sample: Any) -> tuple[int, ...]:
+    """One encoder's item token counts of a sample, from its media parts' headers."""
+    return tuple(_item_tokens(plugin, size, sample.__key__, field)
+                 for field, size in _header_sizes(plugin, sample))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +204,23 @@ class _TextInputs:
     plugins: dict[str, EncoderPlugin]
     markers: tuple[tuple[str, str], ...]
     seq_length: int
+    mrope: bool = False
+    """The language model uses multimodal RoPE: ``position_ids`` are ``[3, seq_length]``."""
 
     def item_tokens(self, sample: Any) -> dict[str, tuple[int, ...]]:
         """Each encoder's item token counts, from the media parts' headers (never decoded)."""
         return {name: _header_item_tokens(plugin, sample) for name, plugin in self.plugins.items()}
+
+    def _mrope_position_ids(self, sample: Any, tokens: torch.Tensor) -> torch.Tensor:
+        """``[3, seq_length]`` positions from the tokens and the items' grids (headers only)."""
+        items = {self.tokenizer.placeholder_ids[name]: [
+                     item_layout(plugin, size) for _, size in _header_sizes(plugin, sample)]
+                 for name, plugin in self.plugins.items()}
+        try:
+            return mrope_position_ids(tokens, items)
+        except ValueError as error:
+            raise BadSampleError(sample.__key__, "tokens", f"has placeholder runs that do not "
+                                 f"match its items ({error})") from None
 
     def _check_room(self, sample: Any, counts: dict[str, tuple[int, ...]]) -> None:
         """The placeholder runs are never cut, so runs that alone overflow the row stop the run
@@ -232,7 +251,10 @@ class _TextInputs:
                 raise BadSampleError(sample.__key__, "conversation", str(error)) from None
         else:
             encoded = self.tokenizer.encode(text, blocks, self.seq_length)
-        return encoded.as_batch_fields(), counts, encoded.truncated
+        fields = encoded.as_batch_fields()
+        if self.mrope:
+            fields["position_ids"] = self._mrope_position_ids(sample, encoded.tokens)
+        return fields, counts, encoded.truncated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +440,8 @@ class EnergonSource:
     plugins: dict[str, EncoderPlugin]
     kind: SampleKind | None = None
     """The folder's sample kind; None for a metadataset (its datasets' kinds are not known)."""
+    mrope: bool = False
+    """The language model uses multimodal RoPE (:mod:`.positions`)."""
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -433,7 +457,8 @@ class EnergonSource:
         if module == LANGUAGE:
             markers = tuple((name, media_marker(p.preprocessor().media))
                             for name, p in self.plugins.items())
-            return _TextInputs(self.tokenizer, self.plugins, markers, self.seq_length)
+            return _TextInputs(self.tokenizer, self.plugins, markers, self.seq_length,
+                               self.mrope)
         plugin = self.plugins[module]
         return _EncoderInputs(plugin, plugin.preprocessor())
 
@@ -536,4 +561,5 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
     if isinstance(kind, ConversationKind):
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,
-                         args.global_batch_size, tokenizer, plugins, kind)
+                         args.global_batch_size, tokenizer, plugins, kind,
+                         args.position_embedding_type == "mrope")

@@ -23,6 +23,7 @@ import torch
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.mock_media import MOCK_KINDS, NUM_CLASSES, mock_media, mock_size
+from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.data.streams import (
     LENGTH, POSITIONS, SPLITS, Microbatch, collate_items, collate_text
 )
@@ -69,6 +70,9 @@ class MockSource:
     plugins: dict[str, EncoderPlugin]
     items_per_sample: tuple[int, int] = (0, 2)
     """Fewest and most items per encoder in a sample, drawn uniformly for each."""
+    mrope: bool = False
+    """The language model uses multimodal RoPE: ``position_ids`` are ``[3, seq_length]``
+    (:mod:`.positions`)."""
 
     def __post_init__(self) -> None:
         if self.text_vocab_size < NUM_CLASSES:
@@ -150,9 +154,19 @@ class MockSource:
             "tokens": tokens_t,
             "labels": torch.where(is_text, following, torch.zeros_like(following)),
             "loss_mask": is_text.float(),
-            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+            "position_ids": self.position_ids(tokens_t, split, index),
             LENGTH: torch.tensor(length),
         }
+
+    def position_ids(self, tokens: torch.Tensor, split: str, index: int) -> torch.Tensor:
+        """``[seq_length]`` consecutive positions, or with :attr:`mrope` ``[3, seq_length]``
+        from the tokens and the items' grids."""
+        if not self.mrope:
+            return torch.arange(self.seq_length, dtype=torch.long)
+        return mrope_position_ids(tokens, {
+            self.special_token_ids[name]: [item_layout(plugin, size)
+                                           for size in self.item_sizes(name, split, index)]
+            for name, plugin in self.plugins.items()})
 
     def media(self, name: str, split: str, index: int) -> list[object]:
         """One encoder's decoded items of one sample (encoder ranks)."""

@@ -1,8 +1,8 @@
 """Sequence packing (``--pack-sequences``): a language microbatch's samples laid end to end in one row.
 
-Each sample keeps its natural length, its own position ids (0 up) and its loss mask; the rest of
-the row is padding. The row's THD segments (one per sample, the padding its own) make attention
-stay inside each sample. Samples stay in order, so the encoders' outputs, which the language
+Each sample keeps its natural length, its own position ids (0 up; multimodal RoPE's three rows
+alike) and its loss mask; the rest of the row is padding. The row's THD segments (one per sample,
+the padding its own) make attention stay inside each sample. Samples stay in order, so the encoders' outputs, which the language
 model scatters into the placeholder positions in row-major order, land where they did unpacked.
 When the samples do not fit, the later samples' text is cut from their end, never into a
 placeholder run (a text-only sample may be cut away whole: dropped).
@@ -96,7 +96,8 @@ def _kept_lengths(rows: torch.Tensor, lengths: Sequence[int], keys: Sequence[str
 def pack_row(batch: dict[str, torch.Tensor], lengths: Sequence[int], keys: Sequence[str],
              placeholder_ids: Collection[int]) -> PackedRow:
     """Pack a microbatch's rows (:data:`PACKED_FIELDS`, each ``[samples, seq_length]``, sample
-    ``i`` occupying its first ``lengths[i]`` positions) into one row of ``seq_length``.
+    ``i`` occupying its first ``lengths[i]`` positions; multimodal RoPE's position ids are
+    ``[samples, 3, seq_length]``) into one row of ``seq_length``.
 
     A cut sample's last kept position leaves the loss (its target is no longer in the row). Raises
     :class:`PackingError` when the samples' placeholder runs alone exceed the row.
@@ -106,19 +107,20 @@ def pack_row(batch: dict[str, torch.Tensor], lengths: Sequence[int], keys: Seque
     padding = tokens.shape[-1] - sum(kept)
     fields = {}
     for name in PACKED_FIELDS:
-        parts = [batch[name][i, :count] for i, count in enumerate(kept)]
+        parts = [batch[name][i, ..., :count] for i, count in enumerate(kept)]
         if name == "loss_mask":
             parts = [part.clone() for part in parts]
             for part, count, natural in zip(parts, kept, lengths):
                 if 0 < count < natural:
                     part[-1] = 0
         if name == "position_ids":
-            parts.append(torch.arange(padding, dtype=batch[name].dtype))
+            parts.append(torch.arange(padding, dtype=batch[name].dtype).expand(
+                *batch[name].shape[1:-1], padding))
         else:
             # No sample was cut when there is padding, so the first sample's own padding (its
             # row beyond its length) is at least that long.
             parts.append(batch[name][0, lengths[0]:lengths[0] + padding])
-        fields[name] = torch.cat(parts).unsqueeze(0)
+        fields[name] = torch.cat(parts, dim=-1).unsqueeze(0)
     cut = tuple(key for key, count, natural in zip(keys, kept, lengths) if count < natural)
     return PackedRow(fields=fields, kept=tuple(kept), cut=cut)
 

@@ -70,7 +70,8 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
     if not args.data_path:
         return MockSource(seed=args.seed, seq_length=args.seq_length,
                           vocab_size=args.vocab_size, plugins=dict(plugins),
-                          items_per_sample=items)
+                          items_per_sample=items,
+                          mrope=args.position_embedding_type == "mrope")
     if len(args.data_path) != 1:
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "

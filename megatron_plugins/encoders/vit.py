@@ -169,6 +169,15 @@ class ViTEncoder(EncoderPlugin):
                                      self.args.vit_min_pixels, self.args.vit_max_pixels)
         return height * width // self.args.vit_patch_size ** 2
 
+    def item_grid(self, size: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """Native resolution: ``(1, rows, columns)`` of the resized patch grid, the row-major
+        order the tower's output has; a fixed-size crop has no grid (consecutive positions)."""
+        if not self.args.vit_native_resolution:
+            return None
+        height, width = smart_resize(size[0], size[1], self.args.vit_patch_size,
+                                     self.args.vit_min_pixels, self.args.vit_max_pixels)
+        return 1, height // self.args.vit_patch_size, width // self.args.vit_patch_size
+
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         return encoder_config(language, self.grid, num_layers=self.args.vit_num_layers,
                               hidden_size=self.args.vit_hidden_size,

@@ -1,6 +1,6 @@
 """Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts),
 dots.llm1 (DeepSeek-V3-style MoE: sigmoid router with an fp32 expert bias, shared experts, dense
-first layers).
+first layers), and Qwen2.5-VL's language model (Qwen2 with multimodal RoPE).
 
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
-__all__ = ["DOTS1", "FAMILIES"]
+__all__ = ["DOTS1", "FAMILIES", "QWEN2_5_VL"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -135,6 +135,54 @@ def _dense_args(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _qwen2_args(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**_llama_args(config), "add_qkv_bias": True}
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A VLM's language model config: ``text_config`` over the top level (where transformers 5
+    keeps ``tie_word_embeddings``; older folders keep every text field there)."""
+    top = {key: value for key, value in config.items()
+           if key not in ("text_config", "vision_config")}
+    return {**top, **(config.get("text_config") or {})}
+
+
+def _mrope_section(text: Mapping[str, Any]) -> list[int]:
+    """HF's ``mrope_section``, which Megatron's ``--mrope-section`` takes as is: both count
+    rotary frequency pairs per axis (t, h, w) and lay the cos/sin halves out alike
+    (``MultimodalRotaryEmbedding`` splits ``cat(freqs, freqs)`` by the sections twice, HF splits
+    the frequencies once and concatenates them twice), so their sum is half the head dim."""
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = params.get("mrope_section")
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if (not isinstance(section, list) or len(section) != 3
+            or sum(section) != head_dim // 2):
+        raise HFWeightsError(f"config.json rope_parameters.mrope_section = {section!r} is not "
+                             f"supported (Megatron's multimodal RoPE needs three counts of "
+                             f"frequency pairs summing to head_dim / 2 = {head_dim // 2})")
+    if params.get("mrope_interleaved", False):
+        raise HFWeightsError("config.json rope_parameters.mrope_interleaved = True is not "
+                             "supported (Megatron's multimodal RoPE gives each axis one block of "
+                             "frequencies); only False can be imported")
+    return list(section)
+
+
+def _qwen2_5_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen2.5-VL folder's language model: Qwen2 with multimodal RoPE (transformers 4 wrote its
+    rope type as 'mrope', meaning default RoPE split by ``mrope_section``)."""
+    text = _text_config(config)
+    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    if params.get("rope_type", params.get("type")) == "mrope":
+        params["rope_type"] = "default"
+    return {**_qwen2_args({**text, "rope_parameters": params}),
+            "position_embedding_type": "mrope", "mrope_section": _mrope_section(text)}
+
+
+def _qwen2_5_vl_config(args: Any, vocab_size: int) -> dict[str, Any]:
+    """``config.json`` of a Qwen2.5-VL folder's language side (the vision tower's
+    ``vision_config`` is its own family's)."""
+    text = _hf_config("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text")(args, vocab_size)
+    top = {key: text.pop(key) for key in ("architectures", "tie_word_embeddings", "dtype")}
+    text["rope_parameters"]["mrope_section"] = list(args.mrope_section)
+    return {**top, "model_type": "qwen2_5_vl", "text_config": text}
 
 
 def _qwen3_args(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -289,4 +337,10 @@ DOTS1 = _decoder(
         "layer_types": lambda args: ["full_attention"] * args.num_layers,
     })
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1)
+QWEN2_5_VL = Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "qwen2_5_vl",
+                    (*ENDS, *_attention(True, False), *DENSE_MLP), _qwen2_5_vl_args,
+                    _qwen2_5_vl_config, unused=(r"visual\.",), tied=TIED)
+"""The language model of a whole Qwen2.5-VL folder (Qwen2's tensor names); its vision tower
+(``visual.*``) is another model's."""
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1, QWEN2_5_VL)

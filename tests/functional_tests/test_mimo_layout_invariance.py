@@ -45,6 +45,8 @@ NATIVE_RESOLUTION = {  # images of varied sizes at their own token counts, 0..2 
                                         "vision:", "--grid", "audio:dp=2", "--grid",
                                         "language:dp=2")),
 }
+MROPE = (*NATIVE, "--position-embedding-type", "mrope", "--mrope-section", "2", "3", "3")
+"""Multimodal RoPE: each image's tokens at its patch grid's (1, rows, columns) positions."""
 
 
 def _assert_same_training(reference: tuple, other: tuple, encoders: tuple[str, ...]) -> None:
@@ -80,6 +82,13 @@ def test_two_encoder_layouts_train_identically(name: str) -> None:
 def test_native_resolution_layouts_train_identically(name: str) -> None:
     reference = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
     _assert_same_training(reference, cached_mimo_run(*NATIVE_RESOLUTION[name]), ("vision",))
+
+
+def test_mrope_native_resolution_trains_identically_at_language_tp2() -> None:
+    """The [3, S] positions reach every language rank and split with the heads' rotary dims."""
+    reference = cached_mimo_run(2, (*MROPE, "--grid", "vision:", "--grid", "language:"))
+    _assert_same_training(reference, cached_mimo_run(
+        3, (*MROPE, "--grid", "vision:", "--grid", "language:tp=2")), ("vision",))
 
 
 def test_native_resolution_with_a_second_encoder_trains_identically_across_layouts() -> None:

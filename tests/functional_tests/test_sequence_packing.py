@@ -46,6 +46,14 @@ def test_packing_with_rotary_positions_matches_unpacked() -> None:
     assert _losses(2, (*rope, *PACK)) == pytest.approx(_losses(2, rope), rel=1e-5)
 
 
+def test_packing_with_mrope_grid_positions_matches_unpacked() -> None:
+    """Native-resolution images at their grids' 3D positions, restarting per packed sample."""
+    mrope = (*SGD, *ROW, "--encoder", "vision=vit", "--vit-native-resolution",
+             "--vit-max-pixels", "1024", "--position-embedding-type", "mrope",
+             "--mrope-section", "2", "3", "3", "--grid", "vision:", "--grid", "language:")
+    assert _losses(2, (*mrope, *PACK)) == pytest.approx(_losses(2, mrope), rel=1e-5)
+
+
 def test_packed_segments_reach_every_pipeline_stage() -> None:
     assert _losses(3, (*PP2, *PACK)) == pytest.approx(_losses(3, PP2), rel=1e-5)
 

@@ -407,6 +407,23 @@ def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
     assert [item["patches"].shape[0] for item in items] == [4, 10, 8]
 
 
+def test_mrope_positions_of_a_conversation_equal_transformers(tokenizer):
+    """Three images of different grids at their markers: the [3, S] positions the language
+    ranks compute from the headers are Qwen2.5-VL's ``get_rope_index`` of the same layout."""
+    from tests.mrope_models import IMAGE_TOKEN, hf_rope_index
+
+    vit = _native_vit()
+    fields, _, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96,
+                               mrope=True)(_sample("m1", SIZES, MULTI))
+    length = int(fields["length"])
+    is_image = fields["tokens"][:length] == tokenizer.placeholder_ids["vision"]
+    grids = [vit.item_grid(size) for size in SIZES]
+    assert grids == [(1, 2, 2), (1, 2, 5), (1, 4, 2)]
+    want = hf_rope_index((is_image * IMAGE_TOKEN)[None], grids)[:, 0]
+    assert fields["position_ids"].shape == (3, 96)
+    assert torch.equal(fields["position_ids"][:, :length], want)
+
+
 def test_without_markers_every_image_opens_the_first_user_turn(tokenizer):
     vit = _native_vit()
     turns = (("system", "a cat"), ("user", "what colors"), ("assistant", "red"))

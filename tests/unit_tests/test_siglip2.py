@@ -166,3 +166,40 @@ def test_errors_name_the_flag_and_both_model_types(tmp_path) -> None:
     odd = save_tiny_siglip2(tmp_path / "odd", num_hidden_layers=1, num_patches=15)
     with pytest.raises(EncoderPluginError, match=r"square num_patches"):
         plugin("siglip2", odd)
+
+
+def test_trained_tower_exports_what_it_streams_and_transformers_reproduces_it(tmp_path) -> None:
+    """Round trip: the siglip2 tower imported at encoder TP 2, trained 2 steps by pretrain() on
+    mock images, saved, exported; the exported folder holds the live tower's streamed tensors plus
+    the untrained pooling head, and transformers on it gives our encoder's hidden states."""
+    from tests import hf_models
+
+    language = hf_models.save_tiny("llama", tmp_path / "llama")
+    siglip2 = save_tiny_siglip2(tmp_path / "siglip2")
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
+    encoder = ("--encoder", "vision=siglip2", "--grid", "vision:tp=2",
+               "--encoder-hf-weights", f"vision={siglip2}")
+    pieces, _ = hf_models.train_from_hf(
+        3, str(language), "language:", ("--seq-length", "64", "--mock-items-per-sample", "1",
+                                        "--train-iters", "2",
+                                        "--save", str(checkpoint), "--save-interval", "2"),
+        module="vision", encoder=encoder)
+    run_in_processes(hf_models.export_rank, 1,
+                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    exported = safetensors_of(out / "vision")
+    original = safetensors_of(siglip2)
+    head = {n: t for n, t in original.items() if n.startswith("head.")}
+    assert head
+    assert sorted(exported) == sorted({**streamed, **head}) == sorted(original)
+    for name, tensor in {**streamed, **head}.items():
+        assert torch.equal(exported[name], tensor), name
+    assert not torch.equal(exported["encoder.layers.0.mlp.fc1.weight"],
+                           original["encoder.layers.0.mlp.fc1.weight"])  # it trained
+    (out / "vision" / "preprocessor_config.json").write_text(
+        (siglip2 / "preprocessor_config.json").read_text())
+    batch = images(seed=5)
+    [ours] = run_in_processes(siglip2_rank, 1, args=(str(out / "vision"), 1, batch),
+                              timeout=120, simulated=True)
+    want = np.concatenate(siglip2_hf(out / "vision", batch)["hidden"])
+    assert rel_diff(ours["output"], want) < TOLERANCE

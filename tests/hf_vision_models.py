@@ -24,6 +24,16 @@ MODELS = {
 }
 
 
+def redraw(model: torch.nn.Module) -> None:
+    """Every weight redrawn (norm scales around 1), so a swapped or missed tensor shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+
+
 def save_tiny(provider: str, folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """A tiny random HF vision model of ``provider``'s kind saved to ``folder``."""
     import transformers
@@ -32,12 +42,7 @@ def save_tiny(provider: str, folder: str | Path, seed: int = 0, **overrides: Any
     config = getattr(transformers, config_name)(**{**SHAPE, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    redraw(model)
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 
@@ -190,12 +195,7 @@ def save_tiny_siglip2(folder: str | Path, seed: int = 0, full: bool = False,
         model_class = transformers.Siglip2VisionModel
     torch.manual_seed(seed)
     model = model_class(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    redraw(model)
     model.save_pretrained(folder, safe_serialization=True)
     transformers.Siglip2ImageProcessorPil(
         patch_size=vision["patch_size"], max_num_patches=SIGLIP2_MAX_PATCHES,
@@ -259,3 +259,26 @@ def siglip2_rank(folder: str, tp: int, images: list[np.ndarray]) -> dict[str, An
     return {"family": family.name, "output": output.detach().numpy(),
             "item_tokens": [encoder.item_tokens(image.shape[:2]) for image in images],
             "pieces": streamed(network, family, pgc, None)}
+
+
+def train_and_export(provider: str, folder: Path, tmp_path: Path,
+                     seq_length: int) -> tuple[dict[str, torch.Tensor], Path]:
+    """A MiMo run whose ``vision`` encoder (``provider``, encoder TP 2) starts from the HF folder
+    ``folder``, trained 2 steps by pretrain() on mock images, saved and exported: the tower's
+    tensors as the trained ranks streamed them, and the exported ``vision`` folder."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests import hf_models
+    from tests.multiprocess import run_in_processes
+
+    language = hf_models.save_tiny("llama", tmp_path / "llama")
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
+    encoder = ("--encoder", f"vision={provider}", "--grid", "vision:tp=2",
+               "--encoder-hf-weights", f"vision={folder}")
+    pieces, _ = hf_models.train_from_hf(
+        3, str(language), "language:", ("--seq-length", str(seq_length),
+                                        "--mock-items-per-sample", "1", "--train-iters", "2",
+                                        "--save", str(checkpoint), "--save-interval", "2"),
+        module="vision", encoder=encoder)
+    run_in_processes(hf_models.export_rank, 1,
+                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    return assemble(piece for rank in pieces for piece in rank), out / "vision"

@@ -22,6 +22,7 @@ from tests.hf_vision_models import (
     rel_diff,
     save_full_clip,
     save_tiny,
+    train_and_export,
 )
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import pieces_from, safetensors_of
@@ -175,22 +176,9 @@ def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_
     the exported vision folder holds exactly the live tower's streamed tensors plus the untrained
     post_layernorm from the folder the run started from, and transformers on that folder gives
     our encoder's hidden states."""
-    from tests import hf_models
-
-    language = hf_models.save_tiny("llama", tmp_path / "llama")
     clip = save_tiny("clip", tmp_path / "clip")
-    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
-    encoder = ("--encoder", "vision=clip", "--grid", "vision:tp=2",
-               "--encoder-hf-weights", f"vision={clip}")
-    pieces, _ = hf_models.train_from_hf(
-        3, str(language), "language:", ("--seq-length", "32", "--mock-items-per-sample", "1",
-                                        "--train-iters", "2",
-                                        "--save", str(checkpoint), "--save-interval", "2"),
-        module="vision", encoder=encoder)
-    run_in_processes(hf_models.export_rank, 1,
-                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
-    streamed = assemble(piece for rank in pieces for piece in rank)
-    exported = safetensors_of(out / "vision")
+    streamed, exported_folder = train_and_export("clip", clip, tmp_path, seq_length=32)
+    exported = safetensors_of(exported_folder)
     original = safetensors_of(clip)
     untrained = {n: t for n, t in original.items() if n.startswith("post_layernorm.")}
     assert sorted(untrained) == ["post_layernorm.bias", "post_layernorm.weight"]
@@ -201,6 +189,6 @@ def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_
     assert not torch.equal(exported["encoder.layers.0.mlp.fc1.weight"],
                            original["encoder.layers.0.mlp.fc1.weight"])  # it trained
     pixels = pixel_values(seed=5)
-    [ours] = run_in_processes(encoder_rank, 1, args=("clip", str(out / "vision"), 1, pixels),
+    [ours] = run_in_processes(encoder_rank, 1, args=("clip", str(exported_folder), 1, pixels),
                               timeout=120, simulated=True)
-    assert rel_diff(ours["output"], hf_hidden_states("clip", out / "vision", pixels)) < TOLERANCE
+    assert rel_diff(ours["output"], hf_hidden_states("clip", exported_folder, pixels)) < TOLERANCE

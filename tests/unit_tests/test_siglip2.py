@@ -22,6 +22,7 @@ from tests.hf_vision_models import (
     save_tiny_siglip2,
     siglip2_hf,
     siglip2_rank,
+    train_and_export,
     uint8_image,
 )
 from tests.multiprocess import run_in_processes
@@ -172,22 +173,9 @@ def test_trained_tower_exports_what_it_streams_and_transformers_reproduces_it(tm
     """Round trip: the siglip2 tower imported at encoder TP 2, trained 2 steps by pretrain() on
     mock images, saved, exported; the exported folder holds the live tower's streamed tensors plus
     the untrained pooling head, and transformers on it gives our encoder's hidden states."""
-    from tests import hf_models
-
-    language = hf_models.save_tiny("llama", tmp_path / "llama")
     siglip2 = save_tiny_siglip2(tmp_path / "siglip2")
-    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
-    encoder = ("--encoder", "vision=siglip2", "--grid", "vision:tp=2",
-               "--encoder-hf-weights", f"vision={siglip2}")
-    pieces, _ = hf_models.train_from_hf(
-        3, str(language), "language:", ("--seq-length", "64", "--mock-items-per-sample", "1",
-                                        "--train-iters", "2",
-                                        "--save", str(checkpoint), "--save-interval", "2"),
-        module="vision", encoder=encoder)
-    run_in_processes(hf_models.export_rank, 1,
-                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
-    streamed = assemble(piece for rank in pieces for piece in rank)
-    exported = safetensors_of(out / "vision")
+    streamed, folder = train_and_export("siglip2", siglip2, tmp_path, seq_length=64)
+    exported = safetensors_of(folder)
     original = safetensors_of(siglip2)
     head = {n: t for n, t in original.items() if n.startswith("head.")}
     assert head
@@ -196,10 +184,10 @@ def test_trained_tower_exports_what_it_streams_and_transformers_reproduces_it(tm
         assert torch.equal(exported[name], tensor), name
     assert not torch.equal(exported["encoder.layers.0.mlp.fc1.weight"],
                            original["encoder.layers.0.mlp.fc1.weight"])  # it trained
-    (out / "vision" / "preprocessor_config.json").write_text(
+    (folder / "preprocessor_config.json").write_text(
         (siglip2 / "preprocessor_config.json").read_text())
     batch = images(seed=5)
-    [ours] = run_in_processes(siglip2_rank, 1, args=(str(out / "vision"), 1, batch),
-                              timeout=120, simulated=True)
-    want = np.concatenate(siglip2_hf(out / "vision", batch)["hidden"])
+    [ours] = run_in_processes(siglip2_rank, 1, args=(str(folder), 1, batch), timeout=120,
+                              simulated=True)
+    want = np.concatenate(siglip2_hf(folder, batch)["hidden"])
     assert rel_diff(ours["output"], want) < TOLERANCE

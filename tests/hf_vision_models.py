@@ -282,3 +282,19 @@ def train_and_export(provider: str, folder: Path, tmp_path: Path,
     run_in_processes(hf_models.export_rank, 1,
                      args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
     return assemble(piece for rank in pieces for piece in rank), out / "vision"
+
+
+def assert_streams_back(provider: str, folder: str | Path, results: list[dict[str, Any]]) -> None:
+    """The TP ranks' streamed pieces (``results[i]["pieces"]``, fc1 split over tp) reassemble to
+    exactly the folder's tensors of the tower."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.hf_models import pieces_from, safetensors_of
+
+    family = plugin(provider, folder).hf_family
+    pieces = [piece for result in results for piece in pieces_from(result["pieces"])]
+    assert {p.hf_name for p in pieces if "fc1.weight" in p.hf_name and p.tensor.shape[0] < 48}
+    assembled = assemble(pieces)
+    original = {n: t for n, t in safetensors_of(folder).items() if not family.is_unused(n)}
+    assert sorted(assembled) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(assembled[name], tensor), name

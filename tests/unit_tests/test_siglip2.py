@@ -12,9 +12,9 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.encoders.siglip2 import siglip2_image_size
-from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
+from tests.hf_models import safetensors_of
 from tests.hf_vision_models import (
+    assert_streams_back,
     SIGLIP2_MAX_PATCHES,
     plugin,
     rel_diff,
@@ -112,15 +112,7 @@ def test_tp2_reproduces_transformers_and_streams_the_folder_back(tmp_path) -> No
     want = np.concatenate(siglip2_hf(folder, batch)["hidden"])
     for result in results:
         assert rel_diff(result["output"], want) < TOLERANCE
-    # The two ranks' pieces (fc1 split over tp) reassemble to the folder's tower tensors.
-    family = plugin("siglip2", folder).hf_family
-    pieces = [piece for result in results for piece in pieces_from(result["pieces"])]
-    assert {p.hf_name for p in pieces if "fc1.weight" in p.hf_name and p.tensor.shape[0] < 48}
-    assembled = assemble(pieces)
-    original = {n: t for n, t in safetensors_of(folder).items() if not family.is_unused(n)}
-    assert sorted(assembled) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(assembled[name], tensor), name
+    assert_streams_back("siglip2", folder, results)
 
 
 def test_full_siglip2_model_folder_loads_its_vision_tower(tmp_path) -> None:

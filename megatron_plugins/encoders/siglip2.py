@@ -151,7 +151,8 @@ class Siglip2Network(MegatronModule):
 
 class Siglip2VisionEncoder(HFVisionEncoder):
     """HF ``Siglip2VisionModel`` (NaFlex): an image fills as many positions as it has patches after
-    HF's resize, at most ``max_num_patches``."""
+    HF's resize, at most ``max_num_patches``. The folder, config and TransformerConfig reading are
+    :class:`HFVisionEncoder`'s; preprocessing, token counts and the network are its own."""
 
     provider = "siglip2"
     model_type = "siglip2_vision_model"

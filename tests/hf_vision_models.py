@@ -25,6 +25,16 @@ MODELS = {
 }
 
 
+def redraw(model: torch.nn.Module) -> None:
+    """Every weight redrawn (norm scales around 1), so a swapped or missed tensor shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+
+
 def save_tiny(provider: str, folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """A tiny random HF vision model of ``provider``'s kind saved to ``folder``."""
     import transformers
@@ -33,12 +43,7 @@ def save_tiny(provider: str, folder: str | Path, seed: int = 0, **overrides: Any
     config = getattr(transformers, config_name)(**{**SHAPE, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    redraw(model)
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 
@@ -178,16 +183,6 @@ QWEN_IMAGES = ((24, 40), (16, 16), (50, 30), (13, 21), (7, 9))
 resized up."""
 
 
-def _redraw(model: Any) -> None:
-    """Every weight redrawn (norm weights near 1) so a swapped or missed tensor shows."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
-
-
 def save_tiny_qwen(folder: str | Path, seed: int = 0, vision_only: bool = False,
                    text_hidden: int = QWEN_TEXT_HIDDEN) -> Path:
     """A tiny random Qwen2.5-VL saved to ``folder`` with a preprocessor_config.json: the whole
@@ -204,7 +199,7 @@ def save_tiny_qwen(folder: str | Path, seed: int = 0, vision_only: bool = False,
         vision_config={**QWEN_VISION, "out_hidden_size": text_hidden}, text_config=text)
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    _redraw(model)
+    redraw(model)
     (model.model.visual if vision_only else model).save_pretrained(folder,
                                                                    safe_serialization=True)
     qwen_processor(**QWEN_PIXELS).save_pretrained(folder)
@@ -310,3 +305,110 @@ def train_and_export(folder: Path, provider: str, encoder_folder: str | Path,
     run_in_processes(hf_models.export_rank, 1,
                      args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
     return assemble(piece for rank in pieces for piece in rank), out
+
+
+SIGLIP2_SHAPE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, patch_size=4, num_patches=16)
+"""A tiny NaFlex tower: a 4 x 4 position table, resized up and down to the images' grids."""
+
+SIGLIP2_MAX_PATCHES = 24
+"""The tiny tower's image processor's ``max_num_patches`` (above the table's 16 patches)."""
+
+
+def save_tiny_siglip2(folder: str | Path, seed: int = 0, full: bool = False,
+                      **overrides: Any) -> Path:
+    """A tiny random HF ``Siglip2VisionModel`` (or a whole ``Siglip2Model``, text tower too) saved
+    to ``folder`` with its PIL image processor (``max_num_patches`` :data:`SIGLIP2_MAX_PATCHES`)."""
+    import transformers
+
+    vision = {**SIGLIP2_SHAPE, **overrides}
+    if full:
+        text = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                    num_attention_heads=2, max_position_embeddings=8, projection_size=32)
+        config = transformers.Siglip2Config(text_config=text, vision_config=vision)
+        model_class = transformers.Siglip2Model
+    else:
+        config = transformers.Siglip2VisionConfig(**vision)
+        model_class = transformers.Siglip2VisionModel
+    torch.manual_seed(seed)
+    model = model_class(config)
+    redraw(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    transformers.Siglip2ImageProcessorPil(
+        patch_size=vision["patch_size"], max_num_patches=SIGLIP2_MAX_PATCHES,
+    ).save_pretrained(folder)
+    return Path(folder)
+
+
+def uint8_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A random RGB image ``[height, width, 3]``."""
+    return np.random.default_rng(seed + height * width).integers(0, 256, (height, width, 3),
+                                                                 np.uint8)
+
+
+def siglip2_hf(folder: str | Path, images: list[np.ndarray]) -> dict[str, Any]:
+    """transformers on ``images``: its processor's output and each image's valid
+    ``last_hidden_state`` rows (the padded batch cut to each image's patches)."""
+    import transformers
+
+    processor = transformers.Siglip2ImageProcessorPil.from_pretrained(folder)
+    inputs = processor(images, return_tensors="pt", input_data_format="channels_last")
+    model_class = (transformers.Siglip2Model if "text_config" in
+                   transformers.AutoConfig.from_pretrained(folder).to_dict()
+                   else transformers.Siglip2VisionModel)
+    model = model_class.from_pretrained(folder, dtype=torch.float32)
+    tower = model.vision_model if model_class is transformers.Siglip2Model else model
+    with torch.no_grad():
+        hidden = tower(**inputs).last_hidden_state
+    counts = inputs["pixel_attention_mask"].sum(dim=1).tolist()
+    return {"inputs": inputs, "counts": counts,
+            "hidden": [hidden[i, :n].numpy() for i, n in enumerate(counts)]}
+
+
+def siglip2_rank(folder: str, tp: int, images: list[np.ndarray]) -> dict[str, Any]:
+    """One TP rank of our ``siglip2`` encoder built from ``folder``, HF weights imported through
+    its family: its packed output on ``images`` (one microbatch), the token counts it declares
+    per image, and its streamed HF pieces (serialized)."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_plugins.weights.flags import ENCODER_FLAG
+    from megatron_plugins.weights.hf_import import load_hf_weights
+    from tests.hf_models import streamed
+
+    parallel_state.initialize_model_parallel(tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    encoder = plugin("siglip2", folder, tp)
+    config = encoder.transformer_config(language_config())
+    network = build_module(encoder.encoder_spec(config, pgc))
+    family = load_hf_weights(network, folder, f"{ENCODER_FLAG} vision=", pgc,
+                             (encoder.hf_family,))
+    preprocessor = encoder.preprocessor()
+    batch = preprocessor.collate([preprocessor(image) for image in images])
+    network.eval()
+    with torch.no_grad():
+        output = network(**batch)
+    return {"family": family.name, "output": output.detach().numpy(),
+            "item_tokens": [encoder.item_tokens(image.shape[:2]) for image in images],
+            "pieces": streamed(network, family, pgc, None)}
+
+
+def assert_streams_back(provider: str, folder: str | Path, results: list[dict[str, Any]]) -> None:
+    """The TP ranks' streamed pieces (``results[i]["pieces"]``, fc1 split over tp) reassemble to
+    exactly the folder's tensors of the tower."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.hf_models import pieces_from, safetensors_of
+
+    family = plugin(provider, folder).hf_family
+    pieces = [piece for result in results for piece in pieces_from(result["pieces"])]
+    assert {p.hf_name for p in pieces if "fc1.weight" in p.hf_name and p.tensor.shape[0] < 48}
+    assembled = assemble(pieces)
+    original = {n: t for n, t in safetensors_of(folder).items() if not family.is_unused(n)}
+    assert sorted(assembled) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(assembled[name], tensor), name

@@ -43,7 +43,7 @@ from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
 from megatron_plugins.weights.mapping import Family
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
 
-__all__ = ["ACTIVATIONS", "CLIPVisionEncoder", "HFImagePreprocessor", "HFVisionEncoder",
+__all__ = ["ACTIVATIONS", "CLIPVisionEncoder", "HALF", "HFImagePreprocessor", "HFVisionEncoder",
            "SiglipVisionEncoder", "hf_normalized"]
 
 ACTIVATIONS = {
@@ -173,12 +173,16 @@ class HFVisionEncoder(EncoderPlugin):
         if act not in ACTIVATIONS:
             raise EncoderPluginError(f"{self.where}: hidden_act {act!r} is "
                                      f"not supported; supported: {', '.join(ACTIVATIONS)}")
+        self._check_shape(hf_config)
+        return hf_config
+
+    def _check_shape(self, hf_config: Any) -> None:
+        """Refuse a vision config whose image geometry the encoder cannot build."""
         if hf_config.num_channels != 3 or hf_config.image_size % hf_config.patch_size:
             raise EncoderPluginError(
                 f"{self.where}: need num_channels 3 and image_size divisible "
                 f"by patch_size (got {hf_config.num_channels}, {hf_config.image_size}, "
                 f"{hf_config.patch_size})")
-        return hf_config
 
     def _read_preprocessor(self) -> HFImagePreprocessor:
         """preprocessor_config.json's recipe (or the model's defaults); its output must be the

@@ -23,7 +23,8 @@ from megatron_plugins.weights.encoder_view import PROJECTION, TOWER
 from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
-__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "SIGLIP_VISION", "untrained_tensors"]
+__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION",
+           "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."
@@ -200,4 +201,25 @@ QWEN2_5_VL_VISION = Family(
     hf_prefixes=("", "visual."),
 )
 
-FAMILIES = (CLIP_VISION, SIGLIP_VISION, QWEN2_5_VL_VISION)
+SIGLIP2_VISION = Family(
+    name="siglip2_vision",
+    architectures=("Siglip2VisionModel", "Siglip2Model"),
+    model_type="siglip2_vision_model",
+    # Names of encoders.siglip2.Siglip2Network: HF's Linear patch embedding, its square position
+    # table as the [num_patches, hidden] rows HF stores, post_layernorm as the block's final norm.
+    rules=(
+        Rule("patch_embedding.weight", ("embeddings.patch_embedding.weight",)),
+        Rule("patch_embedding.bias", ("embeddings.patch_embedding.bias",)),
+        Rule("position_embedding.weight", ("embeddings.position_embedding.weight",)),
+        *_norm("decoder.final_layernorm", "post_layernorm"),
+        *LAYER_RULES,
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_loaded_config("siglip2_vision_model"),
+    # The attention-pooling head reads last_hidden_state; it is not the encoder.
+    unused=OTHER_TOWER,
+    untrained=(r"(vision_model\.)?head\.",),
+    hf_prefixes=PREFIXES,
+)
+
+FAMILIES = (CLIP_VISION, SIGLIP_VISION, QWEN2_5_VL_VISION, SIGLIP2_VISION)

@@ -181,6 +181,6 @@ def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_
     assert not torch.equal(exported["encoder.layers.0.mlp.fc1.weight"],
                            original["encoder.layers.0.mlp.fc1.weight"])  # it trained
     pixels = pixel_values(seed=5)
-    [ours] = run_in_processes(encoder_rank, 1, args=("clip", str(exported_folder), 1, pixels),
+    [ours] = run_in_processes(encoder_rank, 1, args=("clip", str(out / "vision"), 1, pixels),
                               timeout=120, simulated=True)
-    assert rel_diff(ours["output"], hf_hidden_states("clip", exported_folder, pixels)) < TOLERANCE
+    assert rel_diff(ours["output"], hf_hidden_states("clip", out / "vision", pixels)) < TOLERANCE

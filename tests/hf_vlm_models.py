@@ -1,0 +1,164 @@
+"""A tiny random HF LLaVA on disk, transformers' logits on a multi-image sample, and the same
+sample through our MiMo model built with ``--hf-model`` (encoder and language on their grids).
+
+The model is made offline from configs; every weight is redrawn so a mapping that swaps or misses
+a tensor changes the logits. Its image token is the top id of the vocabulary, the id the mock data
+marks the encoder's positions with, so a training run on the mock data feeds it where HF does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.hf_models import MIMO_FLAGS, pieces_from, streamed
+from tests.hf_vision_models import SHAPE as VISION
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+IMAGE_TOKEN = TEXT["vocab_size"] - 1
+PATCHES = (VISION["image_size"] // VISION["patch_size"]) ** 2
+ENCODER = "image"
+
+
+def save_tiny_llava(folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random ``LlavaForConditionalGeneration`` (CLIP tower of 2 layers, Llama of 2)."""
+    import transformers
+
+    vision = {**VISION, **overrides.pop("vision", {})}
+    text = {**TEXT, **overrides.pop("text", {})}
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**vision),
+        text_config=transformers.LlamaConfig(**text), image_token_index=IMAGE_TOKEN,
+        **overrides)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def sample(tokens_per_image: int = PATCHES, seed: int = 2) -> tuple[torch.Tensor, np.ndarray]:
+    """One sample of two images and text (``[1, S]`` ids, placeholders where HF puts image
+    features) and its two images' pixel values."""
+    run = [IMAGE_TOKEN] * tokens_per_image
+    ids = torch.tensor([[5, 17, *run, 42, 8, 61, *run, 23, 3, 77]])
+    pixels = np.random.default_rng(seed).normal(size=(2, 3, 16, 16)).astype(np.float32)
+    return ids, pixels
+
+
+def hf_llava_logits(folder: str | Path, ids: torch.Tensor, pixels: np.ndarray) -> np.ndarray:
+    """transformers' own forward of the saved LLaVA, fp32."""
+    import transformers
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder,
+                                                                       dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=torch.from_numpy(pixels)).logits.numpy()
+
+
+def vlm_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
+    """A MiMo launch from the whole LLaVA folder; no encoder, shape or weights flags."""
+    return [*MIMO_FLAGS, "--seq-length", "64", "--hf-model", str(folder),
+            *(part for grid in grids for part in ("--grid", grid))]
+
+
+def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
+                        pixels: np.ndarray, tokens: int) -> np.ndarray | None:
+    """One forward over the grids: the encoder's TP rank 0 sends its projected features to the
+    language's first stage, the stages pass hidden states on, the last returns full logits."""
+    import torch.distributed as dist
+
+    pgc = topology.module_pgs[module]
+    length = ids.shape[1]
+    positions = torch.arange(length).unsqueeze(0)
+    mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1).expand(1, 1, length, length)
+    language_ranks = topology.grids["language"].rank_offset
+    with torch.no_grad():
+        if module != "language":
+            outputs, _ = mimo(input_ids=ids,
+                              modality_inputs={module: {module: {"x": torch.from_numpy(pixels)}}})
+            if pgc.tp.rank() == 0:
+                dist.send(outputs[module].contiguous(), dst=language_ranks)
+            return None
+        stage, stages = pgc.pp.rank(), pgc.pp.size()
+        stage_ranks = dist.get_process_group_ranks(pgc.pp)
+        hidden = mimo.language_model.config.hidden_size
+        if stage == 0:
+            features = torch.empty(tokens, hidden)
+            dist.recv(features, src=topology.grids[ENCODER].rank_offset)
+            mimo.set_input_tensor({ENCODER: features})
+        else:
+            received = torch.empty(length, 1, hidden)
+            dist.recv(received, src=stage_ranks[stage - 1], group=pgc.pp)
+            mimo.set_input_tensor({"language": received})
+        output, _ = mimo(input_ids=ids, position_ids=positions, attention_mask=mask)
+        if stage < stages - 1:
+            dist.send(output.contiguous(), dst=stage_ranks[stage + 1], group=pgc.pp)
+            return None
+    shards = [torch.empty_like(output) for _ in range(pgc.tp.size())]
+    dist.all_gather(shards, output.contiguous(), group=pgc.tp)
+    return torch.cat(shards, dim=-1).float().numpy()
+
+
+def vlm_forward_rank(argv: list[str], ids: torch.Tensor, pixels: np.ndarray) -> dict[str, Any]:
+    """One rank of a MiMo model built from ``--hf-model`` through the entry point's code path:
+    its module, the logits on the language's last stage, and its streamed HF pieces."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron_plugins.compat import startup
+    from megatron_plugins.launch import parse_mimo_args, start
+    from megatron_plugins.weights.local_view import unwrap
+    from megatron_plugins.weights.vlm_families import part_families, read_vlm
+
+    startup.install()
+    session = start(parse_mimo_args(argv))
+    try:
+        builder = session.config.model.get_builder_cls()(session.config.model)
+        [mimo] = builder.build_distributed_models(wrap_with_ddp=False)
+        mimo = unwrap(mimo)
+        mimo.eval()
+        [module] = session.topology.active_modules
+        args, pgc = session.run.args, session.topology.module_pgs[module]
+        plugin = session.run.plugins[ENCODER]
+        tokens = 2 * plugin.tokens_per_item
+        logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels, tokens)
+        vlm, config = read_vlm(args.hf_model)
+        parts = part_families(vlm, config, plugin.hf_family)
+        if module == "language":
+            pieces = [streamed(mimo.language_model, parts.language, pgc, args.vocab_size)]
+        else:
+            submodule = unwrap(mimo.modality_submodules[module])
+            pieces = [streamed(submodule.encoders[module], parts.tower, pgc, None),
+                      streamed(submodule.input_projections, parts.projector, pgc, None)]
+        return {"module": module, "logits": logits, "pieces": pieces,
+                "special_token_ids": dict(mimo.special_token_ids),
+                "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}
+    finally:
+        session.close()
+
+
+def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
+                pixels: np.ndarray) -> list[dict[str, Any]]:
+    """:func:`vlm_forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
+    from tests.multiprocess import run_in_processes
+
+    results = run_in_processes(vlm_forward_rank, nproc, args=(vlm_flags(folder, grids), ids,
+                                                               pixels),
+                               timeout=180, simulated=True)
+    for result in results:
+        result["pieces"] = [piece for data in result["pieces"] for piece in pieces_from(data)]
+    return results

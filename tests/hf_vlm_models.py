@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import MIMO_FLAGS, pieces_from, streamed
+from tests.hf_models import MIMO_FLAGS, pieces_from
 from tests.hf_vision_models import SHAPE as VISION
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,6 +105,8 @@ def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor
             dist.recv(received, src=stage_ranks[stage - 1], group=pgc.pp)
             mimo.set_input_tensor({"language": received})
         output, _ = mimo(input_ids=ids, position_ids=positions, attention_mask=mask)
+        if isinstance(output, dict):  # a stage before the last hands on its hidden states
+            output = output["language"]
         if stage < stages - 1:
             dist.send(output.contiguous(), dst=stage_ranks[stage + 1], group=pgc.pp)
             return None
@@ -122,7 +124,6 @@ def vlm_forward_rank(argv: list[str], ids: torch.Tensor, pixels: np.ndarray) -> 
     from megatron_plugins.compat import startup
     from megatron_plugins.launch import parse_mimo_args, start
     from megatron_plugins.weights.local_view import unwrap
-    from megatron_plugins.weights.vlm_families import part_families, read_vlm
 
     startup.install()
     session = start(parse_mimo_args(argv))
@@ -136,15 +137,7 @@ def vlm_forward_rank(argv: list[str], ids: torch.Tensor, pixels: np.ndarray) -> 
         plugin = session.run.plugins[ENCODER]
         tokens = 2 * plugin.tokens_per_item
         logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels, tokens)
-        vlm, config = read_vlm(args.hf_model)
-        parts = part_families(vlm, config, plugin.hf_family)
-        if module == "language":
-            pieces = [streamed(mimo.language_model, parts.language, pgc, args.vocab_size)]
-        else:
-            submodule = unwrap(mimo.modality_submodules[module])
-            pieces = [streamed(submodule.encoders[module], parts.tower, pgc, None),
-                      streamed(submodule.input_projections, parts.projector, pgc, None)]
-        return {"module": module, "logits": logits, "pieces": pieces,
+        return {"module": module, "logits": logits, "pieces": whole_pieces(mimo, session),
                 "special_token_ids": dict(mimo.special_token_ids),
                 "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}
     finally:
@@ -160,5 +153,58 @@ def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: tor
                                                                pixels),
                                timeout=180, simulated=True)
     for result in results:
-        result["pieces"] = [piece for data in result["pieces"] for piece in pieces_from(data)]
+        result["pieces"] = pieces_from(result["pieces"])
     return results
+
+
+def whole_pieces(mimo: Any, session: Any) -> bytes:
+    """This rank's streamed pieces of the ``--hf-model`` folder, serialized."""
+    import io
+
+    from megatron_plugins.weights.local_view import unwrap
+    from megatron_plugins.weights.streaming import iter_whole_weights
+
+    [module] = session.topology.active_modules
+    args = session.run.args
+    buffer = io.BytesIO()
+    torch.save(list(iter_whole_weights(unwrap(mimo), module, session.topology.module_pgs[module],
+                                       args.hf_model, session.run.plugins[ENCODER].hf_family,
+                                       args.vocab_size)), buffer)
+    return buffer.getvalue()
+
+
+def vlm_train_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of a MiMo training run (stock ``pretrain()``) from ``--hf-model``; returns its
+    module and its streamed pieces of the trained model."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron_plugins.launch import parse_mimo_args, train
+
+    result: dict[str, Any] = {}
+
+    def observe(session: Any) -> None:
+        [module] = session.topology.active_modules
+        result["module"] = module
+        models: list[Any] = []
+        session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
+        close = session.close
+
+        def stream_then_close() -> None:
+            result["pieces"] = whole_pieces(models[0], session)
+            close()
+
+        session.close = stream_then_close
+
+    train(parse_mimo_args(argv), observe)
+    return result
+
+
+def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tuple[str, ...]
+              ) -> list[list[Any]]:
+    """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces."""
+    from tests.multiprocess import run_in_processes
+
+    argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2", *extra]
+    results = run_in_processes(vlm_train_rank, nproc, args=(argv,), timeout=240, simulated=True)
+    return [pieces_from(result["pieces"]) for result in results]

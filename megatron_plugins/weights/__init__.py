@@ -50,7 +50,7 @@ def _load_whole(model: Any, name: str, pgc: Any, folder: str, tower: Family) -> 
 
     checkpoint = HFCheckpoint(folder, HF_MODEL_FLAG)
     vlm = find_vlm(checkpoint.config, f"{HF_MODEL_FLAG} {folder}/config.json")
-    parts = part_families(vlm, checkpoint.config, tower)
+    parts = part_families(vlm, checkpoint.config, tower, checkpoint.names())
     if name == LANGUAGE:
         import_hf_weights(model.language_model, parts.language, pgc, checkpoint)
         return

@@ -166,18 +166,26 @@ class PartFamilies:
     language: Family
 
 
-def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family) -> PartFamilies:
-    """The three modules' families; ``tower`` is the encoder provider's ``hf_family``. Tower
-    layers past the feature layer are carried untrained (export copies them unchanged)."""
+def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
+                  names: set[str]) -> PartFamilies:
+    """The three modules' families for a folder holding the HF tensors ``names``; ``tower`` is
+    the encoder provider's ``hf_family``, its names under the first of its prefixes the folder
+    uses (import, streaming and export then name every tensor as the folder does). Tower layers
+    past the feature layer are carried untrained (export copies them unchanged)."""
     kept = vlm.tower_layers(config)
     layers = vlm.vision_config(config).get("num_hidden_layers", kept)
     prefixes = tuple(vlm.tower_prefix + p for p in tower.hf_prefixes)
+    prefix = next((p for p in prefixes if all(p + n in names for n in tower.rules[0].hf)),
+                  prefixes[0])
     dropped = tuple(rf"{re.escape(p)}{re.escape(name.format(layer=layer))}$"
                     for rule in tower.rules if "{layer}" in rule.megatron for name in rule.hf
                     for layer in range(kept, layers) for p in prefixes)
     others = tuple(re.escape(vlm.tower_prefix) + pattern for pattern in tower.untrained)
     tower_part = dataclasses.replace(
-        tower, name=f"{vlm.name}_tower", architectures=vlm.architectures, hf_prefixes=prefixes,
+        tower, name=f"{vlm.name}_tower", architectures=vlm.architectures, hf_prefixes=("",),
+        rules=tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
+                    for rule in tower.rules),
+        tied=tuple((prefix + a, prefix + b) for a, b in tower.tied),
         unused=(_outside(vlm.tower_prefix),), untrained=(*others, *dropped))
     projector = Family(
         name=f"{vlm.name}_projector", architectures=vlm.architectures, model_type=vlm.name,

@@ -1,0 +1,113 @@
+"""``--hf-model DIR``: a whole LLaVA folder placed on its grids (the CLIP tower at its feature
+layer on the encoder grid, the projector as its MiMo projection, Llama on the language grid)
+gives transformers' logits on a multi-image sample at one rank per module and at encoder TP 2 +
+language PP 2; export writes back one folder ``LlavaForConditionalGeneration`` loads, the same
+bytes from two saving layouts; bad input is one line before any process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_plugins.weights.streaming import assemble
+from tests.hf_models import export_rank, rel_diff, safetensors_of
+from tests.hf_vlm_models import (
+    IMAGE_TOKEN,
+    PATCHES,
+    hf_llava_logits,
+    sample,
+    save_tiny_llava,
+    vlm_forward,
+    vlm_train,
+)
+from tests.multiprocess import run_in_processes
+
+TOLERANCE = 1e-5
+VOCAB = 100
+UNTRAINED = ("vision_tower.encoder.layers.1.", "vision_tower.post_layernorm.")
+"""The tower's last layer (vision_feature_layer -2 reads the one before) and post_layernorm."""
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    folder = save_tiny_llava(tmp_path_factory.mktemp("vlm") / "llava")
+    ids, pixels = sample()
+    return folder, ids, pixels, hf_llava_logits(folder, ids, pixels)
+
+
+@pytest.mark.parametrize("grids, nproc", [
+    (("image:dp=1", "language:dp=1"), 2),
+    (("image:tp=2", "language:pp=2"), 4),
+], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+def test_whole_llava_reproduces_transformers_logits_on_two_images_and_streams_back(
+        llava, grids, nproc):
+    folder, ids, pixels, want = llava
+    results = vlm_forward(nproc, folder, grids, ids, pixels)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert abs(logits[..., VOCAB:]).max() == 0  # padded vocabulary rows
+    assert rel_diff(logits[..., :VOCAB], want) < TOLERANCE
+    for result in results:  # the model reads image features at HF's image token
+        assert result["special_token_ids"] == {"image": IMAGE_TOKEN}
+        assert result["tokens_per_item"] == PATCHES  # class token dropped ("default")
+        assert result["layers"] == 1  # hidden_states[-2] of 2 layers: one layer built
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    carried = {n for n in original if n.startswith(UNTRAINED)}
+    assert carried and sorted(streamed) == sorted(set(original) - carried)
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+
+
+@pytest.fixture(scope="module")
+def exported(llava, tmp_path_factory):
+    """Trained 2 steps at one rank per module and saved; the same weights re-saved at encoder
+    TP 2 + language PP 2 (loaded, one step at lr 0); both exported."""
+    folder = llava[0]
+    root = tmp_path_factory.mktemp("vlm_export")
+    first, second = root / "first", root / "second"
+    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
+        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
+        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
+        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
+    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
+            (str(second), str(root / "out_second"), {"progress": False})]
+    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
+    return root, folder, pieces
+
+
+def test_two_saving_layouts_export_one_identical_llava_folder(exported):
+    root = exported[0]
+    files = sorted(p.relative_to(root / "out_first") for p in (root / "out_first").rglob("*")
+                   if p.is_file())
+    # generation_config.json: the source folder's other files are copied unchanged
+    assert [str(f) for f in files] == ["config.json", "generation_config.json",
+                                       "model.safetensors"]
+    for file in files:
+        assert (root / "out_first" / file).read_bytes() == \
+            (root / "out_second" / file).read_bytes(), file
+
+
+def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exported):
+    import transformers
+
+    root, folder, pieces = exported
+    out = root / "out_first"
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    assert type(model) is transformers.LlavaForConditionalGeneration
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (folder / "config.json").read_text())
+    written, original = safetensors_of(out), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    for name, tensor in written.items():
+        want = original[name] if name.startswith(UNTRAINED) else streamed[name]
+        assert torch.equal(tensor, want), name
+    assert not torch.equal(written["multi_modal_projector.linear_1.weight"],
+                           original["multi_modal_projector.linear_1.weight"])  # it trained
+    loaded = {n: p.detach() for n, p in model.state_dict().items()}
+    assert torch.equal(loaded["lm_head.weight"], written["language_model.lm_head.weight"])
+    assert torch.equal(loaded["model.multi_modal_projector.linear_2.bias"],
+                       written["multi_modal_projector.linear_2.bias"])

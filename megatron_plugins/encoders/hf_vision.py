@@ -48,9 +48,10 @@ from megatron_plugins.encoders.base import (
 )
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
 from megatron_plugins.weights.flags import ENCODER_FLAG
-from megatron_plugins.weights.mapping import Family
+from megatron_plugins.weights.mapping import Family, HFWeightsError
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
 from megatron_plugins.weights.vlm_families import FAMILIES as VLM_FAMILIES
+from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
 
 __all__ = ["CLIPVisionEncoder", "ClassTokenDropped", "HFImagePreprocessor", "HFVisionEncoder",
            "SiglipVisionEncoder"]
@@ -180,11 +181,14 @@ class HFVisionEncoder(EncoderPlugin):
         if act not in ACTIVATIONS:
             raise EncoderPluginError(f"{self.where}: projector activation {act!r} is not "
                                      f"supported; supported: {', '.join(ACTIVATIONS)}")
-        drops = vlm.drops_class_token(config)
+        try:
+            layers, drops = vlm.tower_layers(config), vlm.drops_class_token(config)
+        except HFWeightsError as error:
+            raise EncoderPluginError(f"{HF_MODEL_FLAG} {self.folder}: {error}") from None
         if drops and not self.class_token:
-            raise EncoderPluginError(f"{self.where}: the feature selection drops a class token "
-                                     "this tower does not have")
-        return vlm.tower_layers(config), drops, act
+            raise EncoderPluginError(f"{HF_MODEL_FLAG} {self.folder}: the feature selection "
+                                     "drops a class token this tower does not have")
+        return layers, drops, act
 
     def _read_json(self, filename: str) -> dict[str, Any] | None:
         path = self.folder / filename

@@ -57,9 +57,11 @@ class VLMFamily:
     image_token_id: Callable[[Mapping[str, Any]], int]
     """config.json -> the token id HF replaces by image features."""
     tower_layers: Callable[[Mapping[str, Any]], int]
-    """config.json -> how many tower layers feed the projector (the rest are carried untrained)."""
+    """config.json -> how many tower layers feed the projector (the rest are carried untrained);
+    an :class:`HFWeightsError` naming the config field for a selection it cannot express."""
     drops_class_token: Callable[[Mapping[str, Any]], bool]
-    """config.json -> whether the class token is dropped before the projector."""
+    """config.json -> whether the class token is dropped before the projector (errors as
+    ``tower_layers``)."""
     projector_activation: Callable[[Mapping[str, Any]], str]
     """config.json -> the projector's HF activation name."""
 
@@ -78,19 +80,19 @@ def _llava_layers(config: Mapping[str, Any]) -> int:
     layer = config.get("vision_feature_layer", -2)
     total = (config.get("vision_config") or {}).get("num_hidden_layers", 24)
     if not isinstance(layer, int) or isinstance(layer, bool):
-        raise HFWeightsError(f"{HF_MODEL_FLAG}: config.json vision_feature_layer {layer!r} is not "
-                             "supported; give one layer index (an int)")
+        raise HFWeightsError(f"config.json vision_feature_layer {layer!r} is not supported; give "
+                             "one layer index (an int)")
     if not -(total + 1) <= layer <= total or layer % (total + 1) == 0:
-        raise HFWeightsError(f"{HF_MODEL_FLAG}: config.json vision_feature_layer {layer} does not "
-                             f"select a layer output of the {total}-layer tower")
+        raise HFWeightsError(f"config.json vision_feature_layer {layer} does not select a layer "
+                             f"output of the {total}-layer tower")
     return layer % (total + 1)
 
 
 def _llava_drops_class(config: Mapping[str, Any]) -> bool:
     strategy = config.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
-        raise HFWeightsError(f"{HF_MODEL_FLAG}: config.json vision_feature_select_strategy "
-                             f"{strategy!r} is not one of default, full")
+        raise HFWeightsError(f"config.json vision_feature_select_strategy {strategy!r} is not one "
+                             "of default, full")
     return strategy == "default"
 
 

@@ -111,3 +111,95 @@ def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exp
     assert torch.equal(loaded["lm_head.weight"], written["language_model.lm_head.weight"])
     assert torch.equal(loaded["model.multi_modal_projector.linear_2.bias"],
                        written["multi_modal_projector.linear_2.bias"])
+
+
+def _bad_input(argv, monkeypatch, world_size=2):
+    """The one-line error ``parse_mimo_args`` raises before any process group."""
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.launch import parse_mimo_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(UsageError) as error:
+        parse_mimo_args(argv)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def _edited(folder, target, config=None, tensors=None):
+    """A copy of ``folder`` with config.json fields and tensors replaced."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, target)
+    if config:
+        path = target / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors:
+        loaded = load_file(target / "model.safetensors")
+        save_file({**loaded, **tensors}, str(target / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return target
+
+
+def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkeypatch):
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
+    from tests.hf_models import save_tiny
+    from tests.hf_vlm_models import vlm_flags
+
+    folder = llava[0]
+    grids = ("image:dp=1", "language:dp=1")
+    llama = save_tiny("llama", tmp_path / "llama")
+    assert _bad_input(vlm_flags(llama, grids), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {llama}/config.json: architecture LlamaForCausalLM is not a supported "
+        "whole VLM; supported: LlavaForConditionalGeneration")
+    origin = f"{HF_MODEL_FLAG} {folder} (LlavaForConditionalGeneration)"
+    flags = vlm_flags(folder, grids)
+    assert _bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (
+        f"--encoder image=siglip contradicts {origin}, whose tower is built by provider clip; "
+        "give exactly one --encoder NAME=clip or drop --encoder")
+    assert _bad_input([*flags, "--language-hf-weights", str(llama)], monkeypatch) == (
+        f"--language-hf-weights {llama} contradicts {origin}, which holds the language model; "
+        "drop --language-hf-weights")
+    assert _bad_input([*flags, "--encoder-hf-weights", f"image={llama}"], monkeypatch) == (
+        f"--encoder-hf-weights image={llama} contradicts {origin}, which holds encoder image's "
+        "tower; drop --encoder-hf-weights image=")
+    assert _bad_input([*flags, "--num-layers", "3"], monkeypatch) == (
+        f"--num-layers 3 contradicts {HF_MODEL_FLAG} {folder}/config.json text_config, which "
+        "gives 2; drop --num-layers")
+    token = _edited(folder, tmp_path / "token", config={"image_token_index": 50})
+    assert _bad_input(vlm_flags(token, grids), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {token}: its image token is id 50, but the data marks encoder image's "
+        "positions with id 99; give a tokenizer whose <image> token is id 50 (the checkpoint's "
+        "own tokenizer)")
+    # A named encoder of the tower's provider is the one --grid addresses.
+    renamed = _bad_input([*vlm_flags(folder, ("pixels:dp=1", "language:dp=1")), "--encoder",
+                          "pixels=clip", "--num-layers", "3"], monkeypatch)
+    assert renamed.startswith("--num-layers 3 contradicts")
+
+
+def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
+        llava, tmp_path, monkeypatch):
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
+    from tests.hf_vlm_models import vlm_flags
+
+    folder = llava[0]
+    grids = ("image:dp=1", "language:dp=1")
+    wide = _edited(folder, tmp_path / "wide", tensors={
+        "multi_modal_projector.linear_1.weight": torch.zeros(48, 40)})
+    assert _bad_input(vlm_flags(wide, grids), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {wide}: projector multi_modal_projector.linear_1.weight input size 40 "
+        "does not meet the tower (vision_tower.*) hands it, 32; the tower and language model "
+        "are not this projector's pair")
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    other = _edited(folder, tmp_path / "other", config={
+        "text_config": {**text, "hidden_size": 64, "head_dim": 16}})
+    assert _bad_input(vlm_flags(other, grids), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {other}: projector multi_modal_projector.linear_2.weight output size "
+        "48 does not meet the language model's hidden size (text_config), 64; the tower and "
+        "language model are not this projector's pair")
+    layers = _edited(folder, tmp_path / "layers", config={"vision_feature_layer": [-2, -1]})
+    assert _bad_input(vlm_flags(layers, grids), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {layers}: config.json vision_feature_layer [-2, -1] is not supported; "
+        "give one layer index (an int)")

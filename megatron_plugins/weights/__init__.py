@@ -45,15 +45,15 @@ def _load_whole(model: Any, name: str, pgc: Any, folder: str, tower: Family) -> 
     projector of the encoder holding it."""
     from megatron_plugins.layout import LANGUAGE
     from megatron_plugins.weights.hf_folder import HFCheckpoint
-    from megatron_plugins.weights.hf_import import import_hf_weights
+    from megatron_plugins.weights.hf_import import load_hf_weights
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, find_vlm, part_families
 
     checkpoint = HFCheckpoint(folder, HF_MODEL_FLAG)
     vlm = find_vlm(checkpoint.config, f"{HF_MODEL_FLAG} {folder}/config.json")
     parts = part_families(vlm, checkpoint.config, tower, checkpoint.names())
     if name == LANGUAGE:
-        import_hf_weights(model.language_model, parts.language, pgc, checkpoint)
+        load_hf_weights(model.language_model, folder, HF_MODEL_FLAG, pgc, (parts.language,))
         return
     submodule = model.modality_submodules[name]
-    import_hf_weights(submodule.encoders[name], parts.tower, pgc, checkpoint)
-    import_hf_weights(submodule.input_projections, parts.projector, pgc, checkpoint)
+    load_hf_weights(submodule.encoders[name], folder, HF_MODEL_FLAG, pgc, (parts.tower,))
+    load_hf_weights(submodule.input_projections, folder, HF_MODEL_FLAG, pgc, (parts.projector,))

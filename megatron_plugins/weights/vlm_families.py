@@ -22,8 +22,8 @@ from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
-__all__ = ["FAMILIES", "LLAVA", "HF_MODEL_FLAG", "PartFamilies", "VLMFamily", "find_vlm",
-           "part_families", "read_vlm"]
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "PartFamilies", "VLMFamily", "find_vlm",
+           "language_family", "part_families", "read_vlm"]
 
 HF_MODEL_FLAG = "--hf-model"
 

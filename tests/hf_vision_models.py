@@ -31,15 +31,20 @@ def save_tiny(provider: str, folder: str | Path, seed: int = 0, **overrides: Any
     config_name, model_name = MODELS[provider]
     config = getattr(transformers, config_name)(**{**SHAPE, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config)
+    model = redraw(getattr(transformers, model_name)(config))
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+def redraw(model: torch.nn.Module) -> torch.nn.Module:
+    """Every weight redrawn (norm weights near 1, the rest small), from torch's current seed."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
-    model.save_pretrained(folder, safe_serialization=True)
-    return Path(folder)
+    return model
 
 
 def pixel_values(seed: int = 1, batch: int = 2, size: int = SHAPE["image_size"]) -> np.ndarray:

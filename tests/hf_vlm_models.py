@@ -8,6 +8,7 @@ marks the encoder's positions with, so a training run on the mock data feeds it 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import MIMO_FLAGS, pieces_from
+from tests.hf_models import MIMO_FLAGS, built_then, hand_on, pieces_from, train_then
 from tests.hf_vision_models import SHAPE as VISION
+from tests.hf_vision_models import redraw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,13 +41,7 @@ def save_tiny_llava(folder: str | Path, seed: int = 0, **overrides: Any) -> Path
         text_config=transformers.LlamaConfig(**text), image_token_index=IMAGE_TOKEN,
         **overrides)
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    model = redraw(transformers.LlavaForConditionalGeneration(config))
     model.save_pretrained(folder)
     return Path(folder)
 
@@ -93,7 +89,7 @@ def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor
             if pgc.tp.rank() == 0:
                 dist.send(outputs[module].contiguous(), dst=language_ranks)
             return None
-        stage, stages = pgc.pp.rank(), pgc.pp.size()
+        stage = pgc.pp.rank()
         stage_ranks = dist.get_process_group_ranks(pgc.pp)
         hidden = mimo.language_model.config.hidden_size
         if stage == 0:
@@ -107,41 +103,25 @@ def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor
         output, _ = mimo(input_ids=ids, position_ids=positions, attention_mask=mask)
         if isinstance(output, dict):  # a stage before the last hands on its hidden states
             output = output["language"]
-        if stage < stages - 1:
-            dist.send(output.contiguous(), dst=stage_ranks[stage + 1], group=pgc.pp)
-            return None
-    shards = [torch.empty_like(output) for _ in range(pgc.tp.size())]
-    dist.all_gather(shards, output.contiguous(), group=pgc.tp)
-    return torch.cat(shards, dim=-1).float().numpy()
+        return hand_on(output, pgc)
+
+
+def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor, pixels: np.ndarray
+                        ) -> dict[str, Any]:
+    [module] = session.topology.active_modules
+    mimo.eval()
+    plugin = session.run.plugins[ENCODER]
+    logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels,
+                                 2 * plugin.tokens_per_item)
+    return {"logits": logits, "pieces": whole_pieces(mimo, session),
+            "special_token_ids": dict(mimo.special_token_ids),
+            "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}
 
 
 def vlm_forward_rank(argv: list[str], ids: torch.Tensor, pixels: np.ndarray) -> dict[str, Any]:
     """One rank of a MiMo model built from ``--hf-model`` through the entry point's code path:
     its module, the logits on the language's last stage, and its streamed HF pieces."""
-    from megatron_plugins.cpu_simulation import patches
-
-    patches.activate()
-    from megatron_plugins.compat import startup
-    from megatron_plugins.launch import parse_mimo_args, start
-    from megatron_plugins.weights.local_view import unwrap
-
-    startup.install()
-    session = start(parse_mimo_args(argv))
-    try:
-        builder = session.config.model.get_builder_cls()(session.config.model)
-        [mimo] = builder.build_distributed_models(wrap_with_ddp=False)
-        mimo = unwrap(mimo)
-        mimo.eval()
-        [module] = session.topology.active_modules
-        args, pgc = session.run.args, session.topology.module_pgs[module]
-        plugin = session.run.plugins[ENCODER]
-        tokens = 2 * plugin.tokens_per_item
-        logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels, tokens)
-        return {"module": module, "logits": logits, "pieces": whole_pieces(mimo, session),
-                "special_token_ids": dict(mimo.special_token_ids),
-                "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}
-    finally:
-        session.close()
+    return built_then(argv, functools.partial(_forward_and_stream, ids=ids, pixels=pixels))
 
 
 def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
@@ -173,31 +153,14 @@ def whole_pieces(mimo: Any, session: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _stream_whole(session: Any, model: Any) -> dict[str, Any]:
+    return {"pieces": whole_pieces(model, session)}
+
+
 def vlm_train_rank(argv: list[str]) -> dict[str, Any]:
     """One rank of a MiMo training run (stock ``pretrain()``) from ``--hf-model``; returns its
     module and its streamed pieces of the trained model."""
-    from megatron_plugins.cpu_simulation import patches
-
-    patches.activate()
-    from megatron_plugins.launch import parse_mimo_args, train
-
-    result: dict[str, Any] = {}
-
-    def observe(session: Any) -> None:
-        [module] = session.topology.active_modules
-        result["module"] = module
-        models: list[Any] = []
-        session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
-        close = session.close
-
-        def stream_then_close() -> None:
-            result["pieces"] = whole_pieces(models[0], session)
-            close()
-
-        session.close = stream_then_close
-
-    train(parse_mimo_args(argv), observe)
-    return result
+    return train_then(argv, _stream_whole)
 
 
 def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tuple[str, ...]

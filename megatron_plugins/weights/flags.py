@@ -19,7 +19,12 @@ from typing import Any
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError
-from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, language_family, read_vlm
+from megatron_plugins.weights.vlm_families import (
+    HF_MODEL_FLAG,
+    language_family,
+    projector_prefix,
+    read_vlm,
+)
 
 __all__ = [
     "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
@@ -251,12 +256,13 @@ def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any]) -> None
         raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: encoder {name}'s provider has no HF "
                              "weight mapping")
     checkpoint = HFCheckpoint(folder, HF_MODEL_FLAG)
+    prefix = projector_prefix(vlm, checkpoint.names())
     sizes = (("input", vlm.projector_input, vlm.tower_width(config),
-              f"the tower ({vlm.tower_prefix}*) hands it"),
+              "the width the tower (vision_config) hands it"),
              ("output", vlm.projector_output, vlm.text_config(config).get("hidden_size"),
               "the language model's hidden size (text_config)"))
     for side, (tensor, dim), want, what in sizes:
-        hf_name = vlm.projector_prefix + tensor
+        hf_name = prefix + tensor
         if hf_name not in checkpoint.names():
             raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: no projector tensor {hf_name}")
         have = checkpoint.shape(hf_name)[dim]

@@ -23,7 +23,7 @@ from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMI
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
 __all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "PartFamilies", "VLMFamily", "find_vlm",
-           "language_family", "part_families", "read_vlm"]
+           "language_family", "part_families", "projector_prefix", "read_vlm"]
 
 HF_MODEL_FLAG = "--hf-model"
 
@@ -38,22 +38,27 @@ class VLMFamily:
     """The ``--encoder NAME=PROVIDER`` provider building the tower; its ``hf_family`` maps it."""
     encoder_name: str
     """The encoder's default NAME (``--grid NAME:...`` addresses it)."""
-    tower_prefix: str
-    """Prefix of the tower's tensors before the tower family's own names."""
-    projector_prefix: str
+    tower_prefixes: tuple[str, ...]
+    """Prefixes of the tower's tensors before the tower family's own names (and its
+    ``hf_prefixes``), one per naming scheme (a Hub save, a transformers 5 save); the first the
+    folder uses wins."""
+    projector_prefixes: tuple[str, ...]
+    """Prefixes of the projector's tensors, as ``tower_prefixes``. Tensors under one are the
+    projector's even inside a tower prefix (Qwen2.5-VL's ``visual.merger.``)."""
     projector_rules: tuple[Rule, ...]
     """Megatron names inside the encoder's ``input_projections`` (``0.`` is the projection),
-    HF names after ``projector_prefix``."""
+    HF names after the projector prefix."""
     projector_input: tuple[str, int]
-    """(HF tensor after ``projector_prefix``, dim) whose size is the tower's output width."""
+    """(HF tensor after the projector prefix, dim) whose size is the tower's output width."""
     projector_output: tuple[str, int]
-    """(HF tensor after ``projector_prefix``, dim) whose size is the language hidden size."""
+    """(HF tensor after the projector prefix, dim) whose size is the language hidden size."""
     tower_width: Callable[[Mapping[str, Any]], int]
     """config.json -> the width of what the tower hands the projector."""
     language: str
     """The language family's name (:data:`~megatron_plugins.weights.language_families.FAMILIES`)."""
-    language_renames: tuple[tuple[str, str], ...]
-    """(language family HF prefix, this folder's prefix): ``model.`` -> ``language_model.model.``."""
+    language_renames: tuple[tuple[tuple[str, str], ...], ...]
+    """Naming schemes of the language tensors, the first the folder uses wins: each a tuple of
+    (language family HF prefix, this folder's prefix), ``model.`` -> ``language_model.model.``."""
     image_token_id: Callable[[Mapping[str, Any]], int]
     """config.json -> the token id HF replaces by image features."""
     tower_layers: Callable[[Mapping[str, Any]], int]
@@ -102,8 +107,8 @@ LLAVA = VLMFamily(
     encoder_provider="clip",
     # Its placeholder <image> is LLaVA's own image token, so a LLaVA tokenizer gives HF's id.
     encoder_name="image",
-    tower_prefix="vision_tower.",
-    projector_prefix="multi_modal_projector.",
+    tower_prefixes=("vision_tower.",),
+    projector_prefixes=("multi_modal_projector.",),
     projector_rules=(
         Rule("0.encoder.linear_fc1.weight", ("linear_1.weight",), tp_dim=0),
         Rule("0.encoder.linear_fc1.bias", ("linear_1.bias",), tp_dim=0),
@@ -114,7 +119,8 @@ LLAVA = VLMFamily(
     projector_output=("linear_2.weight", 0),
     tower_width=lambda config: (config.get("vision_config") or {}).get("hidden_size", 0),
     language="llama",
-    language_renames=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    language_renames=((("model.", "language_model.model."),
+                       ("lm_head.", "language_model.lm_head.")),),
     image_token_id=lambda config: int(config.get("image_token_index", 32000)),
     tower_layers=_llava_layers,
     drops_class_token=_llava_drops_class,
@@ -157,6 +163,21 @@ def _outside(*prefixes: str) -> str:
     return "(?!" + "|".join(re.escape(p) for p in prefixes) + ")"
 
 
+def _under(*prefixes: str) -> str:
+    """A regex matching HF names under one of ``prefixes``."""
+    return "(?:" + "|".join(re.escape(p) for p in prefixes) + ")"
+
+
+def _first(prefixes: tuple[str, ...], names: set[str], first: tuple[str, ...]) -> str:
+    """The first prefix under which the folder holds the tensors ``first`` (else the first)."""
+    return next((p for p in prefixes if all(p + n in names for n in first)), prefixes[0])
+
+
+def projector_prefix(vlm: VLMFamily, names: set[str]) -> str:
+    """The projector prefix the folder holding ``names`` uses."""
+    return _first(vlm.projector_prefixes, names, vlm.projector_rules[0].hf)
+
+
 @dataclass(frozen=True)
 class PartFamilies:
     """One family per MiMo module of a whole VLM: the tower (the encoder network), the projector
@@ -171,32 +192,36 @@ class PartFamilies:
 def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
                   names: set[str]) -> PartFamilies:
     """The three modules' families for a folder holding the HF tensors ``names``; ``tower`` is
-    the encoder provider's ``hf_family``, its names under the first of its prefixes the folder
-    uses (import, streaming and export then name every tensor as the folder does). Tower layers
-    past the feature layer are carried untrained (export copies them unchanged)."""
+    the encoder provider's ``hf_family``. Each part's names are under the first naming scheme
+    the folder uses, so import, streaming and export name every tensor as the folder does.
+    Tower layers past the feature layer are carried untrained (export copies them unchanged)."""
     kept = vlm.tower_layers(config)
     layers = vlm.vision_config(config).get("num_hidden_layers", kept)
-    prefixes = tuple(vlm.tower_prefix + p for p in tower.hf_prefixes)
-    prefix = next((p for p in prefixes if all(p + n in names for n in tower.rules[0].hf)),
-                  prefixes[0])
+    prefixes = tuple(t + p for t in vlm.tower_prefixes for p in tower.hf_prefixes)
+    prefix = _first(prefixes, names, tower.rules[0].hf)
     dropped = tuple(rf"{re.escape(p)}{re.escape(name.format(layer=layer))}$"
                     for rule in tower.rules if "{layer}" in rule.megatron for name in rule.hf
                     for layer in range(kept, layers) for p in prefixes)
-    others = tuple(re.escape(vlm.tower_prefix) + pattern for pattern in tower.untrained)
+    others = tuple(re.escape(t) + pattern for t in vlm.tower_prefixes
+                   for pattern in tower.untrained)
     tower_part = dataclasses.replace(
         tower, name=f"{vlm.name}_tower", architectures=vlm.architectures, hf_prefixes=("",),
         rules=tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
                     for rule in tower.rules),
         tied=tuple((prefix + a, prefix + b) for a, b in tower.tied),
-        unused=(_outside(vlm.tower_prefix),), untrained=(*others, *dropped))
+        unused=(_outside(*vlm.tower_prefixes), _under(*vlm.projector_prefixes)),
+        untrained=(*others, *dropped))
+    projected = projector_prefix(vlm, names)
     projector = Family(
         name=f"{vlm.name}_projector", architectures=vlm.architectures, model_type=vlm.name,
-        rules=tuple(dataclasses.replace(rule, hf=tuple(vlm.projector_prefix + n for n in rule.hf))
+        rules=tuple(dataclasses.replace(rule, hf=tuple(projected + n for n in rule.hf))
                     for rule in vlm.projector_rules),
         megatron_args=lambda _: {}, hf_config=lambda args, vocab: dict(config),
-        unused=(_outside(vlm.projector_prefix),))
+        unused=(_outside(*vlm.projector_prefixes),))
     text = language_family(vlm)
-    renames = vlm.language_renames
+    renames = next((scheme for scheme in vlm.language_renames
+                    if all(_renamed(n, scheme) in names for n in text.rules[0].hf)),
+                   vlm.language_renames[0])
     language = dataclasses.replace(
         text, architectures=vlm.architectures,
         rules=tuple(dataclasses.replace(rule, hf=tuple(_renamed(n, renames) for n in rule.hf))

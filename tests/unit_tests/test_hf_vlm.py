@@ -190,8 +190,8 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
         "multi_modal_projector.linear_1.weight": torch.zeros(48, 40)})
     assert _bad_input(vlm_flags(wide, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {wide}: projector multi_modal_projector.linear_1.weight input size 40 "
-        "does not meet the tower (vision_tower.*) hands it, 32; the tower and language model "
-        "are not this projector's pair")
+        "does not meet the width the tower (vision_config) hands it, 32; the tower and language "
+        "model are not this projector's pair")
     text = json.loads((folder / "config.json").read_text())["text_config"]
     other = _edited(folder, tmp_path / "other", config={
         "text_config": {**text, "hidden_size": 64, "head_dim": 16}})

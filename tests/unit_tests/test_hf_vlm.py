@@ -203,3 +203,40 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
     assert _bad_input(vlm_flags(layers, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {layers}: config.json vision_feature_layer [-2, -1] is not supported; "
         "give one layer index (an int)")
+
+
+@pytest.mark.parametrize("selection, tokens, layers", [
+    ({}, PATCHES, 1),  # defaults: hidden_states[-2], class token dropped
+    ({"vision_feature_select_strategy": "full"}, PATCHES + 1, 1),
+    ({"vision_feature_layer": -1}, PATCHES, 2),
+    ({"vision_feature_layer": 1}, PATCHES, 1),
+], ids=["default", "full", "last-layer", "layer-1"])
+def test_feature_selection_shapes_the_clip_encoder(llava, selection, tokens, layers, tmp_path):
+    from tests.hf_vision_models import plugin
+
+    folder = _edited(llava[0], tmp_path / "llava", config=selection)
+    encoder = plugin("clip", folder)
+    assert (encoder.tokens_per_item, encoder.layers) == (tokens, layers)
+
+
+def test_either_tower_naming_maps_and_carries_the_unfed_layers(llava):
+    """A transformers 5 save names the tower vision_tower.embeddings.*, an older one
+    vision_tower.vision_model.embeddings.*; both map, the unfed last layer and post_layernorm
+    are carried, and the language and projector tensors belong to their own parts."""
+    from megatron_plugins.weights.vision_families import CLIP_VISION
+    from megatron_plugins.weights.vlm_families import LLAVA, part_families
+
+    config = json.loads((llava[0] / "config.json").read_text())
+    names = set(safetensors_of(llava[0]))
+    old = {n.replace("vision_tower.", "vision_tower.vision_model.", 1) for n in names}
+    for held, prefix in ((names, "vision_tower."), (old, "vision_tower.vision_model.")):
+        parts = part_families(LLAVA, config, CLIP_VISION, held)
+        assert parts.tower.bind("conv1.weight").hf == (f"{prefix}embeddings.patch_embedding.weight",)
+        assert parts.tower.bind("decoder.layers.1.mlp.linear_fc1.weight") is not None  # a rule
+        carried = {n for n in held if parts.tower.is_unused(n) and n.startswith("vision_tower.")}
+        assert carried == {n for n in held if n.startswith(
+            (f"{prefix}encoder.layers.1.", f"{prefix}post_layernorm."))}
+    assert parts.language.bind("output_layer.weight").hf == ("language_model.lm_head.weight",)
+    assert parts.projector.bind("0.encoder.linear_fc2.weight").hf == (
+        "multi_modal_projector.linear_2.weight",)
+    assert all(parts.projector.is_unused(n) for n in names if not n.startswith("multi_modal"))

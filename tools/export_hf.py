@@ -273,7 +273,7 @@ def export_whole(ckpt: Checkpoint, out: Path, max_shard_size: int, progress: boo
     parts = part_families(vlm, config, tower, checkpoint.names())
     where = str(ckpt.folder)
     vision = vlm.vision_config(config)
-    heads = vision["num_attention_heads"]
+    heads = vision.get("num_attention_heads", vision.get("num_heads"))  # plain multi-head
     vocab = args.vocab_size or args.padded_vocab_size
     pieces = [
         *hf_pieces(ckpt.tensors(LANGUAGE), parts.language, _heads(args), vocab, where),

@@ -71,8 +71,9 @@ class VLMFamily:
     """config.json -> the projector's HF activation name."""
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The language model's config inside the VLM's."""
-        return config.get("text_config") or {}
+        """The language model's config inside the VLM's (an older save keeps its fields at the
+        top level)."""
+        return config.get("text_config") or config
 
     def vision_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The tower's config inside the VLM's."""

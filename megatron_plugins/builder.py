@@ -62,6 +62,10 @@ class MimoBuildConfig(ModelConfig):
     """HF folder the language model is loaded from once built (``--language-hf-weights``)."""
     encoder_hf_weights: dict[str, str] = field(default_factory=dict)
     """HF folder per encoder network (``--encoder-hf-weights NAME=DIR``)."""
+    hf_model: str | None = None
+    """A whole HF VLM folder (``--hf-model``): its tower, projector and language model are
+    loaded into the encoder holding it (``encoder_hf_weights``), its projection and the
+    language model."""
     language_megatron_checkpoint: str | None = None
     """torch_dist iteration folder the language model starts from
     (``--language-megatron-checkpoint``)."""
@@ -156,7 +160,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         with meta or contextlib.nullcontext():
             model = self.build_model(encoder_configs=configs)
         load_pretrained(model, topology.module_pgs, cfg.language_hf_weights,
-                        cfg.encoder_hf_weights, cfg._plugins)
+                        cfg.encoder_hf_weights, cfg._plugins, cfg.hf_model)
         load_megatron_checkpoints(model, topology.module_pgs, cfg.language_megatron_checkpoint,
                                   cfg.encoder_megatron_checkpoints)
         model = _single(compose_hooks(cfg.pre_wrap_hooks)([model]), "pre_wrap_hooks")

@@ -51,7 +51,7 @@ from megatron_plugins.preflight import (
 from megatron_plugins.run_settings import settle
 from megatron_plugins.topology import HeteroTopology, build_topology, pipeline_communicator
 from megatron_plugins.training_step import forward_step
-from megatron_plugins.weights.flags import add_weights_args
+from megatron_plugins.weights.flags import add_weights_args, expand_hf_model
 from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
 
 __all__ = ["MimoRun", "MimoSession", "parse_mimo_args", "pretrain_kwargs", "start", "train"]
@@ -139,7 +139,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None,
     """Parse, settle and check every flag; raises a :class:`~megatron_plugins.errors.UsageError`
     naming the flag to fix. ``checked`` is what the entry point's pre-import checks found
     (:func:`megatron_plugins.preflight.run`); without it they run here."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = expand_hf_model(sys.argv[1:] if argv is None else argv)
     if checked is None and not asks_help(argv):
         checked = check_run(argv, world_size_from_env())
     args, parser = _parse_flags(argv, _encoder_providers(argv))
@@ -191,6 +191,7 @@ def start(run: MimoRun) -> MimoSession:
         encoder_overlap_grad_reduce=args.encoder_overlap_grad_reduce,
         language_hf_weights=args.language_hf_weights,
         encoder_hf_weights=dict(args.encoder_hf_weights),
+        hf_model=args.hf_model,
         language_megatron_checkpoint=args.language_megatron_checkpoint,
         encoder_megatron_checkpoints=dict(args.encoder_megatron_checkpoint),
         _topology=topology,

@@ -20,7 +20,7 @@ from megatron_plugins.command_line import given_flag
 from megatron_plugins.errors import FlagError, UsageError, report
 from megatron_plugins.layout import ParallelLayout, encoder_micro_batch_size
 from megatron_plugins.layout_flags import add_layout_args, layout_from_args
-from megatron_plugins.weights.flags import fill_layout_flags
+from megatron_plugins.weights.flags import expand_hf_model, fill_layout_flags
 
 __all__ = [
     "EVERY_ENCODER", "Preflight", "add_mimo_args", "asks_help", "check_parser", "check_run",
@@ -117,6 +117,7 @@ def check_parser() -> argparse.ArgumentParser:
     stock.add_argument("--language-hf-weights")
     # An HF encoder (clip, siglip, whisper) reads its head count from this folder's config.json.
     stock.add_argument("--encoder-hf-weights", action="append", default=[])
+    stock.add_argument("--hf-model")
     return _raise_instead_of_exit(parser)
 
 
@@ -177,7 +178,7 @@ def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> P
     hides Megatron's warnings about absent GPU libraries when a plugin import needs Megatron (as
     ``--cpu-simulation`` does).
     """
-    argv = list(argv)
+    argv = expand_hf_model(argv)
     refuse_upstream_flags(argv)
     args, _ = check_parser().parse_known_args(argv)
     fill_layout_flags(args)

@@ -43,7 +43,15 @@ from megatron_plugins.layout_flags import language_grid_flags, language_world_si
 from megatron_plugins.optimizer_config import implied_stock_flags
 from megatron_plugins.errors import FlagError
 from megatron_plugins.preflight import Preflight
-from megatron_plugins.weights.flags import LANGUAGE_FLAG, encoder_folders, implied_language_args
+from megatron_plugins.weights.flags import (
+    HF_MODEL_FLAG,
+    LANGUAGE_FLAG,
+    check_hf_model,
+    encoder_folders,
+    hf_model_encoder,
+    implied_language_args,
+    language_origin,
+)
 from megatron_plugins.weights.megatron_init import check_init_flags
 
 __all__ = ["Adjustment", "Settled", "check_mrope", "settle"]
@@ -107,7 +115,7 @@ def language_shape(args: argparse.Namespace, parser: argparse.ArgumentParser,
                    given: Callable[[str], str | None]) -> list[Adjustment]:
     """The stock shape flags and the family of ``--language-hf-weights``' config.json."""
     family, implied = implied_language_args(args, given)
-    why = f"{LANGUAGE_FLAG} {args.language_hf_weights}/config.json"
+    why = language_origin(args)
     return [Adjustment("language_hf_family", family, LANGUAGE_FLAG, why),
             *(Adjustment(attr, value, _spelling(parser, attr), why)
               for attr, value in implied.items())]
@@ -121,9 +129,28 @@ def freeze_lists(checked: Preflight) -> list[Adjustment]:
 
 def encoder_weights(args: argparse.Namespace,
                     plugins: dict[str, EncoderPlugin]) -> list[Adjustment]:
-    """``--encoder-hf-weights NAME=DIR`` values checked, as a NAME -> DIR dict."""
-    return [Adjustment("encoder_hf_weights", encoder_folders(args.encoder_hf_weights, plugins),
-                       "--encoder-hf-weights", "checked against the run's encoders")]
+    """``--encoder-hf-weights NAME=DIR`` values checked, as a NAME -> DIR dict (``--hf-model``'s
+    parts checked to meet)."""
+    folders = encoder_folders(args.encoder_hf_weights, plugins, args.hf_model)
+    check_hf_model(args, plugins)
+    return [Adjustment("encoder_hf_weights", folders, "--encoder-hf-weights",
+                       "checked against the run's encoders")]
+
+
+def check_image_token(args: argparse.Namespace, source: DataSource) -> None:
+    """The data's placeholder for ``--hf-model``'s encoder must be the checkpoint's image token:
+    the language model reads image features where HF put them."""
+    from megatron_plugins.weights.vlm_families import read_vlm
+
+    name = hf_model_encoder(args)
+    if name is None:
+        return
+    vlm, config = read_vlm(args.hf_model)
+    want, have = vlm.image_token_id(config), source.special_token_ids.get(name)
+    if have != want:
+        raise FlagError(f"{HF_MODEL_FLAG} {args.hf_model}: its image token is id {want}, but the "
+                        f"data marks encoder {name}'s positions with id {have}; give a tokenizer "
+                        f"whose <{name}> token is id {want} (the checkpoint's own tokenizer)")
 
 
 def resume(args: argparse.Namespace, checked: Preflight) -> list[Adjustment]:
@@ -332,6 +359,7 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.notice(DEFAULTS_NOTICE + ", ".join(told) if told else None)
     check_mock_tokenizer(args)
     source = build_source(args, plugins)
+    check_image_token(args, source)
     record.apply(data_source_values(args, plugins))
     record.apply(optimizer_flags(args, parser, argv))
     record.apply(mimo_before_validation())

@@ -183,7 +183,7 @@ def forward_logits(model: Any, pgc: Any, tokens: torch.Tensor) -> np.ndarray | N
     import torch.distributed as dist
 
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    pp_rank, pp_size = pgc.pp.rank(), pgc.pp.size()
+    pp_rank = pgc.pp.rank()
     ranks = dist.get_process_group_ranks(pgc.pp)
     hidden_shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)
     with torch.no_grad():
@@ -191,10 +191,18 @@ def forward_logits(model: Any, pgc: Any, tokens: torch.Tensor) -> np.ndarray | N
             received = torch.empty(hidden_shape)
             dist.recv(received, src=ranks[pp_rank - 1], group=pgc.pp)
             model.set_input_tensor(received)
-        output = model(tokens, positions, None)
-        if pp_rank < pp_size - 1:
-            dist.send(output.contiguous(), dst=ranks[pp_rank + 1], group=pgc.pp)
-            return None
+        return hand_on(model(tokens, positions, None), pgc)
+
+
+def hand_on(output: torch.Tensor, pgc: Any) -> np.ndarray | None:
+    """A pipeline stage's output: sent to the next stage (None returned), or on the last stage
+    the logits gathered over TP (the full padded vocabulary)."""
+    import torch.distributed as dist
+
+    stage, ranks = pgc.pp.rank(), dist.get_process_group_ranks(pgc.pp)
+    if stage < len(ranks) - 1:
+        dist.send(output.contiguous(), dst=ranks[stage + 1], group=pgc.pp)
+        return None
     shards = [torch.empty_like(output) for _ in range(pgc.tp.size())]
     dist.all_gather(shards, output.contiguous(), group=pgc.tp)
     return torch.cat(shards, dim=-1).float().numpy()
@@ -208,16 +216,14 @@ after it; no shape flags."""
 VIT = ("--encoder", "vision=vit", "--grid", "vision:dp=1")
 
 
-def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
+def built_then(argv: list[str], after: Any) -> dict[str, Any]:
     """Build one rank of a MiMo model through the entry point's code path (HF weights loaded by
-    the builder) and return the language model's logits on its last stage."""
+    the builder, no DDP) and return ``after(session, model)`` with the rank's ``module``."""
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
     from megatron_plugins.compat import startup
     from megatron_plugins.launch import parse_mimo_args, start
-    from megatron_plugins.weights.language_families import FAMILIES
-    from megatron_plugins.weights.local_view import unwrap
 
     startup.install()
     session = start(parse_mimo_args(argv))
@@ -225,15 +231,29 @@ def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
         builder = session.config.model.get_builder_cls()(session.config.model)
         [mimo] = builder.build_distributed_models(wrap_with_ddp=False)
         [module] = session.topology.active_modules
-        if module != "language":
-            return {"module": module}
-        pgc = session.topology.module_pgs[module]
-        language = unwrap(mimo.language_model)
-        [family] = [f for f in FAMILIES if f.name == session.run.args.language_hf_family]
-        return {"module": module, "logits": forward_logits(language, pgc, TOKENS),
-                "pieces": streamed(language, family, pgc, session.run.args.vocab_size)}
+        return {"module": module, **after(session, mimo)}
     finally:
         session.close()
+
+
+def _language_logits(session: Any, mimo: Any) -> dict[str, Any]:
+    from megatron_plugins.weights.language_families import FAMILIES
+    from megatron_plugins.weights.local_view import unwrap
+
+    [module] = session.topology.active_modules
+    if module != "language":
+        return {}
+    pgc = session.topology.module_pgs[module]
+    language = unwrap(mimo.language_model)
+    [family] = [f for f in FAMILIES if f.name == session.run.args.language_hf_family]
+    return {"logits": forward_logits(language, pgc, TOKENS),
+            "pieces": streamed(language, family, pgc, session.run.args.vocab_size)}
+
+
+def mimo_language_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of a MiMo model built with HF weights: the language model's logits on its last
+    stage and its streamed pieces."""
+    return built_then(argv, _language_logits)
 
 
 def streamed(module: Any, family: Any, pgc: Any, vocab_size: int) -> bytes:
@@ -279,17 +299,13 @@ def safetensors_of(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
-    """One rank of a MiMo training run (stock ``pretrain()``) started from HF weights; language
-    ranks return their streamed pieces of the trained model."""
+def train_then(argv: list[str], after: Any) -> dict[str, Any]:
+    """One rank of a MiMo training run (stock ``pretrain()``); ``after(session, model)`` runs on
+    the trained model before teardown and its dict comes back with the rank's ``module``."""
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
     from megatron_plugins.launch import parse_mimo_args, train
-    from megatron_plugins.weights.encoder_view import encoder_module
-    from megatron_plugins.weights.flags import encoder_family
-    from megatron_plugins.weights.language_families import FAMILIES
-    from megatron_plugins.weights.local_view import unwrap
 
     result: dict[str, Any] = {}
 
@@ -300,24 +316,41 @@ def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
         close = session.close
 
-        def stream_then_close() -> None:
-            args, pgc = session.run.args, session.topology.module_pgs[module]
-            if module == "language":
-                [family] = [f for f in FAMILIES if f.name == args.language_hf_family]
-                language = unwrap(models[0].language_model)
-                result["pieces"] = streamed(language, family, pgc, args.vocab_size)
-                result["logits"] = forward_logits(language, pgc, TOKENS)
-            elif encoder_family(session.run.plugins[module]) is not None:
-                family = encoder_family(session.run.plugins[module])
-                network = encoder_module(unwrap(models[0].modality_submodules[module]), module,
-                                         family)
-                result["pieces"] = streamed(network, family, pgc, None)
+        def after_then_close() -> None:
+            result.update(after(session, models[0]))
             close()
 
-        session.close = stream_then_close
+        session.close = after_then_close
 
     train(parse_mimo_args(argv), observe)
     return result
+
+
+def _stream_trained(session: Any, model: Any) -> dict[str, Any]:
+    """Language ranks: streamed pieces and logits; encoder ranks with an HF mapping: pieces."""
+    from megatron_plugins.weights.encoder_view import encoder_module
+    from megatron_plugins.weights.flags import encoder_family
+    from megatron_plugins.weights.language_families import FAMILIES
+    from megatron_plugins.weights.local_view import unwrap
+
+    [module] = session.topology.active_modules
+    args, pgc = session.run.args, session.topology.module_pgs[module]
+    if module == "language":
+        [family] = [f for f in FAMILIES if f.name == args.language_hf_family]
+        language = unwrap(model.language_model)
+        return {"pieces": streamed(language, family, pgc, args.vocab_size),
+                "logits": forward_logits(language, pgc, TOKENS)}
+    family = encoder_family(session.run.plugins[module])
+    if family is not None:
+        network = encoder_module(unwrap(model.modality_submodules[module]), module, family)
+        return {"pieces": streamed(network, family, pgc, None)}
+    return {}
+
+
+def train_and_stream_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of a MiMo training run started from HF weights; language ranks return their
+    streamed pieces of the trained model and its logits."""
+    return train_then(argv, _stream_trained)
 
 
 def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str, ...] = (),

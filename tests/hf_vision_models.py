@@ -25,7 +25,7 @@ MODELS = {
 }
 
 
-def redraw(model: torch.nn.Module) -> None:
+def redraw(model: torch.nn.Module) -> torch.nn.Module:
     """Every weight redrawn (norm scales around 1), so a swapped or missed tensor shows."""
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -33,6 +33,7 @@ def redraw(model: torch.nn.Module) -> None:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
+    return model
 
 
 def save_tiny(provider: str, folder: str | Path, seed: int = 0, **overrides: Any) -> Path:

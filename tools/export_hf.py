@@ -5,7 +5,11 @@
 writes ``hf_out/language/`` (config.json + safetensors, the family's HF format), one folder per
 encoder whose provider has a HF mapping (with the tower's tensors the encoder does not hold, such
 as CLIP's ``post_layernorm``, copied from the folder the run started from), and
-``hf_out/projections.safetensors`` with ``projections.json`` describing them. Tensors are read
+``hf_out/projections.safetensors`` with ``projections.json`` describing them. A run started from
+a whole VLM folder (``--hf-model``) is written back as ONE folder of that architecture instead:
+``hf_out/config.json`` (the folder's own), the tower, projector and language tensors under the
+folder's names, the tower's tensors the encoder does not hold (layers past the feature layer,
+``post_layernorm``) and the folder's other files (tokenizer, preprocessor) copied unchanged. Tensors are read
 whole from the checkpoint, whatever layout saved it (megatron-core's ``dist_checkpointing.load``
 of each tensor's full extent), one module at a time, then split into HF tensors by the same rules
 and code the streaming API uses; so the files are byte-identical for any saving layout, and every
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -214,6 +219,8 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
     """Write the HF folders of a MiMo checkpoint; returns the files written."""
     ckpt = Checkpoint(iteration_folder(Path(checkpoint), iteration))
     args, out = ckpt.args, Path(output)
+    if getattr(args, "hf_model", None):
+        return export_whole(ckpt, out, max_shard_size, progress)
     written = []
     if "language" in ckpt.modules:
         family = _language_family(args, language_family)
@@ -253,6 +260,49 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
                         for name, t in sorted(projections.items())},
         }))
     return written
+
+
+WHOLE_WEIGHTS = re.compile(r"(model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?$")
+"""The source folder's weight files, which the export writes anew."""
+
+
+def export_whole(ckpt: Checkpoint, out: Path, max_shard_size: int, progress: bool) -> list[Path]:
+    """One HF folder of the ``--hf-model`` architecture the run started from: every module's
+    tensors under the folder's own names, its untrained tensors and other files copied."""
+    from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.weights.flags import hf_model_encoder
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, part_families, read_vlm
+
+    args = ckpt.args
+    source = Path(args.hf_model)
+    vlm, config = read_vlm(str(source))
+    name = hf_model_encoder(args)
+    tower = _encoder_families(args).get(name)
+    if tower is None:
+        raise HFWeightsError(f"{ckpt.folder}: the run's --hf-model encoder {name} has no HF "
+                             "weight mapping")
+    checkpoint = HFCheckpoint(source, HF_MODEL_FLAG)
+    parts = part_families(vlm, config, tower, checkpoint.names())
+    where = str(ckpt.folder)
+    vision = vlm.vision_config(config)
+    heads = vision.get("num_attention_heads", vision.get("num_heads"))  # plain multi-head
+    vocab = args.vocab_size or args.padded_vocab_size
+    pieces = [
+        *hf_pieces(ckpt.tensors(LANGUAGE), parts.language, _heads(args), vocab, where),
+        *hf_pieces(ckpt.tensors(name), parts.tower,
+                   Heads(heads, heads, vision["hidden_size"] // heads), None, where),
+        *hf_pieces(ckpt.tensors(f"{name}:projection"), parts.projector, None, None, where),
+    ]
+    untrained = {hf: checkpoint.read(hf, 0, 0, -1) for hf in sorted(checkpoint.names())
+                 if any(re.match(pattern, hf) for pattern in parts.tower.untrained)}
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for file in sorted(source.iterdir()):
+        if file.is_file() and file.name != "config.json" and not WHOLE_WEIGHTS.match(file.name):
+            copied.append(Path(shutil.copyfile(file, out / file.name)))
+    return [*copied, *write_folder({**assemble(pieces), **untrained}, out, max_shard_size,
+                                   config, progress)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,11 @@ The network is read from ``config.json`` of the folder given as ``--encoder-hf-w
 - SigLIP: the patches after ``post_layernorm``, ``patches`` tokens (the attention-pooling head is
   not part of it).
 
+From a whole VLM folder (``--hf-model``, e.g. LLaVA) the output is what the VLM hands its
+projector: the ``vision_feature_layer`` hidden states (the tower is built with only the layers
+feeding them), the class token dropped for ``vision_feature_select_strategy`` "default"; the
+projection uses the projector's activation.
+
 Images are preprocessed as HF's image processor does (``preprocessor_config.json`` when the folder
 has one, else the model's defaults), see :class:`HFImagePreprocessor`.
 """
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from megatron.core.activations import quick_gelu
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,11 +46,13 @@ from megatron_plugins.encoders.base import (
 )
 from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
-from megatron_plugins.weights.mapping import Family
+from megatron_plugins.weights.mapping import Family, HFWeightsError
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
+from megatron_plugins.weights.vlm_families import FAMILIES as VLM_FAMILIES
+from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
 
-__all__ = ["ACTIVATIONS", "CLIPVisionEncoder", "HALF", "HFImagePreprocessor", "HFVisionEncoder",
-           "SiglipVisionEncoder", "hf_normalized"]
+__all__ = ["ACTIVATIONS", "CLIPVisionEncoder", "ClassTokenDropped", "HALF", "HFImagePreprocessor",
+           "HFVisionEncoder", "SiglipVisionEncoder", "hf_normalized"]
 
 ACTIVATIONS = {
     "quick_gelu": quick_gelu,
@@ -129,6 +137,14 @@ def _hw(value: Any, where: str) -> tuple[int | None, int | None, int | None]:
                              '{"shortest_edge": N} or {"height": H, "width": W}')
 
 
+class ClassTokenDropped(CLIPViTModel):
+    """``CLIPViTModel`` without its class token in the output (LLaVA's "default" feature
+    selection); same parameters and names."""
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, attention_mask)[:, self.class_token_len:]
+
+
 class HFVisionEncoder(EncoderPlugin):
     """A ViT whose shape, weights and preprocessing come from one HF model folder; subclasses
     name the HF model (``provider``, ``model_type``, Megatron ``subtype``, preprocessing defaults)."""
@@ -149,7 +165,29 @@ class HFVisionEncoder(EncoderPlugin):
         source = HFSource.of(name, self.provider, args, f"a HF {self.model_type} folder")
         self.folder, self.where, self.source = source.folder, source.where, source
         self.hf_config = self._read_config()
+        self.layers, self.drops_class_token, self.projector_act = self._feature_selection()
         self._preprocessor = self._read_preprocessor()
+
+    def _feature_selection(self) -> tuple[int, bool, str | None]:
+        """(tower layers built, class token dropped, projector activation): a whole VLM folder's
+        feature selection, else the whole tower's last hidden state and the default projection."""
+        config = self._read_json("config.json")
+        architectures = set(config.get("architectures") or [])
+        vlm = next((f for f in VLM_FAMILIES if architectures & set(f.architectures)), None)
+        if vlm is None:
+            return self.hf_config.num_hidden_layers, False, None
+        act = vlm.projector_activation(config)
+        if act not in ACTIVATIONS:
+            raise EncoderPluginError(f"{self.where}: projector activation {act!r} is not "
+                                     f"supported; supported: {', '.join(ACTIVATIONS)}")
+        try:
+            layers, drops = vlm.tower_layers(config), vlm.drops_class_token(config)
+        except HFWeightsError as error:
+            raise EncoderPluginError(f"{HF_MODEL_FLAG} {self.folder}: {error}") from None
+        if drops and not self.class_token:
+            raise EncoderPluginError(f"{HF_MODEL_FLAG} {self.folder}: the feature selection "
+                                     "drops a class token this tower does not have")
+        return layers, drops, act
 
     def _read_json(self, filename: str) -> dict[str, Any] | None:
         return self.source.read_json(filename)
@@ -223,12 +261,12 @@ class HFVisionEncoder(EncoderPlugin):
     @property
     def tokens_per_item(self) -> int:
         patches = (self.hf_config.image_size // self.hf_config.patch_size) ** 2
-        return patches + int(self.class_token)
+        return patches + int(self.class_token and not self.drops_class_token)
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         hf = self.hf_config
         config = encoder_config(
-            language, self.grid, num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+            language, self.grid, num_layers=self.layers, hidden_size=hf.hidden_size,
             num_attention_heads=hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
             activation_func=ACTIVATIONS[hf.hidden_act], add_bias_linear=True, add_qkv_bias=True)
         # The HF model's own eps; Megatron fuses only gelu/swiglu with the bias, so no fusion.
@@ -237,9 +275,22 @@ class HFVisionEncoder(EncoderPlugin):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        return clip_vit_spec(config, pg_collection, patch_size=self.hf_config.patch_size,
+        spec = clip_vit_spec(config, pg_collection, patch_size=self.hf_config.patch_size,
                              image_size=self.hf_config.image_size, subtype=self.subtype,
                              class_token=self.class_token)
+        if self.drops_class_token:
+            spec = dataclasses.replace(spec, module=ClassTokenDropped)
+        return spec
+
+    def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
+                        pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        """The MLP projection; a whole VLM's with its projector's activation."""
+        spec = super().projection_spec(config, language_hidden_size, pg_collection)
+        if self.projector_act is None:
+            return spec
+        projection = dataclasses.replace(spec.params["config"],
+                                         activation_func=ACTIVATIONS[self.projector_act])
+        return dataclasses.replace(spec, params={**spec.params, "config": projection})
 
     def preprocessor(self) -> HFImagePreprocessor:
         return self._preprocessor

@@ -4,23 +4,33 @@
 sets the stock shape flags (layers, hidden, heads, ...), so they need not be given, and one that
 is given with another value is a one-line error naming both. ``--encoder-hf-weights NAME=DIR``
 gives an encoder's; the encoder's provider reads its own shape from that folder and names its
-family as ``hf_family`` (a :class:`~megatron_plugins.weights.mapping.Family`).
+family as ``hf_family`` (a :class:`~megatron_plugins.weights.mapping.Family`). ``--hf-model DIR``
+gives a whole VLM (:mod:`~megatron_plugins.weights.vlm_families`): :func:`expand_hf_model` writes
+the encoder it implies into the command line, its ``text_config`` sets the shape flags, and
+:func:`check_hf_model` checks that its parts meet.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError
+from megatron_plugins.weights.vlm_families import (
+    HF_MODEL_FLAG,
+    language_family,
+    projector_prefix,
+    read_vlm,
+)
 
 __all__ = [
-    "ENCODER_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_safetensors",
-    "encoder_assignments", "encoder_family", "encoder_folders", "fill_layout_flags",
-    "implied_language_args"
+    "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
+    "check_safetensors", "encoder_assignments", "encoder_family", "encoder_folders",
+    "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "implied_language_args",
+    "language_origin"
 ]
 
 LANGUAGE_FLAG = "--language-hf-weights"
@@ -37,7 +47,77 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="Load encoder NAME's network from this HF folder once at start "
                             "(the projection starts from init unless the HF model holds it, as "
                             "Qwen2.5-VL's merger). Repeatable.")
+    group.add_argument(HF_MODEL_FLAG, metavar="DIR", default=None,
+                       help="Load a whole HF VLM folder (LLaVA, Qwen2.5-VL): its vision tower as the encoder "
+                            "it implies (named by the architecture, e.g. image=clip; --grid "
+                            "NAME:... places it), its projector as that encoder's projection, "
+                            "its language model on the language grid; its config sets the shape "
+                            "flags and the image token.")
     return parser
+
+
+def _values(argv: Sequence[str], flag: str) -> list[str]:
+    """Every value given to ``flag`` (``flag V`` or ``flag=V``; ``--encoder`` may take several
+    space-separated words)."""
+    found = []
+    for index, token in enumerate(argv):
+        name, sep, value = token.partition("=")
+        if name != flag:
+            continue
+        if sep:
+            found.extend(value.split())
+        elif index + 1 < len(argv):
+            found.extend(argv[index + 1].split())
+    return found
+
+
+def expand_hf_model(argv: Sequence[str]) -> list[str]:
+    """The command line with what ``--hf-model DIR`` implies written out: ``--encoder
+    NAME=PROVIDER`` (unless a given one names the provider) and ``--encoder-hf-weights NAME=DIR``
+    (the provider reads the tower's shape there). Idempotent; a given flag that contradicts the
+    folder is one line naming both."""
+    argv = list(argv)
+    folders = _values(argv, HF_MODEL_FLAG)
+    if not folders:
+        return argv
+    if len(set(folders)) > 1:
+        raise HFWeightsError(f"{HF_MODEL_FLAG} is given twice ({', '.join(folders)}); give one "
+                             "whole VLM folder")
+    folder = folders[0]
+    vlm, _ = read_vlm(folder)
+    origin = f"{HF_MODEL_FLAG} {folder} ({vlm.architectures[0]})"
+    for language in _values(argv, LANGUAGE_FLAG):
+        raise HFWeightsError(f"{LANGUAGE_FLAG} {language} contradicts {origin}, which holds the "
+                             f"language model; drop {LANGUAGE_FLAG}")
+    encoders = [value.partition("=") for value in _values(argv, "--encoder")]
+    named = [name for name, _, provider in encoders if provider == vlm.encoder_provider]
+    if encoders and len(named) != 1:
+        given = " ".join(f"{name}={provider}" for name, _, provider in encoders)
+        raise HFWeightsError(f"--encoder {given} contradicts {origin}, whose tower is built by "
+                             f"provider {vlm.encoder_provider}; give exactly one --encoder "
+                             f"NAME={vlm.encoder_provider} or drop --encoder")
+    name = named[0] if named else vlm.encoder_name
+    if not encoders:
+        argv += ["--encoder", f"{name}={vlm.encoder_provider}"]
+    weights = [value.partition("=")[2] for value in _values(argv, ENCODER_FLAG)
+               if value.partition("=")[0] == name]
+    for other in weights:
+        if other != folder:
+            raise HFWeightsError(f"{ENCODER_FLAG} {name}={other} contradicts {origin}, which "
+                                 f"holds encoder {name}'s tower; drop {ENCODER_FLAG} {name}=")
+    if not weights:
+        argv += [ENCODER_FLAG, f"{name}={folder}"]
+    return argv
+
+
+def hf_model_encoder(args: argparse.Namespace) -> str | None:
+    """The encoder ``--hf-model``'s tower is (after :func:`expand_hf_model`), or None."""
+    folder = getattr(args, "hf_model", None)
+    if folder is None:
+        return None
+    given = getattr(args, "encoder_hf_weights", None) or []
+    pairs = given.items() if isinstance(given, Mapping) else (v.partition("=")[::2] for v in given)
+    return next((name for name, path in pairs if path == folder), None)
 
 
 USER_MAY_SET = {"untie_embeddings_and_output_weights": True}
@@ -49,11 +129,26 @@ def _shown(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def language_args(folder: str) -> tuple[Family, dict[str, Any]]:
-    """The family of ``--language-hf-weights``' config.json and the stock args it implies."""
-    config = read_config(folder, LANGUAGE_FLAG)
-    family = find_family(config, FAMILIES, f"{LANGUAGE_FLAG} {folder}/config.json")
-    return family, family.megatron_args(config)
+def language_origin(args: argparse.Namespace) -> str:
+    """The config.json the language model's shape comes from, for messages."""
+    if getattr(args, "hf_model", None) and not args.language_hf_weights:
+        return f"{HF_MODEL_FLAG} {args.hf_model}/config.json text_config"
+    return f"{LANGUAGE_FLAG} {args.language_hf_weights}/config.json"
+
+
+def language_args(args: argparse.Namespace) -> tuple[Family, dict[str, Any]] | None:
+    """The language family of ``--language-hf-weights`` (or ``--hf-model``'s text_config) and
+    the stock args it implies; None without either flag."""
+    folder = args.language_hf_weights
+    if folder is not None:
+        config = read_config(folder, LANGUAGE_FLAG)
+        family = find_family(config, FAMILIES, f"{LANGUAGE_FLAG} {folder}/config.json")
+        return family, family.megatron_args(config)
+    if getattr(args, "hf_model", None) is None:
+        return None
+    vlm, config = read_vlm(args.hf_model)
+    family = language_family(vlm)
+    return family, family.megatron_args(vlm.text_config(config))
 
 
 def check_safetensors(folder: str, flag: str) -> None:
@@ -70,11 +165,14 @@ def implied_language_args(args: argparse.Namespace, given: Callable[[str], str |
     """The family name of ``--language-hf-weights`` and the stock shape args (attribute -> value)
     its config.json sets: (None, {}) without the flag. ``given(attr)`` is the flag as the user
     spelled it, or None when it was not given; a given flag that contradicts is an error."""
-    folder = args.language_hf_weights
-    if folder is None:
+    found = language_args(args)
+    if found is None:
         return None, {}
-    family, implied = language_args(folder)
-    check_safetensors(folder, LANGUAGE_FLAG)
+    family, implied = found
+    if args.language_hf_weights is not None:
+        check_safetensors(args.language_hf_weights, LANGUAGE_FLAG)
+    else:
+        check_safetensors(args.hf_model, HF_MODEL_FLAG)
     values = {}
     for attr, value in implied.items():
         if not hasattr(args, attr):
@@ -84,18 +182,20 @@ def implied_language_args(args: argparse.Namespace, given: Callable[[str], str |
             continue
         if spelled is not None and getattr(args, attr) != value:
             raise HFWeightsError(
-                f"{spelled} {_shown(getattr(args, attr))} contradicts {LANGUAGE_FLAG} "
-                f"{folder}/config.json, which gives {_shown(value)}; drop {spelled}")
+                f"{spelled} {_shown(getattr(args, attr))} contradicts {language_origin(args)}, "
+                f"which gives {_shown(value)}; drop {spelled}")
         values[attr] = value
     return family.name, values
 
 
 def fill_layout_flags(args: argparse.Namespace) -> None:
     """For the pre-import layout checks: the few stock model flags they read (heads, query
-    groups, experts), from ``--language-hf-weights``' config.json where not given."""
-    if getattr(args, "language_hf_weights", None) is None:
+    groups, experts), from ``--language-hf-weights``' (or ``--hf-model``'s) config.json where
+    not given."""
+    found = language_args(args)
+    if found is None:
         return
-    for attr, value in language_args(args.language_hf_weights)[1].items():
+    for attr, value in found[1].items():
         if hasattr(args, attr) and getattr(args, attr) in (None, False):
             setattr(args, attr, value)
 
@@ -123,16 +223,51 @@ def encoder_assignments(values: list[str], plugins: Mapping[str, Any], flag: str
         yield value, name, folder
 
 
-def encoder_folders(values: list[str], plugins: Mapping[str, Any]) -> dict[str, str]:
-    """``NAME=DIR`` values checked against the run's encoders, their providers and folders."""
+def encoder_folders(values: list[str], plugins: Mapping[str, Any],
+                    whole: str | None = None) -> dict[str, str]:
+    """``NAME=DIR`` values checked against the run's encoders, their providers and folders; the
+    ``--hf-model`` folder ``whole`` is checked by :func:`check_hf_model` instead."""
     folders: dict[str, str] = {}
     for value, name, folder in encoder_assignments(values, plugins, ENCODER_FLAG, HFWeightsError):
         family = encoder_family(plugins[name])
         if family is None:
             raise HFWeightsError(f"{ENCODER_FLAG} {value}: encoder {name}'s provider "
                                  f"({type(plugins[name]).__name__}) has no HF weight mapping")
+        if folder == whole:
+            folders[name] = folder
+            continue
         config = read_config(folder, f"{ENCODER_FLAG} {name}=")
         find_family(config, (family,), f"{ENCODER_FLAG} {value}/config.json")
         check_safetensors(folder, f"{ENCODER_FLAG} {name}=")
         folders[name] = folder
     return folders
+
+
+def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any]) -> None:
+    """Before any process group: ``--hf-model``'s projector meets its tower and its language
+    model (input = the tower's output width, output = the language hidden size)."""
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+
+    name = hf_model_encoder(args)
+    if name is None:
+        return
+    folder = args.hf_model
+    vlm, config = read_vlm(folder)
+    if encoder_family(plugins[name]) is None:
+        raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: encoder {name}'s provider has no HF "
+                             "weight mapping")
+    checkpoint = HFCheckpoint(folder, HF_MODEL_FLAG)
+    prefix = projector_prefix(vlm, checkpoint.names())
+    sizes = (("input", vlm.projector_input, vlm.tower_width(config),
+              "the width the tower (vision_config) hands it"),
+             ("output", vlm.projector_output, vlm.text_config(config).get("hidden_size"),
+              "the language model's hidden size (text_config)"))
+    for side, (tensor, dim), want, what in sizes:
+        hf_name = prefix + tensor
+        if hf_name not in checkpoint.names():
+            raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: no projector tensor {hf_name}")
+        have = checkpoint.shape(hf_name)[dim]
+        if have != want:
+            raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: projector {hf_name} {side} size "
+                                 f"{have} does not meet {what}, {want}; the tower and language "
+                                 "model are not this projector's pair")

@@ -6,7 +6,9 @@ Across all ranks of a module every HF tensor is yielded exactly once: a DP repli
 first yields nothing, a tensor replicated over TP comes from TP rank 0 only. :func:`assemble`
 joins pieces from any ranks into full tensors and refuses pieces that overlap, leave gaps or
 disagree on the tensor's shape, so a consumer never has to assume one rank's layout is another's.
-The export tool (``tools/export_hf.py``) writes what these pieces assemble to.
+The export tool (``tools/export_hf.py``) writes what these pieces assemble to. A model started
+from a whole VLM folder (``--hf-model``) streams its modules under that folder's names
+(:func:`iter_whole_weights`), as the export writes them back into one folder.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from megatron_plugins.weights.local_view import LocalParam, heads_of, local_para
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.slicing import split
 
-__all__ = ["AssembleError", "WeightPiece", "assemble", "iter_hf_weights", "pieces_of"]
+__all__ = ["AssembleError", "WeightPiece", "assemble", "iter_hf_weights", "iter_whole_weights",
+           "pieces_of"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,25 @@ def iter_hf_weights(module: torch.nn.Module, family: Family, pg_collection: obje
     for p in local_params(module, family, pg_collection, f"{family.name} streaming"):
         if p.param is not tied_copy and _owner(pg_collection, p.bound.rule.is_expert):
             yield from pieces_of(p, p.param.detach(), heads, vocab_size)
+
+
+def iter_whole_weights(mimo: torch.nn.Module, module: str, pg_collection: object, folder: str,
+                       tower: Family, vocab_size: int | None = None) -> Iterator[WeightPiece]:
+    """This rank's pieces of the whole VLM folder ``folder`` (``--hf-model``) the (unwrapped)
+    ``MimoModel`` was started from: the language model's, or the tower's and projector's of the
+    encoder ``module`` (``tower`` is its provider's ``hf_family``), under the folder's names."""
+    from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, part_families, read_vlm
+
+    vlm, config = read_vlm(folder)
+    parts = part_families(vlm, config, tower, HFCheckpoint(folder, HF_MODEL_FLAG).names())
+    if module == LANGUAGE:
+        yield from iter_hf_weights(mimo.language_model, parts.language, pg_collection, vocab_size)
+        return
+    submodule = unwrap(mimo.modality_submodules[module])
+    yield from iter_hf_weights(submodule.encoders[module], parts.tower, pg_collection)
+    yield from iter_hf_weights(submodule.input_projections, parts.projector, pg_collection)
 
 
 def _overlap(a: WeightPiece, b: WeightPiece) -> bool:

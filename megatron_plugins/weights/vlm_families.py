@@ -1,0 +1,232 @@
+"""Whole-VLM HF folders (``--hf-model DIR``) as data: one :class:`VLMFamily` per architecture.
+
+A whole VLM folder holds three parts in one set of safetensors files: the vision tower, the
+projector and the language model. An entry says which encoder provider builds the tower (its
+``hf_family`` maps the tower's tensors), under which HF prefixes each part's tensors sit, how the
+projector's tensors map onto the encoder's MiMo input projection, which language family maps the
+language model and under which names, and where the checkpoint's image placeholder token and
+feature selection are read from ``config.json``. :func:`part_families` turns an entry into one
+:class:`~megatron_plugins.weights.mapping.Family` per MiMo module, so import and export run the
+per-module machinery unchanged. No torch import: the launch's pre-import checks read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_plugins.weights.hf_config import read_config
+from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
+from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
+
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "PartFamilies", "VLMFamily", "find_vlm",
+           "language_family", "part_families", "projector_prefix", "read_vlm"]
+
+HF_MODEL_FLAG = "--hf-model"
+
+
+@dataclass(frozen=True)
+class VLMFamily:
+    """One whole-VLM architecture: which encoder and language family its parts are, and where."""
+
+    name: str
+    architectures: tuple[str, ...]
+    encoder_provider: str
+    """The ``--encoder NAME=PROVIDER`` provider building the tower; its ``hf_family`` maps it."""
+    encoder_name: str
+    """The encoder's default NAME (``--grid NAME:...`` addresses it)."""
+    tower_prefixes: tuple[str, ...]
+    """Prefixes of the tower's tensors before the tower family's own names (and its
+    ``hf_prefixes``), one per naming scheme (a Hub save, a transformers 5 save); the first the
+    folder uses wins."""
+    projector_prefixes: tuple[str, ...]
+    """Prefixes of the projector's tensors, as ``tower_prefixes``. Tensors under one are the
+    projector's even inside a tower prefix (Qwen2.5-VL's ``visual.merger.``)."""
+    projector_rules: tuple[Rule, ...]
+    """Megatron names inside the encoder's ``input_projections`` (``0.`` is the projection),
+    HF names after the projector prefix."""
+    projector_input: tuple[str, int]
+    """(HF tensor after the projector prefix, dim) whose size is the tower's output width."""
+    projector_output: tuple[str, int]
+    """(HF tensor after the projector prefix, dim) whose size is the language hidden size."""
+    tower_width: Callable[[Mapping[str, Any]], int]
+    """config.json -> the width of what the tower hands the projector."""
+    language: str
+    """The language family's name (:data:`~megatron_plugins.weights.language_families.FAMILIES`)."""
+    language_renames: tuple[tuple[tuple[str, str], ...], ...]
+    """Naming schemes of the language tensors, the first the folder uses wins: each a tuple of
+    (language family HF prefix, this folder's prefix), ``model.`` -> ``language_model.model.``."""
+    image_token_id: Callable[[Mapping[str, Any]], int]
+    """config.json -> the token id HF replaces by image features."""
+    tower_layers: Callable[[Mapping[str, Any]], int]
+    """config.json -> how many tower layers feed the projector (the rest are carried untrained);
+    an :class:`HFWeightsError` naming the config field for a selection it cannot express."""
+    drops_class_token: Callable[[Mapping[str, Any]], bool]
+    """config.json -> whether the class token is dropped before the projector (errors as
+    ``tower_layers``)."""
+    projector_activation: Callable[[Mapping[str, Any]], str]
+    """config.json -> the projector's HF activation name."""
+
+    def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The language model's config inside the VLM's (an older save keeps its fields at the
+        top level)."""
+        return config.get("text_config") or config
+
+    def vision_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The tower's config inside the VLM's."""
+        return config.get("vision_config") or {}
+
+
+def _llava_layers(config: Mapping[str, Any]) -> int:
+    """HF's ``hidden_states[vision_feature_layer]``: index 0 is the embeddings, k is after k
+    layers, negative counts from the end of ``num_hidden_layers + 1`` entries."""
+    layer = config.get("vision_feature_layer", -2)
+    total = (config.get("vision_config") or {}).get("num_hidden_layers", 24)
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise HFWeightsError(f"config.json vision_feature_layer {layer!r} is not supported; give "
+                             "one layer index (an int)")
+    if not -(total + 1) <= layer <= total or layer % (total + 1) == 0:
+        raise HFWeightsError(f"config.json vision_feature_layer {layer} does not select a layer "
+                             f"output of the {total}-layer tower")
+    return layer % (total + 1)
+
+
+def _llava_drops_class(config: Mapping[str, Any]) -> bool:
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise HFWeightsError(f"config.json vision_feature_select_strategy {strategy!r} is not one "
+                             "of default, full")
+    return strategy == "default"
+
+
+LLAVA = VLMFamily(
+    name="llava",
+    architectures=("LlavaForConditionalGeneration",),
+    encoder_provider="clip",
+    # Its placeholder <image> is LLaVA's own image token, so a LLaVA tokenizer gives HF's id.
+    encoder_name="image",
+    tower_prefixes=("vision_tower.",),
+    projector_prefixes=("multi_modal_projector.",),
+    projector_rules=(
+        Rule("0.encoder.linear_fc1.weight", ("linear_1.weight",), tp_dim=0),
+        Rule("0.encoder.linear_fc1.bias", ("linear_1.bias",), tp_dim=0),
+        Rule("0.encoder.linear_fc2.weight", ("linear_2.weight",), tp_dim=1),
+        Rule("0.encoder.linear_fc2.bias", ("linear_2.bias",)),
+    ),
+    projector_input=("linear_1.weight", 1),
+    projector_output=("linear_2.weight", 0),
+    tower_width=lambda config: (config.get("vision_config") or {}).get("hidden_size", 0),
+    language="llama",
+    language_renames=((("model.", "language_model.model."),
+                       ("lm_head.", "language_model.lm_head.")),),
+    image_token_id=lambda config: int(config.get("image_token_index", 32000)),
+    tower_layers=_llava_layers,
+    drops_class_token=_llava_drops_class,
+    projector_activation=lambda config: config.get("projector_hidden_act", "gelu"),
+)
+
+FAMILIES = (LLAVA,)
+"""Supported whole-VLM architectures."""
+
+
+def find_vlm(config: Mapping[str, Any], where: str) -> VLMFamily:
+    """The entry whose architectures the config names; otherwise one line listing them."""
+    architectures = config.get("architectures") or []
+    for family in FAMILIES:
+        if set(architectures) & set(family.architectures):
+            return family
+    supported = ", ".join(a for family in FAMILIES for a in family.architectures)
+    found = ", ".join(architectures) or config.get("model_type") or "none"
+    raise HFWeightsError(f"{where}: architecture {found} is not a supported whole VLM; "
+                         f"supported: {supported}")
+
+
+def read_vlm(folder: str) -> tuple[VLMFamily, dict[str, Any]]:
+    """The entry and config.json of a ``--hf-model`` folder."""
+    config = read_config(folder, HF_MODEL_FLAG)
+    return find_vlm(config, f"{HF_MODEL_FLAG} {folder}/config.json"), config
+
+
+def language_family(vlm: VLMFamily) -> Family:
+    """The language family the entry names, as HF names it on its own."""
+    return next(family for family in LANGUAGE_FAMILIES if family.name == vlm.language)
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    return next((new + name[len(old):] for old, new in renames if name.startswith(old)), name)
+
+
+def _outside(*prefixes: str) -> str:
+    """A regex matching HF names under none of ``prefixes`` (another part's tensors)."""
+    return "(?!" + "|".join(re.escape(p) for p in prefixes) + ")"
+
+
+def _under(*prefixes: str) -> str:
+    """A regex matching HF names under one of ``prefixes``."""
+    return "(?:" + "|".join(re.escape(p) for p in prefixes) + ")"
+
+
+def _first(prefixes: tuple[str, ...], names: set[str], first: tuple[str, ...]) -> str:
+    """The first prefix under which the folder holds the tensors ``first`` (else the first)."""
+    return next((p for p in prefixes if all(p + n in names for n in first)), prefixes[0])
+
+
+def projector_prefix(vlm: VLMFamily, names: set[str]) -> str:
+    """The projector prefix the folder holding ``names`` uses."""
+    return _first(vlm.projector_prefixes, names, vlm.projector_rules[0].hf)
+
+
+@dataclass(frozen=True)
+class PartFamilies:
+    """One family per MiMo module of a whole VLM: the tower (the encoder network), the projector
+    (the encoder's ``input_projections``) and the language model, each with HF names as the
+    folder has them and the other parts' tensors marked unused."""
+
+    tower: Family
+    projector: Family
+    language: Family
+
+
+def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
+                  names: set[str]) -> PartFamilies:
+    """The three modules' families for a folder holding the HF tensors ``names``; ``tower`` is
+    the encoder provider's ``hf_family``. Each part's names are under the first naming scheme
+    the folder uses, so import, streaming and export name every tensor as the folder does.
+    Tower layers past the feature layer are carried untrained (export copies them unchanged)."""
+    kept = vlm.tower_layers(config)
+    layers = vlm.vision_config(config).get("num_hidden_layers", kept)
+    prefixes = tuple(t + p for t in vlm.tower_prefixes for p in tower.hf_prefixes)
+    prefix = _first(prefixes, names, tower.rules[0].hf)
+    dropped = tuple(rf"{re.escape(p)}{re.escape(name.format(layer=layer))}$"
+                    for rule in tower.rules if "{layer}" in rule.megatron for name in rule.hf
+                    for layer in range(kept, layers) for p in prefixes)
+    others = tuple(re.escape(t) + pattern for t in vlm.tower_prefixes
+                   for pattern in tower.untrained)
+    tower_part = dataclasses.replace(
+        tower, name=f"{vlm.name}_tower", architectures=vlm.architectures, hf_prefixes=("",),
+        rules=tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
+                    for rule in tower.rules),
+        tied=tuple((prefix + a, prefix + b) for a, b in tower.tied),
+        unused=(_outside(*vlm.tower_prefixes), _under(*vlm.projector_prefixes)),
+        untrained=(*others, *dropped))
+    projected = projector_prefix(vlm, names)
+    projector = Family(
+        name=f"{vlm.name}_projector", architectures=vlm.architectures, model_type=vlm.name,
+        rules=tuple(dataclasses.replace(rule, hf=tuple(projected + n for n in rule.hf))
+                    for rule in vlm.projector_rules),
+        megatron_args=lambda _: {}, hf_config=lambda args, vocab: dict(config),
+        unused=(_outside(*vlm.projector_prefixes),))
+    text = language_family(vlm)
+    renames = next((scheme for scheme in vlm.language_renames
+                    if all(_renamed(n, scheme) in names for n in text.rules[0].hf)),
+                   vlm.language_renames[0])
+    language = dataclasses.replace(
+        text, architectures=vlm.architectures,
+        rules=tuple(dataclasses.replace(rule, hf=tuple(_renamed(n, renames) for n in rule.hf))
+                    for rule in text.rules),
+        tied=tuple((_renamed(a, renames), _renamed(b, renames)) for a, b in text.tied),
+        unused=(_outside(*(new for _, new in renames)),), untrained=(), hf_prefixes=("",))
+    return PartFamilies(tower_part, projector, language)

@@ -1,0 +1,173 @@
+"""A tiny random HF LLaVA on disk, transformers' logits on a multi-image sample, and the same
+sample through our MiMo model built with ``--hf-model`` (encoder and language on their grids).
+
+The model is made offline from configs; every weight is redrawn so a mapping that swaps or misses
+a tensor changes the logits. Its image token is the top id of the vocabulary, the id the mock data
+marks the encoder's positions with, so a training run on the mock data feeds it where HF does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.hf_models import MIMO_FLAGS, built_then, hand_on, pieces_from, train_then
+from tests.hf_vision_models import SHAPE as VISION
+from tests.hf_vision_models import redraw
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT = dict(vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+IMAGE_TOKEN = TEXT["vocab_size"] - 1
+PATCHES = (VISION["image_size"] // VISION["patch_size"]) ** 2
+ENCODER = "image"
+
+
+def save_tiny_llava(folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random ``LlavaForConditionalGeneration`` (CLIP tower of 2 layers, Llama of 2)."""
+    import transformers
+
+    vision = {**VISION, **overrides.pop("vision", {})}
+    text = {**TEXT, **overrides.pop("text", {})}
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**vision),
+        text_config=transformers.LlamaConfig(**text), image_token_index=IMAGE_TOKEN,
+        **overrides)
+    torch.manual_seed(seed)
+    model = redraw(transformers.LlavaForConditionalGeneration(config))
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def sample(tokens_per_image: int = PATCHES, seed: int = 2) -> tuple[torch.Tensor, np.ndarray]:
+    """One sample of two images and text (``[1, S]`` ids, placeholders where HF puts image
+    features) and its two images' pixel values."""
+    run = [IMAGE_TOKEN] * tokens_per_image
+    ids = torch.tensor([[5, 17, *run, 42, 8, 61, *run, 23, 3, 77]])
+    pixels = np.random.default_rng(seed).normal(size=(2, 3, 16, 16)).astype(np.float32)
+    return ids, pixels
+
+
+def hf_llava_logits(folder: str | Path, ids: torch.Tensor, pixels: np.ndarray) -> np.ndarray:
+    """transformers' own forward of the saved LLaVA, fp32."""
+    import transformers
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder,
+                                                                       dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=torch.from_numpy(pixels)).logits.numpy()
+
+
+def vlm_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
+    """A MiMo launch from the whole LLaVA folder; no encoder, shape or weights flags."""
+    return [*MIMO_FLAGS, "--seq-length", "64", "--hf-model", str(folder),
+            *(part for grid in grids for part in ("--grid", grid))]
+
+
+def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
+                        pixels: np.ndarray, tokens: int) -> np.ndarray | None:
+    """One forward over the grids: the encoder's TP rank 0 sends its projected features to the
+    language's first stage, the stages pass hidden states on, the last returns full logits."""
+    import torch.distributed as dist
+
+    pgc = topology.module_pgs[module]
+    length = ids.shape[1]
+    positions = torch.arange(length).unsqueeze(0)
+    mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1).expand(1, 1, length, length)
+    language_ranks = topology.grids["language"].rank_offset
+    with torch.no_grad():
+        if module != "language":
+            outputs, _ = mimo(input_ids=ids,
+                              modality_inputs={module: {module: {"x": torch.from_numpy(pixels)}}})
+            if pgc.tp.rank() == 0:
+                dist.send(outputs[module].contiguous(), dst=language_ranks)
+            return None
+        stage = pgc.pp.rank()
+        stage_ranks = dist.get_process_group_ranks(pgc.pp)
+        hidden = mimo.language_model.config.hidden_size
+        if stage == 0:
+            features = torch.empty(tokens, hidden)
+            dist.recv(features, src=topology.grids[ENCODER].rank_offset)
+            mimo.set_input_tensor({ENCODER: features})
+        else:
+            received = torch.empty(length, 1, hidden)
+            dist.recv(received, src=stage_ranks[stage - 1], group=pgc.pp)
+            mimo.set_input_tensor({"language": received})
+        output, _ = mimo(input_ids=ids, position_ids=positions, attention_mask=mask)
+        if isinstance(output, dict):  # a stage before the last hands on its hidden states
+            output = output["language"]
+        return hand_on(output, pgc)
+
+
+def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor, pixels: np.ndarray
+                        ) -> dict[str, Any]:
+    [module] = session.topology.active_modules
+    mimo.eval()
+    plugin = session.run.plugins[ENCODER]
+    logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels,
+                                 2 * plugin.tokens_per_item)
+    return {"logits": logits, "pieces": whole_pieces(mimo, session),
+            "special_token_ids": dict(mimo.special_token_ids),
+            "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}
+
+
+def vlm_forward_rank(argv: list[str], ids: torch.Tensor, pixels: np.ndarray) -> dict[str, Any]:
+    """One rank of a MiMo model built from ``--hf-model`` through the entry point's code path:
+    its module, the logits on the language's last stage, and its streamed HF pieces."""
+    return built_then(argv, functools.partial(_forward_and_stream, ids=ids, pixels=pixels))
+
+
+def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
+                pixels: np.ndarray) -> list[dict[str, Any]]:
+    """:func:`vlm_forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
+    from tests.multiprocess import run_in_processes
+
+    results = run_in_processes(vlm_forward_rank, nproc, args=(vlm_flags(folder, grids), ids,
+                                                               pixels),
+                               timeout=180, simulated=True)
+    for result in results:
+        result["pieces"] = pieces_from(result["pieces"])
+    return results
+
+
+def whole_pieces(mimo: Any, session: Any) -> bytes:
+    """This rank's streamed pieces of the ``--hf-model`` folder, serialized."""
+    import io
+
+    from megatron_plugins.weights.local_view import unwrap
+    from megatron_plugins.weights.streaming import iter_whole_weights
+
+    [module] = session.topology.active_modules
+    args = session.run.args
+    buffer = io.BytesIO()
+    torch.save(list(iter_whole_weights(unwrap(mimo), module, session.topology.module_pgs[module],
+                                       args.hf_model, session.run.plugins[ENCODER].hf_family,
+                                       args.vocab_size)), buffer)
+    return buffer.getvalue()
+
+
+def _stream_whole(session: Any, model: Any) -> dict[str, Any]:
+    return {"pieces": whole_pieces(model, session)}
+
+
+def vlm_train_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of a MiMo training run (stock ``pretrain()``) from ``--hf-model``; returns its
+    module and its streamed pieces of the trained model."""
+    return train_then(argv, _stream_whole)
+
+
+def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tuple[str, ...]
+              ) -> list[list[Any]]:
+    """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces."""
+    from tests.multiprocess import run_in_processes
+
+    argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2", *extra]
+    results = run_in_processes(vlm_train_rank, nproc, args=(argv,), timeout=240, simulated=True)
+    return [pieces_from(result["pieces"]) for result in results]

@@ -64,6 +64,7 @@ from megatron_plugins.data.text import (
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.weights.flags import checkpoint_image_token
 
 __all__ = ["DataPathError", "EnergonSource", "SAMPLE_KINDS", "open_source"]
 
@@ -557,7 +558,8 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
     tokenizer = PromptTokenizer.load(args.tokenizer_model, list(plugins),
                                      getattr(args, "padded_vocab_size", None) or sys.maxsize,
                                      args.special_tokens,
-                                     read_chat_template(getattr(args, "chat_template", None)))
+                                     read_chat_template(getattr(args, "chat_template", None)),
+                                     checkpoint_image_token(args))
     if isinstance(kind, ConversationKind):
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,

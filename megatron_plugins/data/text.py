@@ -143,13 +143,16 @@ class PromptTokenizer:
     """
 
     def __init__(self, folder: str, special_tokens: Sequence[str], encoders: Sequence[str],
-                 hf: Any, chat_template: str | None = None) -> None:
+                 hf: Any, chat_template: str | None = None,
+                 checkpoint_tokens: Mapping[str, int] | None = None) -> None:
         self.folder = folder
         self.chat_template: str | None = chat_template or getattr(hf, "chat_template", None)
         self.special_tokens = tuple(special_tokens)
         self._hf = hf
-        self.placeholder_ids = {name: int(hf.convert_tokens_to_ids(placeholder_token(name)))
-                                for name in encoders}
+        given = dict(checkpoint_tokens or {})
+        self.placeholder_ids = {
+            name: given[name] if name in given
+            else int(hf.convert_tokens_to_ids(placeholder_token(name))) for name in encoders}
         self.eos_id: int = hf.eos_token_id
         self.pad_id: int = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
         self.bos_id: int | None = hf.bos_token_id
@@ -157,13 +160,17 @@ class PromptTokenizer:
     @classmethod
     def load(cls, folder: str, encoders: Sequence[str], padded_vocab_size: int,
              special_tokens: Sequence[str] | None = None,
-             chat_template: str | None = None) -> PromptTokenizer:
+             chat_template: str | None = None,
+             checkpoint_tokens: Mapping[str, int] | None = None) -> PromptTokenizer:
         """Load ``folder`` (``--tokenizer-model``) with ``special_tokens_flag(special_tokens,
         encoders)`` added; a :class:`FlagError` when it cannot serve the run.
 
         ``special_tokens`` is stock's ``args.special_tokens`` (before or after the launch
         appended the placeholders); ``padded_vocab_size`` the model's embedding rows;
-        ``chat_template`` (Jinja text, from ``--chat-template``) replaces the tokenizer's own.
+        ``chat_template`` (Jinja text, from ``--chat-template``) replaces the tokenizer's own;
+        ``checkpoint_tokens`` (encoder -> id) marks those encoders' positions with a pretrained
+        model's own token (``--hf-model``'s image token, e.g. Qwen's ``<|image_pad|>``) instead of
+        the added ``<NAME>``.
         """
         tokens = special_tokens_flag(special_tokens, encoders)
         hf = _load_hf(folder, tokens)
@@ -171,7 +178,12 @@ class PromptTokenizer:
             raise FlagError(f"--tokenizer-model {folder} has no end-of-sequence token (eos_token); "
                             "the loss trains the model to end its answer, so use a tokenizer "
                             "with one")
-        tokenizer = cls(folder, tokens, encoders, hf, chat_template)
+        tokenizer = cls(folder, tokens, encoders, hf, chat_template, checkpoint_tokens)
+        for name, token_id in (checkpoint_tokens or {}).items():
+            if not 0 <= token_id < len(hf):
+                raise FlagError(f"--tokenizer-model {folder} has {len(hf)} tokens, but the "
+                                f"checkpoint marks encoder {name}'s positions with id {token_id}; "
+                                "give the checkpoint's own tokenizer")
         tokenizer._check_room(padded_vocab_size)
         return tokenizer
 

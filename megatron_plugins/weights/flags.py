@@ -28,6 +28,7 @@ from megatron_plugins.weights.vlm_families import (
 
 __all__ = [
     "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
+    "checkpoint_image_token",
     "check_safetensors", "encoder_assignments", "encoder_family", "encoder_folders",
     "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "implied_language_args",
     "language_origin"
@@ -118,6 +119,17 @@ def hf_model_encoder(args: argparse.Namespace) -> str | None:
     given = getattr(args, "encoder_hf_weights", None) or []
     pairs = given.items() if isinstance(given, Mapping) else (v.partition("=")[::2] for v in given)
     return next((name for name, path in pairs if path == folder), None)
+
+
+def checkpoint_image_token(args: argparse.Namespace) -> dict[str, int]:
+    """``{encoder: id}``: the token ``--hf-model``'s checkpoint puts where image features go
+    (Qwen2.5-VL's ``<|image_pad|>``, LLaVA's ``<image>``), which real data must use for that
+    encoder's positions; empty without the flag."""
+    name = hf_model_encoder(args)
+    if name is None:
+        return {}
+    vlm, config = read_vlm(args.hf_model)
+    return {name: vlm.image_token_id(config)}
 
 
 USER_MAY_SET = {"untie_embeddings_and_output_weights": True}

@@ -225,3 +225,22 @@ def test_the_tool_names_a_missing_texts_file(tmp_path, capsys):
                               "--output", str(tmp_path / "tok")])
     assert error.value.code == 2
     assert "--texts: no such file" in capsys.readouterr().err
+
+
+def test_a_checkpoint_token_marks_its_encoder_positions(folder):
+    """``--hf-model``'s image token (Qwen's ``<|image_pad|>``, an id the tokenizer already has)
+    marks the encoder's run instead of the added ``<vision>``, survives pickling for the loader
+    workers, and an id outside the tokenizer is one line naming the folder."""
+    plain = PromptTokenizer.load(folder, ENCODERS, BIG)
+    chosen = 7
+    tokenizer = PromptTokenizer.load(folder, ENCODERS, BIG, checkpoint_tokens={"vision": chosen})
+    assert tokenizer.placeholder_ids == {"vision": chosen, "audio": plain.placeholder_ids["audio"]}
+    sample = SampleText("what color is the cat", "blue")
+    before = plain.encode(sample, BLOCKS, 32).tokens
+    after = tokenizer.encode(sample, BLOCKS, 32).tokens
+    marked = before == plain.placeholder_ids["vision"]
+    assert int(marked.sum()) == 3
+    assert torch.equal(after, torch.where(marked, torch.tensor(chosen), before))
+    assert pickle.loads(pickle.dumps(tokenizer)).placeholder_ids == tokenizer.placeholder_ids
+    with pytest.raises(FlagError, match=r"has \d+ tokens, but the checkpoint marks encoder vision"):
+        PromptTokenizer.load(folder, ENCODERS, BIG, checkpoint_tokens={"vision": 10**6})

@@ -126,7 +126,9 @@ def test_plan_launches_and_imports_nothing_heavy():
     assert result.stdout.splitlines()[-1] == "[]"
 
 
-LAUNCHERS = sorted((REPO_ROOT / "examples" / "mimo" / "scripts").glob("*.sh"))
+LAUNCHERS = sorted([*(REPO_ROOT / "examples" / "mimo" / "scripts").glob("*.sh"),
+                    *(REPO_ROOT / "examples" / "mimo" / "recipes").glob("*/train_*.sh")])
+"""The GPU launch scripts and the recipes' (a recipe plans with its shipped config.json)."""
 
 
 @pytest.mark.parametrize("script", LAUNCHERS, ids=[path.stem for path in LAUNCHERS])

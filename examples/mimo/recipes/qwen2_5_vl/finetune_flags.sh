@@ -11,4 +11,4 @@ TRAINING=(--seq-length 4096 --pack-sequences
           --save "${SAVE_DIR:-runs/qwen2_5_vl}/checkpoints" --save-interval 500
           --tensorboard-dir "${SAVE_DIR:-runs/qwen2_5_vl}/tensorboard")
 DATA_FLAGS=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_MODEL"
-            --data-path "${DATA:?set DATA to an Energon conversation dataset}" --num-workers 4)
+            --data-path "${DATA:-}" --num-workers 4)

@@ -18,6 +18,7 @@ if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
   exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --nnodes "$NNODES" --ranks \
     "${LAYOUT[@]}" "${TRAINING[@]}"
 fi
+: "${DATA:?set DATA to an Energon conversation dataset (tools/make_energon_dataset --kind conversation)}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 exec torchrun --nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" \
   --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:?set MASTER_ADDR}" \

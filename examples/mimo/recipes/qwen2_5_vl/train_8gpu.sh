@@ -18,6 +18,7 @@ if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
   exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --ranks \
     "${LAYOUT[@]}" "${TRAINING[@]}"
 fi
+: "${DATA:?set DATA to an Energon conversation dataset (tools/make_energon_dataset --kind conversation)}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 exec torchrun --nproc-per-node "$NPROC" examples/mimo/pretrain_mimo.py \
   "${LAYOUT[@]}" "${TRAINING[@]}" "${DATA_FLAGS[@]}" "$@"

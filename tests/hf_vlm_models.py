@@ -71,21 +71,23 @@ def vlm_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
             *(part for grid in grids for part in ("--grid", grid))]
 
 
-def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
-                        pixels: np.ndarray, tokens: int) -> np.ndarray | None:
-    """One forward over the grids: the encoder's TP rank 0 sends its projected features to the
-    language's first stage, the stages pass hidden states on, the last returns full logits."""
+def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
+                       inputs: dict[str, torch.Tensor], tokens: int,
+                       positions: torch.Tensor | None = None) -> np.ndarray | None:
+    """One forward over the grids: the encoder's TP rank 0 sends its projected features (of
+    ``tokens`` positions, from its forward ``inputs``) to the language's first stage, the stages
+    pass hidden states on, the last returns full logits. ``positions``: consecutive unless
+    given (``[3, 1, S]`` under multimodal RoPE)."""
     import torch.distributed as dist
 
     pgc = topology.module_pgs[module]
     length = ids.shape[1]
-    positions = torch.arange(length).unsqueeze(0)
+    positions = torch.arange(length).unsqueeze(0) if positions is None else positions
     mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1).expand(1, 1, length, length)
     language_ranks = topology.grids["language"].rank_offset
     with torch.no_grad():
         if module != "language":
-            outputs, _ = mimo(input_ids=ids,
-                              modality_inputs={module: {module: {"x": torch.from_numpy(pixels)}}})
+            outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
             if pgc.tp.rank() == 0:
                 dist.send(outputs[module].contiguous(), dst=language_ranks)
             return None
@@ -111,8 +113,8 @@ def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor, pixels: np.n
     [module] = session.topology.active_modules
     mimo.eval()
     plugin = session.run.plugins[ENCODER]
-    logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels,
-                                 2 * plugin.tokens_per_item)
+    logits = cross_grid_forward(mimo, module, session.topology, ids,
+                                {"x": torch.from_numpy(pixels)}, 2 * plugin.tokens_per_item)
     return {"logits": logits, "pieces": whole_pieces(mimo, session),
             "special_token_ids": dict(mimo.special_token_ids),
             "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}

@@ -47,3 +47,65 @@ def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_str
     assert sorted(streamed) == sorted(original)
     for name, tensor in streamed.items():
         assert torch.equal(tensor, original[name]), name
+
+
+@pytest.fixture(scope="module")
+def exported(qwen, tmp_path_factory):
+    """Trained 2 steps on the mock data at one rank per module and saved; the same weights
+    re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0); both exported."""
+    from tests.hf_models import export_rank
+    from tests.hf_vlm_models import vlm_train
+    from tests.multiprocess import run_in_processes
+
+    folder = qwen[0]
+    root = tmp_path_factory.mktemp("qwen_export")
+    first, second = root / "first", root / "second"
+    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
+        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
+        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
+        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
+    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
+            (str(second), str(root / "out_second"), {"progress": False})]
+    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
+    return root, folder, pieces
+
+
+@pytest.mark.timeout(600)
+def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
+    root = exported[0]
+    files = sorted(str(p.relative_to(root / "out_first"))
+                   for p in (root / "out_first").rglob("*") if p.is_file())
+    # the processor's and generation files are carried from the source folder
+    assert files == ["config.json", "generation_config.json", "model.safetensors",
+                     "preprocessor_config.json"]
+    for file in files:
+        assert (root / "out_first" / file).read_bytes() == \
+            (root / "out_second" / file).read_bytes(), file
+
+
+@pytest.mark.timeout(600)
+def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
+    import transformers
+
+    root, folder, pieces = exported
+    out = root / "out_first"
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (folder / "config.json").read_text())
+    written, original = safetensors_of(out), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    for name, tensor in written.items():
+        assert torch.equal(tensor, streamed[name]), name
+    for name in ("visual.merger.mlp.0.weight", "visual.merger.ln_q.weight",
+                 "visual.blocks.0.attn.qkv.weight", "model.layers.1.mlp.up_proj.weight",
+                 "lm_head.weight"):
+        assert not torch.equal(written[name], original[name]), name  # it trained
+    loaded = {n: p.detach() for n, p in model.state_dict().items()}
+    assert torch.equal(loaded["lm_head.weight"], written["lm_head.weight"])
+    assert torch.equal(loaded["model.visual.merger.mlp.2.bias"],
+                       written["visual.merger.mlp.2.bias"])
+    assert torch.equal(loaded["model.language_model.layers.0.self_attn.q_proj.bias"],
+                       written["model.layers.0.self_attn.q_proj.bias"])

@@ -109,3 +109,53 @@ def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
                        written["visual.merger.mlp.2.bias"])
     assert torch.equal(loaded["model.language_model.layers.0.self_attn.q_proj.bias"],
                        written["model.layers.0.self_attn.q_proj.bias"])
+
+
+def test_a_merger_that_does_not_meet_the_language_model_is_one_line(qwen, tmp_path,
+                                                                     monkeypatch):
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
+    from tests.hf_vlm_models import vlm_flags
+    from tests.unit_tests.test_hf_vlm import _bad_input, _edited
+
+    folder = qwen[0]
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    other = _edited(folder, tmp_path / "other", config={
+        "text_config": {**text, "hidden_size": 32, "head_dim": 12}})
+    assert _bad_input(vlm_flags(other, ("image:dp=1", "language:dp=1")), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {other}: projector visual.merger.mlp.2.weight output size 24 does not "
+        "meet the language model's hidden size (text_config), 32; the tower and language model "
+        "are not this projector's pair")
+
+
+def test_the_folder_splits_into_tower_merger_and_language_parts(qwen):
+    """The tower family includes the merger's MLP; the whole folder splits it off as the
+    projector (ln_q stays the tower's), and every tensor belongs to exactly one part."""
+    from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
+    from megatron_plugins.weights.vlm_families import QWEN2_5_VL, part_families
+
+    folder = qwen[0]
+    config = json.loads((folder / "config.json").read_text())
+    names = set(safetensors_of(folder))
+    parts = part_families(QWEN2_5_VL, config, QWEN2_5_VL_VISION, names)
+    assert parts.tower.bind("ln_q.weight").hf == ("visual.merger.ln_q.weight",)
+    assert parts.projector.bind("0.encoder.linear_fc2.weight").hf == (
+        "visual.merger.mlp.2.weight",)
+    assert parts.language.bind("output_layer.weight").hf == ("lm_head.weight",)
+    for name in names:
+        assert sum(not part.is_unused(name) for part in parts.__dict__.values()) == 1, name
+
+
+def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(qwen):
+    from megatron_plugins.data.mock import MockSource
+    from tests.hf_vision_models import plugin
+
+    encoder = plugin("qwen2_5_vl", qwen[0])
+    source = MockSource(seed=1, seq_length=64, vocab_size=VOCAB, plugins={"image": encoder},
+                        items_per_sample=(0, 3), placeholder_ids={"image": IMAGE_TOKEN})
+    assert source.special_token_ids == {"image": IMAGE_TOKEN}
+    for index in range(20):
+        sample = source.text("train", index)
+        tokens = sample["tokens"][:int(sample["length"])]
+        runs = int((tokens == IMAGE_TOKEN).sum())
+        assert runs == sum(source.item_tokens("train", index)["image"])
+        assert int(tokens[tokens != IMAGE_TOKEN].max()) < IMAGE_TOKEN

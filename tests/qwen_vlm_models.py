@@ -116,3 +116,38 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
     for result in results:
         result["pieces"] = pieces_from(result["pieces"])
     return results
+
+
+def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                        items_per_sample: tuple[int, int], seed: int) -> float:
+    """transformers' loss on the first ``samples`` mock samples of a run from the folder (the
+    first global batch): the mock is a pure function of (seed, split, index), so the same
+    source rebuilt here gives the run's tokens, labels, loss mask and images; the loss is the
+    masked token loss summed over the batch over its token count, as the run reports it."""
+    import transformers
+
+    from megatron_plugins.data.mock import MockSource
+    from tests.hf_vision_models import plugin
+
+    source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB,
+                        plugins={ENCODER: plugin("qwen2_5_vl", folder)},
+                        items_per_sample=items_per_sample, mrope=True,
+                        placeholder_ids={ENCODER: IMAGE_TOKEN})
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    processor = qwen_processor(folder)
+    total, tokens = 0.0, 0.0
+    for index in range(samples):
+        text = source.text("train", index)
+        ids = text["tokens"].unsqueeze(0)
+        pictures = source.media(ENCODER, "train", index)
+        inputs = processor(pictures, return_tensors="pt") if pictures else {}
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=inputs.get("pixel_values"),
+                           image_grid_thw=inputs.get("image_grid_thw"),
+                           mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits[0]
+        losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
+                                                   reduction="none")
+        total += float((losses * text["loss_mask"]).sum())
+        tokens += float(text["loss_mask"].sum())
+    return total / tokens

@@ -103,7 +103,7 @@ class MockSource:
     @property
     def text_vocab_size(self) -> int:
         """Ids below this are text; the encoders' special tokens are at or above it."""
-        return min(self.vocab_size - len(self.plugins), *self.placeholder_ids.values())
+        return min([self.vocab_size - len(self.plugins), *self.placeholder_ids.values()])
 
     @property
     def special_token_ids(self) -> dict[str, int]:

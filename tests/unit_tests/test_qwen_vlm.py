@@ -13,6 +13,7 @@ import torch
 
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
+from tests.multiprocess import REPO_ROOT
 from tests.qwen_vlm_models import IMAGE_TOKEN, VOCAB, forward, hf_logits, images, sample
 from tests.qwen_vlm_models import save_tiny_qwen_vl
 
@@ -159,3 +160,37 @@ def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(
         runs = int((tokens == IMAGE_TOKEN).sum())
         assert runs == sum(source.item_tokens("train", index)["image"])
         assert int(tokens[tokens != IMAGE_TOKEN].max()) < IMAGE_TOKEN
+
+
+RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simulation.sh"
+
+
+@pytest.mark.timeout(600)
+def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_loss(
+        qwen, tmp_path):
+    """The recipe script trains the tiny folder whole (mock images of native sizes, 0 to 3 a
+    sample); its loss falls, and step 1's loss (weights still the folder's) is transformers' on
+    the same first global batch, which the deterministic mock source regenerates here."""
+    import os
+    import subprocess
+
+    from megatron_plugins.data.mock import MockSource
+    from tests.hf_vision_models import plugin
+    from tests.qwen_vlm_models import hf_first_batch_loss
+    from tests.tensorboard_scalars import read_scalars
+
+    folder = qwen[0]
+    result = subprocess.run(["bash", str(RECIPE), str(folder)], cwd=REPO_ROOT, text=True,
+                            env={**os.environ, "MIMO_RUN_DIR": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:]
+    losses = read_scalars(tmp_path / "tensorboard", "lm loss")
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1] - 0.2, losses
+    # The recipe's first global batch: 4 samples of seq-length 96, 0:3 images, seed 1234.
+    source = MockSource(seed=1234, seq_length=96, vocab_size=VOCAB,
+                        plugins={"image": plugin("qwen2_5_vl", folder)}, items_per_sample=(0, 3))
+    sizes = [size for index in range(4) for size in source.item_sizes("image", "train", index)]
+    assert len(set(sizes)) >= 3, sizes  # several images of different sizes
+    want = hf_first_batch_loss(folder, 4, 96, (0, 3), 1234)
+    assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)

@@ -9,6 +9,7 @@ marks the encoder's positions with, so a training run on the mock data feeds it 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,56 @@ def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tup
     argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2", *extra]
     results = run_in_processes(vlm_train_rank, nproc, args=(argv,), timeout=240, simulated=True)
     return [pieces_from(result["pieces"]) for result in results]
+
+
+def train_and_export(folder: str | Path, root: Path) -> list[list[Any]]:
+    """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``;
+    the same weights re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0) under
+    ``root/second``; both exported to ``root/out_first``, ``root/out_second``. Returns the
+    first run's streamed pieces of the trained model."""
+    from tests.hf_models import export_rank
+    from tests.multiprocess import run_in_processes
+
+    first, second = root / "first", root / "second"
+    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
+        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
+        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
+        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
+    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
+            (str(second), str(root / "out_second"), {"progress": False})]
+    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
+    return pieces
+
+
+def bad_input(argv: list[str], monkeypatch: Any, world_size: int = 2) -> str:
+    """The one-line error ``parse_mimo_args`` raises before any process group."""
+    import pytest
+
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.launch import parse_mimo_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(UsageError) as error:
+        parse_mimo_args(argv)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def edited(folder: Path, target: Path, config: dict[str, Any] | None = None,
+           tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """A copy of ``folder`` with config.json fields and tensors replaced."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, target)
+    if config:
+        path = target / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors:
+        loaded = load_file(target / "model.safetensors")
+        save_file({**loaded, **tensors}, str(target / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return target

@@ -2,7 +2,9 @@
 attention blocks) on the encoder grid, its merger as the encoder's projection, its mrope language
 model on the language grid give transformers' logits on a sample of several images of different
 sizes at one rank per module and at encoder TP 2 + language PP 2; every tensor streams back
-unchanged; a merger that does not meet the language model is one line."""
+unchanged; a trained run exports one folder transformers loads, the same bytes from two saving
+layouts; the CPU-simulation recipe trains the folder from transformers' first loss; a merger that
+does not meet the language model is one line."""
 
 from __future__ import annotations
 
@@ -13,9 +15,17 @@ import torch
 
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
+from tests.hf_vlm_models import train_and_export
 from tests.multiprocess import REPO_ROOT
-from tests.qwen_vlm_models import IMAGE_TOKEN, VOCAB, forward, hf_logits, images, sample
-from tests.qwen_vlm_models import save_tiny_qwen_vl
+from tests.qwen_vlm_models import (
+    IMAGE_TOKEN,
+    VOCAB,
+    forward,
+    hf_logits,
+    images,
+    sample,
+    save_tiny_qwen_vl,
+)
 
 TOLERANCE = 1e-5
 
@@ -52,24 +62,10 @@ def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_str
 
 @pytest.fixture(scope="module")
 def exported(qwen, tmp_path_factory):
-    """Trained 2 steps on the mock data at one rank per module and saved; the same weights
-    re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0); both exported."""
-    from tests.hf_models import export_rank
-    from tests.hf_vlm_models import vlm_train
-    from tests.multiprocess import run_in_processes
-
+    """The folder trained, saved from two layouts and exported (:func:`train_and_export`)."""
     folder = qwen[0]
     root = tmp_path_factory.mktemp("qwen_export")
-    first, second = root / "first", root / "second"
-    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
-    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
-        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
-        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
-    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
-            (str(second), str(root / "out_second"), {"progress": False})]
-    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
-    return root, folder, pieces
+    return root, folder, train_and_export(folder, root)
 
 
 @pytest.mark.timeout(600)
@@ -115,14 +111,13 @@ def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
 def test_a_merger_that_does_not_meet_the_language_model_is_one_line(qwen, tmp_path,
                                                                      monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_vlm_models import vlm_flags
-    from tests.unit_tests.test_hf_vlm import _bad_input, _edited
+    from tests.hf_vlm_models import bad_input, edited, vlm_flags
 
     folder = qwen[0]
     text = json.loads((folder / "config.json").read_text())["text_config"]
-    other = _edited(folder, tmp_path / "other", config={
+    other = edited(folder, tmp_path / "other", config={
         "text_config": {**text, "hidden_size": 32, "head_dim": 12}})
-    assert _bad_input(vlm_flags(other, ("image:dp=1", "language:dp=1")), monkeypatch) == (
+    assert bad_input(vlm_flags(other, ("image:dp=1", "language:dp=1")), monkeypatch) == (
         f"{HF_MODEL_FLAG} {other}: projector visual.merger.mlp.2.weight output size 24 does not "
         "meet the language model's hidden size (text_config), 32; the tower and language model "
         "are not this projector's pair")

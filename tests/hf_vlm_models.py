@@ -2,8 +2,8 @@
 sample through our MiMo model built with ``--hf-model`` (encoder and language on their grids).
 
 The model is made offline from configs; every weight is redrawn so a mapping that swaps or misses
-a tensor changes the logits. Its image token is the top id of the vocabulary, the id the mock data
-marks the encoder's positions with, so a training run on the mock data feeds it where HF does.
+a tensor changes the logits. The mock data marks the encoder's positions with the checkpoint's
+image token (here the vocabulary's top id), so a training run on it feeds images where HF does.
 """
 
 from __future__ import annotations

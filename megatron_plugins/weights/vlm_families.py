@@ -7,7 +7,9 @@ projector's tensors map onto the encoder's MiMo input projection, which language
 language model and under which names, and where the checkpoint's image placeholder token and
 feature selection are read from ``config.json``. :func:`part_families` turns an entry into one
 :class:`~megatron_plugins.weights.mapping.Family` per MiMo module, so import and export run the
-per-module machinery unchanged. No torch import: the launch's pre-import checks read it.
+per-module machinery unchanged. A tower family that maps the projection too (Qwen2.5-VL's, whose
+merger MLP is the projection) gives the projector its rules; the entry then lists none. No torch
+import: the launch's pre-import checks read it.
 """
 
 from __future__ import annotations

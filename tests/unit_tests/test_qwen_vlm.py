@@ -189,3 +189,24 @@ def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_l
     assert len(set(sizes)) >= 3, sizes  # several images of different sizes
     want = hf_first_batch_loss(folder, 4, 96, (0, 3), 1234)
     assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
+
+
+def test_a_dataset_tokenizer_whose_image_token_is_not_the_checkpoints_is_one_line(qwen):
+    """The mock takes the checkpoint's image token; a tokenizer's placeholder (Energon data) is
+    still checked against it."""
+    import argparse
+    import types
+
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.run_settings import check_image_token
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
+
+    folder = str(qwen[0])
+    args = argparse.Namespace(hf_model=folder, encoder_hf_weights={"image": folder})
+    check_image_token(args, types.SimpleNamespace(special_token_ids={"image": IMAGE_TOKEN}))
+    with pytest.raises(UsageError) as error:
+        check_image_token(args, types.SimpleNamespace(special_token_ids={"image": 63}))
+    assert str(error.value) == (
+        f"{HF_MODEL_FLAG} {folder}: its image token is id {IMAGE_TOKEN}, but the data marks "
+        "encoder image's positions with id 63; give a tokenizer whose <image> token is id "
+        f"{IMAGE_TOKEN} (the checkpoint's own tokenizer)")

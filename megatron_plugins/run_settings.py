@@ -54,7 +54,7 @@ from megatron_plugins.weights.flags import (
 )
 from megatron_plugins.weights.megatron_init import check_init_flags
 
-__all__ = ["Adjustment", "Settled", "check_mrope", "settle"]
+__all__ = ["Adjustment", "Settled", "check_image_token", "check_mrope", "settle"]
 
 DEFAULT_EVAL_INTERVAL = 1000
 """--eval-interval when none is given (0.19.2 leaves it unset, then fails); earlier releases' default."""

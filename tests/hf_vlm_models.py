@@ -2,13 +2,14 @@
 sample through our MiMo model built with ``--hf-model`` (encoder and language on their grids).
 
 The model is made offline from configs; every weight is redrawn so a mapping that swaps or misses
-a tensor changes the logits. Its image token is the top id of the vocabulary, the id the mock data
-marks the encoder's positions with, so a training run on the mock data feeds it where HF does.
+a tensor changes the logits. The mock data marks the encoder's positions with the checkpoint's
+image token (here the vocabulary's top id), so a training run on it feeds images where HF does.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -71,21 +72,23 @@ def vlm_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
             *(part for grid in grids for part in ("--grid", grid))]
 
 
-def _cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
-                        pixels: np.ndarray, tokens: int) -> np.ndarray | None:
-    """One forward over the grids: the encoder's TP rank 0 sends its projected features to the
-    language's first stage, the stages pass hidden states on, the last returns full logits."""
+def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
+                       inputs: dict[str, torch.Tensor], tokens: int,
+                       positions: torch.Tensor | None = None) -> np.ndarray | None:
+    """One forward over the grids: the encoder's TP rank 0 sends its projected features (of
+    ``tokens`` positions, from its forward ``inputs``) to the language's first stage, the stages
+    pass hidden states on, the last returns full logits. ``positions``: consecutive unless
+    given (``[3, 1, S]`` under multimodal RoPE)."""
     import torch.distributed as dist
 
     pgc = topology.module_pgs[module]
     length = ids.shape[1]
-    positions = torch.arange(length).unsqueeze(0)
+    positions = torch.arange(length).unsqueeze(0) if positions is None else positions
     mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1).expand(1, 1, length, length)
     language_ranks = topology.grids["language"].rank_offset
     with torch.no_grad():
         if module != "language":
-            outputs, _ = mimo(input_ids=ids,
-                              modality_inputs={module: {module: {"x": torch.from_numpy(pixels)}}})
+            outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
             if pgc.tp.rank() == 0:
                 dist.send(outputs[module].contiguous(), dst=language_ranks)
             return None
@@ -111,8 +114,8 @@ def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor, pixels: np.n
     [module] = session.topology.active_modules
     mimo.eval()
     plugin = session.run.plugins[ENCODER]
-    logits = _cross_grid_forward(mimo, module, session.topology, ids, pixels,
-                                 2 * plugin.tokens_per_item)
+    logits = cross_grid_forward(mimo, module, session.topology, ids,
+                                {"x": torch.from_numpy(pixels)}, 2 * plugin.tokens_per_item)
     return {"logits": logits, "pieces": whole_pieces(mimo, session),
             "special_token_ids": dict(mimo.special_token_ids),
             "tokens_per_item": plugin.tokens_per_item, "layers": plugin.layers}
@@ -171,3 +174,56 @@ def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tup
     argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2", *extra]
     results = run_in_processes(vlm_train_rank, nproc, args=(argv,), timeout=240, simulated=True)
     return [pieces_from(result["pieces"]) for result in results]
+
+
+def train_and_export(folder: str | Path, root: Path) -> list[list[Any]]:
+    """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``;
+    the same weights re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0) under
+    ``root/second``; both exported to ``root/out_first``, ``root/out_second``. Returns the
+    first run's streamed pieces of the trained model."""
+    from tests.hf_models import export_rank
+    from tests.multiprocess import run_in_processes
+
+    first, second = root / "first", root / "second"
+    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
+        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
+        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
+        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
+    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
+            (str(second), str(root / "out_second"), {"progress": False})]
+    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
+    return pieces
+
+
+def bad_input(argv: list[str], monkeypatch: Any, world_size: int = 2) -> str:
+    """The one-line error ``parse_mimo_args`` raises before any process group."""
+    import pytest
+
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.launch import parse_mimo_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(UsageError) as error:
+        parse_mimo_args(argv)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def edited(folder: Path, target: Path, config: dict[str, Any] | None = None,
+           tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """A copy of ``folder`` with config.json fields and tensors replaced."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, target)
+    if config:
+        path = target / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors:
+        loaded = load_file(target / "model.safetensors")
+        save_file({**loaded, **tensors}, str(target / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return target

@@ -14,8 +14,8 @@ preprocessing, exactly as Energon samples do.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +41,12 @@ SIZE_STREAM = 1000
 class, 1 the text, ``2 + encoder index`` the media."""
 
 
-def special_token_ids(vocab_size: int, encoders: Sequence[str]) -> dict[str, int]:
-    """Each encoder's placeholder id: the top ids of the vocabulary, never used by mock text."""
-    return {name: vocab_size - 1 - index for index, name in enumerate(encoders)}
+def special_token_ids(vocab_size: int, encoders: Sequence[str],
+                      given: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Each encoder's placeholder id: the one ``given`` (a checkpoint's image token), else the
+    top ids of the vocabulary; never used by mock text."""
+    given = given or {}
+    return {name: given.get(name, vocab_size - 1 - index) for index, name in enumerate(encoders)}
 
 
 def _generator(seed: int, split: str, index: int, stream: int) -> torch.Generator:
@@ -73,6 +76,9 @@ class MockSource:
     mrope: bool = False
     """The language model uses multimodal RoPE: ``position_ids`` are ``[3, seq_length]``
     (:mod:`.positions`)."""
+    placeholder_ids: Mapping[str, int] = field(default_factory=dict)
+    """Encoders whose placeholder id is given: ``--hf-model``'s image token, where the
+    checkpoint's language model reads image features (the others take the top ids)."""
 
     def __post_init__(self) -> None:
         if self.text_vocab_size < NUM_CLASSES:
@@ -96,12 +102,12 @@ class MockSource:
 
     @property
     def text_vocab_size(self) -> int:
-        """Ids below this are text; the ones above are the encoders' special tokens."""
-        return self.vocab_size - len(self.plugins)
+        """Ids below this are text; the encoders' special tokens are at or above it."""
+        return min([self.vocab_size - len(self.plugins), *self.placeholder_ids.values()])
 
     @property
     def special_token_ids(self) -> dict[str, int]:
-        return special_token_ids(self.vocab_size, list(self.plugins))
+        return special_token_ids(self.vocab_size, list(self.plugins), self.placeholder_ids)
 
     def label(self, split: str, index: int) -> int:
         """The sample's class."""

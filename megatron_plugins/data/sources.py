@@ -55,6 +55,19 @@ def _items_per_sample(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _checkpoint_placeholders(args: argparse.Namespace) -> dict[str, int]:
+    """``--hf-model``'s encoder and its checkpoint's image token: the mock marks that encoder's
+    positions with it, so the checkpoint's language model reads image features where HF does."""
+    from megatron_plugins.weights.flags import hf_model_encoder
+    from megatron_plugins.weights.vlm_families import read_vlm
+
+    name = hf_model_encoder(args)
+    if name is None:
+        return {}
+    vlm, config = read_vlm(args.hf_model)
+    return {name: vlm.image_token_id(config)}
+
+
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
@@ -71,7 +84,8 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
         return MockSource(seed=args.seed, seq_length=args.seq_length,
                           vocab_size=args.vocab_size, plugins=dict(plugins),
                           items_per_sample=items,
-                          mrope=args.position_embedding_type == "mrope")
+                          mrope=args.position_embedding_type == "mrope",
+                          placeholder_ids=_checkpoint_placeholders(args))
     if len(args.data_path) != 1:
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "

@@ -14,19 +14,10 @@ from typing import Any
 
 import torch
 
+from megatron_plugins.weights.mapping import PROJECTION, TOWER, includes_projection
+
 __all__ = ["PROJECTION", "TOWER", "EncoderView", "encoder_module", "includes_projection",
            "module_tensors"]
-
-TOWER = "encoder."
-"""Prefix of the encoder network's parameters in a family that includes the projection."""
-PROJECTION = "projection."
-"""Prefix of the input projection's parameters in such a family."""
-
-
-def includes_projection(family: Any) -> bool:
-    """Whether ``family`` maps the input projection too (its rules name :data:`PROJECTION`)."""
-    return any(rule.megatron.startswith(PROJECTION) for rule in family.rules)
-
 
 class EncoderView(torch.nn.Module):
     """The encoder network and its input projection under one root (both are shared, not

@@ -17,7 +17,13 @@ from typing import Any
 
 from megatron_plugins.errors import UsageError
 
-__all__ = ["Bound", "Family", "HFWeightsError", "Heads", "Rule"]
+__all__ = ["PROJECTION", "TOWER", "Bound", "Family", "HFWeightsError", "Heads", "Rule",
+           "includes_projection", "split_projection"]
+
+TOWER = "encoder."
+"""Prefix of the encoder network's parameters in a family that includes the projection."""
+PROJECTION = "projection."
+"""Prefix of the input projection's parameters in such a family."""
 
 COMBINES = ("copy", "qkv", "gate_up", "fused_qkv")
 """copy: one HF tensor (optionally sliced on ``tp_dim``); qkv: q, k, v -> Megatron's fused layout,
@@ -167,3 +173,22 @@ class Heads:
     def of(cls, config: Any) -> "Heads":
         heads = config.num_attention_heads
         return cls(heads, config.num_query_groups or heads, config.kv_channels)
+
+
+def includes_projection(family: Family) -> bool:
+    """Whether ``family`` maps the input projection too (its rules name :data:`PROJECTION`)."""
+    return any(rule.megatron.startswith(PROJECTION) for rule in family.rules)
+
+
+def split_projection(family: Family) -> tuple[Family, tuple[Rule, ...]]:
+    """A family that includes the projection (Qwen2.5-VL's tower + merger) as its network's own
+    family (names inside the encoder network) and its projection's rules (names inside the
+    modality's ``input_projections``, ``0.`` being the projection; HF names as the family's);
+    any other family and no rules."""
+    if not includes_projection(family):
+        return family, ()
+    network = tuple(dataclasses.replace(rule, megatron=rule.megatron[len(TOWER):])
+                    for rule in family.rules if rule.megatron.startswith(TOWER))
+    projection = tuple(dataclasses.replace(rule, megatron="0." + rule.megatron[len(PROJECTION):])
+                       for rule in family.rules if rule.megatron.startswith(PROJECTION))
+    return dataclasses.replace(family, rules=network), projection

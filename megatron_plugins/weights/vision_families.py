@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from megatron_plugins.weights.encoder_view import PROJECTION, TOWER
 from megatron_plugins.weights.hf_folder import HFCheckpoint
-from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
+from megatron_plugins.weights.mapping import PROJECTION, TOWER, Family, HFWeightsError, Rule
 
 __all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION",
            "untrained_tensors"]

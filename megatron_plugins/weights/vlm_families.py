@@ -7,7 +7,9 @@ projector's tensors map onto the encoder's MiMo input projection, which language
 language model and under which names, and where the checkpoint's image placeholder token and
 feature selection are read from ``config.json``. :func:`part_families` turns an entry into one
 :class:`~megatron_plugins.weights.mapping.Family` per MiMo module, so import and export run the
-per-module machinery unchanged. No torch import: the launch's pre-import checks read it.
+per-module machinery unchanged. A tower family that maps the projection too (Qwen2.5-VL's, whose
+merger MLP is the projection) gives the projector its rules; the entry then lists none. No torch
+import: the launch's pre-import checks read it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any
 
 from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
-from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
+from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
 
-__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "PartFamilies", "VLMFamily", "find_vlm",
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "QWEN2_5_VL", "PartFamilies", "VLMFamily",
+           "find_vlm",
            "language_family", "part_families", "projector_prefix", "read_vlm"]
 
 HF_MODEL_FLAG = "--hf-model"
@@ -44,10 +47,12 @@ class VLMFamily:
     folder uses wins."""
     projector_prefixes: tuple[str, ...]
     """Prefixes of the projector's tensors, as ``tower_prefixes``. Tensors under one are the
-    projector's even inside a tower prefix (Qwen2.5-VL's ``visual.merger.``)."""
+    projector's even inside a tower prefix (Qwen2.5-VL's ``visual.merger.mlp.``)."""
     projector_rules: tuple[Rule, ...]
     """Megatron names inside the encoder's ``input_projections`` (``0.`` is the projection),
-    HF names after the projector prefix."""
+    HF names after the projector prefix; empty when the tower family includes the projection
+    (:func:`~megatron_plugins.weights.mapping.split_projection`), whose HF names are the
+    tower's."""
     projector_input: tuple[str, int]
     """(HF tensor after the projector prefix, dim) whose size is the tower's output width."""
     projector_output: tuple[str, int]
@@ -128,7 +133,30 @@ LLAVA = VLMFamily(
     projector_activation=lambda config: config.get("projector_hidden_act", "gelu"),
 )
 
-FAMILIES = (LLAVA,)
+QWEN2_5_VL = VLMFamily(
+    name="qwen2_5_vl",
+    architectures=("Qwen2_5_VLForConditionalGeneration",),
+    # The provider's family maps the merger's MLP as the projection (it includes it).
+    encoder_provider="qwen2_5_vl",
+    encoder_name="image",
+    tower_prefixes=("visual.",),
+    projector_prefixes=("visual.merger.mlp.",),
+    projector_rules=(),
+    projector_input=("0.weight", 1),
+    projector_output=("2.weight", 0),
+    tower_width=lambda config: ((config.get("vision_config") or {}).get("hidden_size", 0)
+                                * (config.get("vision_config") or {}).get("spatial_merge_size",
+                                                                          2) ** 2),
+    language="qwen2_5_vl",
+    language_renames=((("model.", "model."), ("lm_head.", "lm_head.")),),
+    image_token_id=lambda config: int(config.get("image_token_id", 151655)),
+    # The merger reads the last block's output, merged by ln_q: the whole tower, no class token.
+    tower_layers=lambda config: int((config.get("vision_config") or {}).get("depth", 32)),
+    drops_class_token=lambda config: False,
+    projector_activation=lambda config: "gelu",
+)
+
+FAMILIES = (LLAVA, QWEN2_5_VL)
 """Supported whole-VLM architectures."""
 
 
@@ -176,7 +204,7 @@ def _first(prefixes: tuple[str, ...], names: set[str], first: tuple[str, ...]) -
 
 def projector_prefix(vlm: VLMFamily, names: set[str]) -> str:
     """The projector prefix the folder holding ``names`` uses."""
-    return _first(vlm.projector_prefixes, names, vlm.projector_rules[0].hf)
+    return _first(vlm.projector_prefixes, names, (vlm.projector_input[0],))
 
 
 @dataclass(frozen=True)
@@ -193,9 +221,11 @@ class PartFamilies:
 def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
                   names: set[str]) -> PartFamilies:
     """The three modules' families for a folder holding the HF tensors ``names``; ``tower`` is
-    the encoder provider's ``hf_family``. Each part's names are under the first naming scheme
-    the folder uses, so import, streaming and export name every tensor as the folder does.
-    Tower layers past the feature layer are carried untrained (export copies them unchanged)."""
+    the encoder provider's ``hf_family``, whose projection rules (if it includes the
+    projection) are the projector's. Each part's names are under the first naming scheme the
+    folder uses, so import, streaming and export name every tensor as the folder does. Tower
+    layers past the feature layer are carried untrained (export copies them unchanged)."""
+    tower, projection = split_projection(tower)
     kept = vlm.tower_layers(config)
     layers = vlm.vision_config(config).get("num_hidden_layers", kept)
     prefixes = tuple(t + p for t in vlm.tower_prefixes for p in tower.hf_prefixes)
@@ -212,11 +242,11 @@ def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
         tied=tuple((prefix + a, prefix + b) for a, b in tower.tied),
         unused=(_outside(*vlm.tower_prefixes), _under(*vlm.projector_prefixes)),
         untrained=(*others, *dropped))
-    projected = projector_prefix(vlm, names)
+    projected = prefix if projection else projector_prefix(vlm, names)
     projector = Family(
         name=f"{vlm.name}_projector", architectures=vlm.architectures, model_type=vlm.name,
         rules=tuple(dataclasses.replace(rule, hf=tuple(projected + n for n in rule.hf))
-                    for rule in vlm.projector_rules),
+                    for rule in projection or vlm.projector_rules),
         megatron_args=lambda _: {}, hf_config=lambda args, vocab: dict(config),
         unused=(_outside(*vlm.projector_prefixes),))
     text = language_family(vlm)

@@ -12,17 +12,18 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import export_rank, rel_diff, safetensors_of
+from tests.hf_models import rel_diff, safetensors_of
 from tests.hf_vlm_models import (
     IMAGE_TOKEN,
     PATCHES,
+    bad_input,
+    edited,
     hf_llava_logits,
     sample,
     save_tiny_llava,
+    train_and_export,
     vlm_forward,
-    vlm_train,
 )
-from tests.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 VOCAB = 100
@@ -62,20 +63,10 @@ def test_whole_llava_reproduces_transformers_logits_on_two_images_and_streams_ba
 
 @pytest.fixture(scope="module")
 def exported(llava, tmp_path_factory):
-    """Trained 2 steps at one rank per module and saved; the same weights re-saved at encoder
-    TP 2 + language PP 2 (loaded, one step at lr 0); both exported."""
+    """The folder trained, saved from two layouts and exported (:func:`train_and_export`)."""
     folder = llava[0]
     root = tmp_path_factory.mktemp("vlm_export")
-    first, second = root / "first", root / "second"
-    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
-    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
-        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
-        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
-    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
-            (str(second), str(root / "out_second"), {"progress": False})]
-    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
-    return root, folder, pieces
+    return root, folder, train_and_export(folder, root)
 
 
 def test_two_saving_layouts_export_one_identical_llava_folder(exported):
@@ -113,36 +104,6 @@ def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exp
                        written["multi_modal_projector.linear_2.bias"])
 
 
-def _bad_input(argv, monkeypatch, world_size=2):
-    """The one-line error ``parse_mimo_args`` raises before any process group."""
-    from megatron_plugins.errors import UsageError
-    from megatron_plugins.launch import parse_mimo_args
-
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    with pytest.raises(UsageError) as error:
-        parse_mimo_args(argv)
-    message = str(error.value)
-    assert "\n" not in message
-    return message
-
-
-def _edited(folder, target, config=None, tensors=None):
-    """A copy of ``folder`` with config.json fields and tensors replaced."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(folder, target)
-    if config:
-        path = target / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
-    if tensors:
-        loaded = load_file(target / "model.safetensors")
-        save_file({**loaded, **tensors}, str(target / "model.safetensors"),
-                  metadata={"format": "pt"})
-    return target
-
-
 def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
     from tests.hf_models import save_tiny
@@ -151,30 +112,26 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
     folder = llava[0]
     grids = ("image:dp=1", "language:dp=1")
     llama = save_tiny("llama", tmp_path / "llama")
-    assert _bad_input(vlm_flags(llama, grids), monkeypatch) == (
+    assert bad_input(vlm_flags(llama, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {llama}/config.json: architecture LlamaForCausalLM is not a supported "
-        "whole VLM; supported: LlavaForConditionalGeneration")
+        "whole VLM; supported: LlavaForConditionalGeneration, "
+        "Qwen2_5_VLForConditionalGeneration")
     origin = f"{HF_MODEL_FLAG} {folder} (LlavaForConditionalGeneration)"
     flags = vlm_flags(folder, grids)
-    assert _bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (
+    assert bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (
         f"--encoder image=siglip contradicts {origin}, whose tower is built by provider clip; "
         "give exactly one --encoder NAME=clip or drop --encoder")
-    assert _bad_input([*flags, "--language-hf-weights", str(llama)], monkeypatch) == (
+    assert bad_input([*flags, "--language-hf-weights", str(llama)], monkeypatch) == (
         f"--language-hf-weights {llama} contradicts {origin}, which holds the language model; "
         "drop --language-hf-weights")
-    assert _bad_input([*flags, "--encoder-hf-weights", f"image={llama}"], monkeypatch) == (
+    assert bad_input([*flags, "--encoder-hf-weights", f"image={llama}"], monkeypatch) == (
         f"--encoder-hf-weights image={llama} contradicts {origin}, which holds encoder image's "
         "tower; drop --encoder-hf-weights image=")
-    assert _bad_input([*flags, "--num-layers", "3"], monkeypatch) == (
+    assert bad_input([*flags, "--num-layers", "3"], monkeypatch) == (
         f"--num-layers 3 contradicts {HF_MODEL_FLAG} {folder}/config.json text_config, which "
         "gives 2; drop --num-layers")
-    token = _edited(folder, tmp_path / "token", config={"image_token_index": 50})
-    assert _bad_input(vlm_flags(token, grids), monkeypatch) == (
-        f"{HF_MODEL_FLAG} {token}: its image token is id 50, but the data marks encoder image's "
-        "positions with id 99; give a tokenizer whose <image> token is id 50 (the checkpoint's "
-        "own tokenizer)")
     # A named encoder of the tower's provider is the one --grid addresses.
-    renamed = _bad_input([*vlm_flags(folder, ("pixels:dp=1", "language:dp=1")), "--encoder",
+    renamed = bad_input([*vlm_flags(folder, ("pixels:dp=1", "language:dp=1")), "--encoder",
                           "pixels=clip", "--num-layers", "3"], monkeypatch)
     assert renamed.startswith("--num-layers 3 contradicts")
 
@@ -186,21 +143,21 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
 
     folder = llava[0]
     grids = ("image:dp=1", "language:dp=1")
-    wide = _edited(folder, tmp_path / "wide", tensors={
+    wide = edited(folder, tmp_path / "wide", tensors={
         "multi_modal_projector.linear_1.weight": torch.zeros(48, 40)})
-    assert _bad_input(vlm_flags(wide, grids), monkeypatch) == (
+    assert bad_input(vlm_flags(wide, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {wide}: projector multi_modal_projector.linear_1.weight input size 40 "
         "does not meet the width the tower (vision_config) hands it, 32; the tower and language "
         "model are not this projector's pair")
     text = json.loads((folder / "config.json").read_text())["text_config"]
-    other = _edited(folder, tmp_path / "other", config={
+    other = edited(folder, tmp_path / "other", config={
         "text_config": {**text, "hidden_size": 64, "head_dim": 16}})
-    assert _bad_input(vlm_flags(other, grids), monkeypatch) == (
+    assert bad_input(vlm_flags(other, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {other}: projector multi_modal_projector.linear_2.weight output size "
         "48 does not meet the language model's hidden size (text_config), 64; the tower and "
         "language model are not this projector's pair")
-    layers = _edited(folder, tmp_path / "layers", config={"vision_feature_layer": [-2, -1]})
-    assert _bad_input(vlm_flags(layers, grids), monkeypatch) == (
+    layers = edited(folder, tmp_path / "layers", config={"vision_feature_layer": [-2, -1]})
+    assert bad_input(vlm_flags(layers, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {layers}: config.json vision_feature_layer [-2, -1] is not supported; "
         "give one layer index (an int)")
 
@@ -214,7 +171,7 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
 def test_feature_selection_shapes_the_clip_encoder(llava, selection, tokens, layers, tmp_path):
     from tests.hf_vision_models import plugin
 
-    folder = _edited(llava[0], tmp_path / "llava", config=selection)
+    folder = edited(llava[0], tmp_path / "llava", config=selection)
     encoder = plugin("clip", folder)
     assert (encoder.tokens_per_item, encoder.layers) == (tokens, layers)
 

@@ -1,0 +1,212 @@
+"""``--hf-model DIR`` with a whole Qwen2.5-VL folder: its vision tower (windowed + full
+attention blocks) on the encoder grid, its merger as the encoder's projection, its mrope language
+model on the language grid give transformers' logits on a sample of several images of different
+sizes at one rank per module and at encoder TP 2 + language PP 2; every tensor streams back
+unchanged; a trained run exports one folder transformers loads, the same bytes from two saving
+layouts; the CPU-simulation recipe trains the folder from transformers' first loss; a merger that
+does not meet the language model is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_plugins.weights.streaming import assemble
+from tests.hf_models import rel_diff, safetensors_of
+from tests.hf_vlm_models import train_and_export
+from tests.multiprocess import REPO_ROOT
+from tests.qwen_vlm_models import (
+    IMAGE_TOKEN,
+    VOCAB,
+    forward,
+    hf_logits,
+    images,
+    sample,
+    save_tiny_qwen_vl,
+)
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = save_tiny_qwen_vl(tmp_path_factory.mktemp("qwen_vlm") / "qwen")
+    pictures = images()
+    ids = sample(folder, pictures)
+    return folder, ids, pictures, hf_logits(folder, ids, pictures)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("grids, nproc", [
+    (("image:dp=1", "language:dp=1"), 2),
+    (("image:tp=2", "language:pp=2"), 4),
+], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
+        qwen, grids, nproc):
+    folder, ids, pictures, want = qwen
+    assert len({int(n) for n in (ids == IMAGE_TOKEN).sum(1)}) == 1 and want.shape[1] > 30
+    results = forward(nproc, folder, grids, ids, pictures)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert abs(logits[..., VOCAB:]).max() == 0  # padded vocabulary rows
+    assert rel_diff(logits[..., :VOCAB], want) < TOLERANCE
+    for result in results:  # the mock and the model mark images with the checkpoint's token
+        assert result["special_token_ids"] == {"image": IMAGE_TOKEN}
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    assert sorted(streamed) == sorted(original)
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+
+
+@pytest.fixture(scope="module")
+def exported(qwen, tmp_path_factory):
+    """The folder trained, saved from two layouts and exported (:func:`train_and_export`)."""
+    folder = qwen[0]
+    root = tmp_path_factory.mktemp("qwen_export")
+    return root, folder, train_and_export(folder, root)
+
+
+@pytest.mark.timeout(600)
+def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
+    root = exported[0]
+    files = sorted(str(p.relative_to(root / "out_first"))
+                   for p in (root / "out_first").rglob("*") if p.is_file())
+    # the processor's and generation files are carried from the source folder
+    assert files == ["config.json", "generation_config.json", "model.safetensors",
+                     "preprocessor_config.json"]
+    for file in files:
+        assert (root / "out_first" / file).read_bytes() == \
+            (root / "out_second" / file).read_bytes(), file
+
+
+@pytest.mark.timeout(600)
+def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
+    import transformers
+
+    root, folder, pieces = exported
+    out = root / "out_first"
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (folder / "config.json").read_text())
+    written, original = safetensors_of(out), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    for name, tensor in written.items():
+        assert torch.equal(tensor, streamed[name]), name
+    for name in ("visual.merger.mlp.0.weight", "visual.merger.ln_q.weight",
+                 "visual.blocks.0.attn.qkv.weight", "model.layers.1.mlp.up_proj.weight",
+                 "lm_head.weight"):
+        assert not torch.equal(written[name], original[name]), name  # it trained
+    loaded = {n: p.detach() for n, p in model.state_dict().items()}
+    assert torch.equal(loaded["lm_head.weight"], written["lm_head.weight"])
+    assert torch.equal(loaded["model.visual.merger.mlp.2.bias"],
+                       written["visual.merger.mlp.2.bias"])
+    assert torch.equal(loaded["model.language_model.layers.0.self_attn.q_proj.bias"],
+                       written["model.layers.0.self_attn.q_proj.bias"])
+
+
+def test_a_merger_that_does_not_meet_the_language_model_is_one_line(qwen, tmp_path,
+                                                                     monkeypatch):
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
+    from tests.hf_vlm_models import bad_input, edited, vlm_flags
+
+    folder = qwen[0]
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    other = edited(folder, tmp_path / "other", config={
+        "text_config": {**text, "hidden_size": 32, "head_dim": 12}})
+    assert bad_input(vlm_flags(other, ("image:dp=1", "language:dp=1")), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {other}: projector visual.merger.mlp.2.weight output size 24 does not "
+        "meet the language model's hidden size (text_config), 32; the tower and language model "
+        "are not this projector's pair")
+
+
+def test_the_folder_splits_into_tower_merger_and_language_parts(qwen):
+    """The tower family includes the merger's MLP; the whole folder splits it off as the
+    projector (ln_q stays the tower's), and every tensor belongs to exactly one part."""
+    from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
+    from megatron_plugins.weights.vlm_families import QWEN2_5_VL, part_families
+
+    folder = qwen[0]
+    config = json.loads((folder / "config.json").read_text())
+    names = set(safetensors_of(folder))
+    parts = part_families(QWEN2_5_VL, config, QWEN2_5_VL_VISION, names)
+    assert parts.tower.bind("ln_q.weight").hf == ("visual.merger.ln_q.weight",)
+    assert parts.projector.bind("0.encoder.linear_fc2.weight").hf == (
+        "visual.merger.mlp.2.weight",)
+    assert parts.language.bind("output_layer.weight").hf == ("lm_head.weight",)
+    for name in names:
+        assert sum(not part.is_unused(name) for part in parts.__dict__.values()) == 1, name
+
+
+def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(qwen):
+    from megatron_plugins.data.mock import MockSource
+    from tests.hf_vision_models import plugin
+
+    encoder = plugin("qwen2_5_vl", qwen[0])
+    source = MockSource(seed=1, seq_length=64, vocab_size=VOCAB, plugins={"image": encoder},
+                        items_per_sample=(0, 3), placeholder_ids={"image": IMAGE_TOKEN})
+    assert source.special_token_ids == {"image": IMAGE_TOKEN}
+    for index in range(20):
+        sample = source.text("train", index)
+        tokens = sample["tokens"][:int(sample["length"])]
+        runs = int((tokens == IMAGE_TOKEN).sum())
+        assert runs == sum(source.item_tokens("train", index)["image"])
+        assert int(tokens[tokens != IMAGE_TOKEN].max()) < IMAGE_TOKEN
+
+
+RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simulation.sh"
+
+
+@pytest.mark.timeout(600)
+def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_loss(
+        qwen, tmp_path):
+    """The recipe script trains the tiny folder whole (mock images of native sizes, 0 to 3 a
+    sample); its loss falls, and step 1's loss (weights still the folder's) is transformers' on
+    the same first global batch, which the deterministic mock source regenerates here."""
+    import os
+    import subprocess
+
+    from megatron_plugins.data.mock import MockSource
+    from tests.hf_vision_models import plugin
+    from tests.qwen_vlm_models import hf_first_batch_loss
+    from tests.tensorboard_scalars import read_scalars
+
+    folder = qwen[0]
+    result = subprocess.run(["bash", str(RECIPE), str(folder)], cwd=REPO_ROOT, text=True,
+                            env={**os.environ, "MIMO_RUN_DIR": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:]
+    losses = read_scalars(tmp_path / "tensorboard", "lm loss")
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1] - 0.2, losses
+    # The recipe's first global batch: 4 samples of seq-length 96, 0:3 images, seed 1234.
+    source = MockSource(seed=1234, seq_length=96, vocab_size=VOCAB,
+                        plugins={"image": plugin("qwen2_5_vl", folder)}, items_per_sample=(0, 3))
+    sizes = [size for index in range(4) for size in source.item_sizes("image", "train", index)]
+    assert len(set(sizes)) >= 3, sizes  # several images of different sizes
+    want = hf_first_batch_loss(folder, 4, 96, (0, 3), 1234)
+    assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
+
+
+def test_a_dataset_tokenizer_whose_image_token_is_not_the_checkpoints_is_one_line(qwen):
+    """The mock takes the checkpoint's image token; a tokenizer's placeholder (Energon data) is
+    still checked against it."""
+    import argparse
+    import types
+
+    from megatron_plugins.errors import UsageError
+    from megatron_plugins.run_settings import check_image_token
+    from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
+
+    folder = str(qwen[0])
+    args = argparse.Namespace(hf_model=folder, encoder_hf_weights={"image": folder})
+    check_image_token(args, types.SimpleNamespace(special_token_ids={"image": IMAGE_TOKEN}))
+    with pytest.raises(UsageError) as error:
+        check_image_token(args, types.SimpleNamespace(special_token_ids={"image": 63}))
+    assert str(error.value) == (
+        f"{HF_MODEL_FLAG} {folder}: its image token is id {IMAGE_TOKEN}, but the data marks "
+        "encoder image's positions with id 63; give a tokenizer whose <image> token is id "
+        f"{IMAGE_TOKEN} (the checkpoint's own tokenizer)")

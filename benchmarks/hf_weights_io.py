@@ -2,6 +2,7 @@
 
     python benchmarks/hf_weights_io.py             # a ~100M-parameter Llama, fp32, one rank
     python benchmarks/hf_weights_io.py --smoke     # tiny, seconds
+    python benchmarks/hf_weights_io.py --whole-vlm # a ~100M-parameter Qwen2.5-VL folder, whole
 
 One rank on the CPU simulation, one torch thread, warm page cache. Three measurements, each
 against its plain-I/O floor:
@@ -13,6 +14,10 @@ against its plain-I/O floor:
 - tool: ``tools.export_hf.export`` of a torch_dist checkpoint of that model vs reading every byte
   of the checkpoint's files plus ``save_file`` of the HF tensors (the I/O floor), and vs
   megatron-core's own ``dist_checkpointing.load`` of the whole checkpoint plus ``save_file``.
+
+``--whole-vlm`` measures what ``--hf-model`` reads instead: a whole Qwen2.5-VL folder's vision
+tower + merger (into the encoder and its projection) and language model (mrope), each part
+through its own family as the ranks holding it do, vs reading every tensor of the folder.
 
 Each round times every step twice, in mirrored order (import, read, read, import, export, write,
 ...), and takes the mean of the two, so a burst of load from other jobs, or a slow first step,
@@ -45,6 +50,14 @@ SIZES = {
                     num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4),
 }
 
+VISION_SIZES = {
+    "smoke": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  fullatt_block_indexes=[1]),
+    "default": dict(depth=8, hidden_size=512, intermediate_size=1376, num_heads=8,
+                    fullatt_block_indexes=[3, 7]),
+}
+"""Qwen2.5-VL vision towers for ``--whole-vlm`` (patch 14, merge 2, window 112 as the 7B's)."""
+
 MIRRORED = ("import", "read", "read", "import", "export", "write", "write", "export",
             "tool", "read checkpoint", "load checkpoint", "load checkpoint", "read checkpoint",
             "tool")
@@ -70,10 +83,76 @@ def load_checkpoint(folder: Path) -> dict:
     return dist_checkpointing.load(metadata, str(folder), validate_access_integrity=False)
 
 
+def whole_vlm(size: str, rounds: int, root: Path) -> None:
+    """Import of a whole Qwen2.5-VL folder (tower + merger, language model) vs plain read."""
+    import dataclasses
+
+    import transformers
+    from megatron.core.transformer.spec_utils import build_module
+    from safetensors import safe_open
+
+    from megatron_plugins.weights.encoder_view import EncoderView
+    from megatron_plugins.weights.hf_import import load_hf_weights
+    from megatron_plugins.weights.language_families import FAMILIES
+    from tests.hf_models import build_stock_gpt
+    from tests.hf_vision_models import language_config, plugin
+
+    text = {**SIZES[size], "max_position_embeddings": 64,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                # frequency pairs (t, h, w): half the head dim, 64 or 16
+                                "mrope_section": [8, 12, 12] if size == "default"
+                                else [2, 3, 3]}}
+    hidden = text["hidden_size"]
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, image_token_id=text["vocab_size"] - 1,
+        vision_config={**VISION_SIZES[size], "out_hidden_size": hidden, "patch_size": 14,
+                       "spatial_merge_size": 2, "window_size": 112})
+    folder = root / "qwen2_5_vl"
+    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
+    language, pgc, _ = build_stock_gpt(str(folder), 1, 1, [])
+    encoder = plugin("qwen2_5_vl", folder)
+    vision = encoder.transformer_config(dataclasses.replace(language_config(),
+                                                            hidden_size=hidden))
+    view = EncoderView(build_module(encoder.encoder_spec(vision, pgc)),
+                       build_module(encoder.projection_spec(vision, hidden, pgc)))
+    files = sorted(folder.glob("*.safetensors"))
+
+    def import_whole() -> None:
+        load_hf_weights(view, str(folder), "--hf-model", pgc, (encoder.hf_family,))
+        load_hf_weights(language, str(folder), "--hf-model", pgc, FAMILIES)
+
+    def plain_read() -> dict:
+        tensors = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                tensors.update({name: handle.get_tensor(name).clone() for name in handle.keys()})
+        return tensors
+
+    params = sum(p.numel() for module in (language, view) for p in module.parameters())
+    size_mb = sum(f.stat().st_size for f in files) / 1e6
+    gc.collect()
+    gc.freeze()
+    ratios, imports, reads = [], [], []
+    for _ in range(rounds):
+        first = seconds(import_whole)
+        read = seconds(plain_read) + seconds(plain_read)
+        second = seconds(import_whole)
+        imports.append((first + second) / 2)
+        reads.append(read / 2)
+        ratios.append(imports[-1] / reads[-1])
+    print(f"model: Qwen2.5-VL (tower {VISION_SIZES[size]}, language {SIZES[size]}), "
+          f"{params / 1e6:.1f}M parameters, {size_mb:.1f} MB fp32 safetensors; 1 thread; median "
+          f"of {rounds} mirrored rounds; load average {os.getloadavg()[0]:.1f}")
+    print(f"whole  {statistics.median(imports):7.3f} s   {'plain read':18s} "
+          f"{statistics.median(reads):7.3f} s   ratio {statistics.median(ratios):5.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, one round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--whole-vlm", action="store_true",
+                        help="a whole Qwen2.5-VL folder's import (--hf-model) instead")
     options = parser.parse_args()
     rounds = 1 if options.smoke else options.rounds
     from megatron_plugins.cpu_simulation import patches
@@ -96,6 +175,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="hf-io-"))
     atexit.register(shutil.rmtree, root, True)  # over 1 GB per run at the default size
     shape = SIZES["smoke" if options.smoke else "default"]
+    if options.whole_vlm:
+        whole_vlm("smoke" if options.smoke else "default", rounds, root)
+        return
     folder = save_tiny("llama", root / "hf", max_position_embeddings=64, **shape)
     model, pgc, args = build_stock_gpt(str(folder), 1, 1, [])
     family = load_hf_weights(model, str(folder), "--language-hf-weights", pgc, FAMILIES)

@@ -220,5 +220,3 @@ SIGLIP2_VISION = Family(
     untrained=(r"(vision_model\.)?head\.",),
     hf_prefixes=PREFIXES,
 )
-
-FAMILIES = (CLIP_VISION, SIGLIP_VISION, QWEN2_5_VL_VISION, SIGLIP2_VISION)

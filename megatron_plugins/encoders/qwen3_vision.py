@@ -20,6 +20,7 @@ language model adds to its hidden states after its first L layers
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -48,6 +49,7 @@ MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")
 DEFAULT_PIXELS = (65536, 16777216)
 """(min_pixels, max_pixels) of the released Qwen3-VL checkpoints' preprocessor_config.json,
 used when a folder's gives none."""
+
 
 def position_taps(grids: list[tuple[int, int, int]], merge: int, side: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +181,10 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
     normalization = "LayerNorm"
 
     def _unsupported(self, hf: Any) -> list[str]:
+        """Also a position table that is not a square grid, DeepStack indexes out of order or
+        past the last block."""
         problems = super()._unsupported(hf)
-        side = int(hf.num_position_embeddings ** 0.5)
+        side = math.isqrt(hf.num_position_embeddings)
         if side * side != hf.num_position_embeddings:
             problems.append(f"num_position_embeddings {hf.num_position_embeddings} (not a "
                             "square grid)")
@@ -201,7 +205,7 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         return ModuleSpec(module=Qwen3ViT, params={
             "config": config, "patch_size": hf.patch_size,
             "temporal_patch_size": hf.temporal_patch_size, "merge": hf.spatial_merge_size,
-            "position_side": int(hf.num_position_embeddings ** 0.5),
+            "position_side": math.isqrt(hf.num_position_embeddings),
             "deepstack_layers": tuple(hf.deepstack_visual_indexes),
             "rope_theta": float(hf.rope_parameters["rope_theta"]),
             "pg_collection": pg_collection})

@@ -176,19 +176,20 @@ def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tup
     return [pieces_from(result["pieces"]) for result in results]
 
 
-def train_and_export(folder: str | Path, root: Path) -> list[list[Any]]:
+def train_and_export(folder: str | Path, root: Path, extra: tuple[str, ...] = ()
+                     ) -> list[list[Any]]:
     """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``;
     the same weights re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0) under
     ``root/second``; both exported to ``root/out_first``, ``root/out_second``. Returns the
-    first run's streamed pieces of the trained model."""
+    first run's streamed pieces of the trained model. ``extra``: flags of both runs."""
     from tests.hf_models import export_rank
     from tests.multiprocess import run_in_processes
 
     first, second = root / "first", root / "second"
     pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+        *extra, "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
     vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
-        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
+        *extra, "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
         "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
     jobs = [(str(first), str(root / "out_first"), {"progress": False}),
             (str(second), str(root / "out_second"), {"progress": False})]

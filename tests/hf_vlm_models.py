@@ -228,3 +228,34 @@ def edited(folder: Path, target: Path, config: dict[str, Any] | None = None,
         save_file({**loaded, **tensors}, str(target / "model.safetensors"),
                   metadata={"format": "pt"})
     return target
+
+
+def built_forward(after: Any, nproc: int, argv: list[str]) -> list[dict[str, Any]]:
+    """``built_then(argv, after)`` on ``nproc`` gloo ranks (``after`` a picklable function
+    returning the rank's streamed ``pieces`` among its results); pieces deserialized."""
+    from tests.multiprocess import run_in_processes
+
+    results = run_in_processes(built_then, nproc, args=(argv, after), timeout=240,
+                               simulated=True)
+    for result in results:
+        result["pieces"] = pieces_from(result["pieces"])
+    return results
+
+
+def check_export(out: Path, folder: Path, pieces: list[list[Any]], untrained: tuple[str, ...]
+                 ) -> dict[str, torch.Tensor]:
+    """The exported folder ``out`` has the source ``folder``'s config and tensor names, the
+    trained tensors as the run streamed them (``pieces``) and the ``untrained`` ones (name
+    prefixes) unchanged; returns its tensors."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.hf_models import safetensors_of
+
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (folder / "config.json").read_text())
+    written, original = safetensors_of(out), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    for name, tensor in written.items():
+        want = original[name] if name.startswith(untrained) else streamed[name]
+        assert torch.equal(tensor, want), name
+    return written

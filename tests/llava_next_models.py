@@ -17,10 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import built_then, pieces_from
 from tests.hf_vision_models import SHAPE as VISION
 from tests.hf_vision_models import redraw
-from tests.hf_vlm_models import ENCODER, IMAGE_TOKEN, cross_grid_forward, vlm_flags, whole_pieces
+from tests.hf_vlm_models import (
+    ENCODER,
+    IMAGE_TOKEN,
+    built_forward,
+    cross_grid_forward,
+    vlm_flags,
+    whole_pieces,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -95,32 +101,19 @@ def hf_sample_logits(folder: str | Path, pictures: list[np.ndarray]
 
 def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
                         pictures: list[np.ndarray]) -> dict[str, Any]:
-    [module] = session.topology.active_modules
-    mimo.eval()
-    plugin = session.run.plugins[ENCODER]
-    preprocessor = plugin.preprocessor()
-    inputs = preprocessor.collate([preprocessor(picture) for picture in pictures])
+    plugin, mimo = session.run.plugins[ENCODER], mimo.eval()
+    crops = plugin.preprocessor()
     tokens = [plugin.item_tokens(picture.shape[:2]) for picture in pictures]
-    logits = cross_grid_forward(mimo, module, session.topology, ids, inputs, sum(tokens))
+    logits = cross_grid_forward(mimo, *session.topology.active_modules, session.topology, ids,
+                                crops.collate([crops(picture) for picture in pictures]),
+                                sum(tokens))
     return {"logits": logits, "pieces": whole_pieces(mimo, session), "item_tokens": tokens,
             "special_token_ids": dict(mimo.special_token_ids)}
 
 
-def forward_rank(argv: list[str], ids: torch.Tensor,
-                 pictures: list[np.ndarray]) -> dict[str, Any]:
-    """One rank of the MiMo model built from ``--hf-model`` (the entry point's code path): the
-    logits on the language's last stage and its streamed HF pieces."""
-    return built_then(argv, functools.partial(_forward_and_stream, ids=ids, pictures=pictures))
-
-
 def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
             pictures: list[np.ndarray]) -> list[dict[str, Any]]:
-    """:func:`forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
-    from tests.multiprocess import run_in_processes
-
-    argv = [*vlm_flags(folder, grids), *SEQ_LENGTH]
-    results = run_in_processes(forward_rank, nproc, args=(argv, ids, pictures), timeout=240,
-                               simulated=True)
-    for result in results:
-        result["pieces"] = pieces_from(result["pieces"])
-    return results
+    """The MiMo model built from ``--hf-model`` (the entry point's code path) on ``nproc`` gloo
+    ranks: each rank's logits (the language's last stage), token counts and streamed pieces."""
+    after = functools.partial(_forward_and_stream, ids=ids, pictures=pictures)
+    return built_forward(after, nproc, [*vlm_flags(folder, grids), *SEQ_LENGTH])

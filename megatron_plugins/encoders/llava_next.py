@@ -225,14 +225,15 @@ class LlavaNextEncoder(CLIPVisionEncoder):
         side = self.hf_config.image_size
         where = f"{HF_MODEL_FLAG} {self.folder}"
         given = (self._read_json("config.json") or {}).get("image_grid_pinpoints")
-        pinpoints = DEFAULT_PINPOINTS if given is None else tuple(
-            tuple(point) for point in given)
-        if not pinpoints or any(len(point) != 2 or any(
-                not isinstance(v, int) or v <= 0 or v % side for v in point)
-                for point in pinpoints):
+        points = DEFAULT_PINPOINTS if given is None else given
+        if not (isinstance(points, (list, tuple)) and points and all(
+                isinstance(point, (list, tuple)) and len(point) == 2 and all(
+                    isinstance(v, int) and v > 0 and v % side == 0 for v in point)
+                for point in points)):
             raise EncoderPluginError(f"{where}: config.json image_grid_pinpoints {given!r} must "
                                      f"be [height, width] pairs, multiples of the tower's "
                                      f"image_size {side}")
+        pinpoints = tuple(tuple(point) for point in points)
         processor = self._read_json("preprocessor_config.json") or {}
         points = processor.get("image_grid_pinpoints")
         if points is not None and tuple(tuple(point) for point in points) != pinpoints:

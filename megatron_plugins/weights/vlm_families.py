@@ -161,7 +161,6 @@ QWEN2_5_VL = VLMFamily(
 )
 
 
-
 def _anyres_drops_class(config: Mapping[str, Any]) -> bool:
     """LLaVA-NeXT's tiles are laid out as a square grid of patches, so its packing needs the
     class token dropped; transformers cannot run ``full`` either."""

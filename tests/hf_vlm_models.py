@@ -176,19 +176,20 @@ def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tup
     return [pieces_from(result["pieces"]) for result in results]
 
 
-def train_and_export(folder: str | Path, root: Path) -> list[list[Any]]:
+def train_and_export(folder: str | Path, root: Path, extra: tuple[str, ...] = ()
+                     ) -> list[list[Any]]:
     """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``;
     the same weights re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0) under
     ``root/second``; both exported to ``root/out_first``, ``root/out_second``. Returns the
-    first run's streamed pieces of the trained model."""
+    first run's streamed pieces of the trained model. ``extra``: flags of both runs."""
     from tests.hf_models import export_rank
     from tests.multiprocess import run_in_processes
 
     first, second = root / "first", root / "second"
     pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+        *extra, "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
     vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
-        "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
+        *extra, "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
         "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
     jobs = [(str(first), str(root / "out_first"), {"progress": False}),
             (str(second), str(root / "out_second"), {"progress": False})]
@@ -227,3 +228,34 @@ def edited(folder: Path, target: Path, config: dict[str, Any] | None = None,
         save_file({**loaded, **tensors}, str(target / "model.safetensors"),
                   metadata={"format": "pt"})
     return target
+
+
+def built_forward(after: Any, nproc: int, argv: list[str]) -> list[dict[str, Any]]:
+    """``built_then(argv, after)`` on ``nproc`` gloo ranks (``after`` a picklable function
+    returning the rank's streamed ``pieces`` among its results); pieces deserialized."""
+    from tests.multiprocess import run_in_processes
+
+    results = run_in_processes(built_then, nproc, args=(argv, after), timeout=240,
+                               simulated=True)
+    for result in results:
+        result["pieces"] = pieces_from(result["pieces"])
+    return results
+
+
+def check_export(out: Path, folder: Path, pieces: list[list[Any]], untrained: tuple[str, ...]
+                 ) -> dict[str, torch.Tensor]:
+    """The exported folder ``out`` has the source ``folder``'s config and tensor names, the
+    trained tensors as the run streamed them (``pieces``) and the ``untrained`` ones (name
+    prefixes) unchanged; returns its tensors."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.hf_models import safetensors_of
+
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (folder / "config.json").read_text())
+    written, original = safetensors_of(out), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    for name, tensor in written.items():
+        want = original[name] if name.startswith(untrained) else streamed[name]
+        assert torch.equal(tensor, want), name
+    return written

@@ -159,6 +159,8 @@ class HFVisionEncoder(EncoderPlugin):
     default_crop: ClassVar[bool]
     hf_family: ClassVar[Family]
     """The weight mapping ``--encoder-hf-weights`` imports through."""
+    unsupported_preprocessing: ClassVar[tuple[str, ...]] = ("do_pad", "do_image_splitting")
+    """preprocessor_config.json flags whose steps it does not take, refused when true."""
 
     def __init__(self, name: str, args: argparse.Namespace, grid: Any) -> None:
         super().__init__(name, args, grid)
@@ -228,7 +230,7 @@ class HFVisionEncoder(EncoderPlugin):
         where = f"{self.where}: preprocessor_config.json"
         size = self.hf_config.image_size
         config = self._read_json("preprocessor_config.json") or {}
-        for flag in ("do_pad", "do_image_splitting"):
+        for flag in self.unsupported_preprocessing:
             if config.get(flag):
                 raise EncoderPluginError(f"{where} {flag} is not supported; set it false")
         shortest, height, width = _hw(config.get("size", size if self.default_crop

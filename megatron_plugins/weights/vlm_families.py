@@ -24,7 +24,8 @@ from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
 
-__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "QWEN2_5_VL", "PartFamilies", "VLMFamily",
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_VL", "PartFamilies",
+           "VLMFamily",
            "find_vlm",
            "language_family", "part_families", "projector_prefix", "read_vlm"]
 
@@ -74,6 +75,9 @@ class VLMFamily:
     ``tower_layers``)."""
     projector_activation: Callable[[Mapping[str, Any]], str]
     """config.json -> the projector's HF activation name."""
+    projection_extras: tuple[Rule, ...] = ()
+    """Projection parameters saved outside the projector prefix, HF names in full (LLaVA-NeXT's
+    trained ``image_newline``, which the projection appends after each row of tiles)."""
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The language model's config inside the VLM's (an older save keeps its fields at the
@@ -156,7 +160,26 @@ QWEN2_5_VL = VLMFamily(
     projector_activation=lambda config: "gelu",
 )
 
-FAMILIES = (LLAVA, QWEN2_5_VL)
+
+def _anyres_drops_class(config: Mapping[str, Any]) -> bool:
+    """LLaVA-NeXT's tiles are laid out as a square grid of patches, so its packing needs the
+    class token dropped; transformers cannot run ``full`` either."""
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy != "default":
+        raise HFWeightsError(f"config.json vision_feature_select_strategy {strategy!r} is not "
+                             "supported for LLaVA-NeXT (its anyres packing needs the class token "
+                             "dropped); use default")
+    return True
+
+
+LLAVA_NEXT = dataclasses.replace(
+    LLAVA, name="llava_next", architectures=("LlavaNextForConditionalGeneration",),
+    # The CLIP tower with anyres tiling; its projection appends the trained image_newline.
+    encoder_provider="llava_next", drops_class_token=_anyres_drops_class,
+    projection_extras=(Rule("0.image_newline", ("image_newline",)),),
+)
+
+FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT)
 """Supported whole-VLM architectures."""
 
 
@@ -245,8 +268,8 @@ def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
     projected = prefix if projection else projector_prefix(vlm, names)
     projector = Family(
         name=f"{vlm.name}_projector", architectures=vlm.architectures, model_type=vlm.name,
-        rules=tuple(dataclasses.replace(rule, hf=tuple(projected + n for n in rule.hf))
-                    for rule in projection or vlm.projector_rules),
+        rules=(*(dataclasses.replace(rule, hf=tuple(projected + n for n in rule.hf))
+                 for rule in projection or vlm.projector_rules), *vlm.projection_extras),
         megatron_args=lambda _: {}, hf_config=lambda args, vocab: dict(config),
         unused=(_outside(*vlm.projector_prefixes),))
     text = language_family(vlm)

@@ -17,6 +17,7 @@ from tests.hf_vlm_models import (
     IMAGE_TOKEN,
     PATCHES,
     bad_input,
+    check_export,
     edited,
     hf_llava_logits,
     sample,
@@ -88,14 +89,7 @@ def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exp
     out = root / "out_first"
     model = transformers.LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
     assert type(model) is transformers.LlavaForConditionalGeneration
-    assert json.loads((out / "config.json").read_text()) == json.loads(
-        (folder / "config.json").read_text())
-    written, original = safetensors_of(out), safetensors_of(folder)
-    assert sorted(written) == sorted(original)
-    streamed = assemble(piece for rank in pieces for piece in rank)
-    for name, tensor in written.items():
-        want = original[name] if name.startswith(UNTRAINED) else streamed[name]
-        assert torch.equal(tensor, want), name
+    written, original = check_export(out, folder, pieces, UNTRAINED), safetensors_of(folder)
     assert not torch.equal(written["multi_modal_projector.linear_1.weight"],
                            original["multi_modal_projector.linear_1.weight"])  # it trained
     loaded = {n: p.detach() for n, p in model.state_dict().items()}
@@ -115,7 +109,7 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
     assert bad_input(vlm_flags(llama, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {llama}/config.json: architecture LlamaForCausalLM is not a supported "
         "whole VLM; supported: LlavaForConditionalGeneration, "
-        "Qwen2_5_VLForConditionalGeneration")
+        "Qwen2_5_VLForConditionalGeneration, LlavaNextForConditionalGeneration")
     origin = f"{HF_MODEL_FLAG} {folder} (LlavaForConditionalGeneration)"
     flags = vlm_flags(folder, grids)
     assert bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (

@@ -159,8 +159,14 @@ def language_args(args: argparse.Namespace) -> tuple[Family, dict[str, Any]] | N
     if getattr(args, "hf_model", None) is None:
         return None
     vlm, config = read_vlm(args.hf_model)
+    text = vlm.text_config(config)
+    kind = text.get("model_type")
+    if vlm.text_model_types and kind not in vlm.text_model_types:
+        raise HFWeightsError(
+            f"{HF_MODEL_FLAG} {args.hf_model}/config.json text_config.model_type {kind!r} is not "
+            f"mapped for {vlm.name}; supported: {', '.join(vlm.text_model_types)}")
     family = language_family(vlm)
-    return family, family.megatron_args(vlm.text_config(config))
+    return family, family.megatron_args(text)
 
 
 def check_safetensors(folder: str, flag: str) -> None:

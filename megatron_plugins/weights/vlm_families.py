@@ -75,6 +75,9 @@ class VLMFamily:
     ``tower_layers``)."""
     projector_activation: Callable[[Mapping[str, Any]], str]
     """config.json -> the projector's HF activation name."""
+    text_model_types: tuple[str, ...] = ()
+    """``text_config.model_type`` values the language family computes exactly (empty: any);
+    a LLaVA over another decoder would otherwise be read with Llama's rules."""
     projection_extras: tuple[Rule, ...] = ()
     """Projection parameters saved outside the projector prefix, HF names in full (LLaVA-NeXT's
     trained ``image_newline``, which the projection appends after each row of tiles)."""
@@ -135,6 +138,7 @@ LLAVA = VLMFamily(
     tower_layers=_llava_layers,
     drops_class_token=_llava_drops_class,
     projector_activation=lambda config: config.get("projector_hidden_act", "gelu"),
+    text_model_types=("llama", "mistral"),
 )
 
 QWEN2_5_VL = VLMFamily(

@@ -150,6 +150,16 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
         f"{HF_MODEL_FLAG} {other}: projector multi_modal_projector.linear_2.weight output size "
         "48 does not meet the language model's hidden size (text_config), 64; the tower and "
         "language model are not this projector's pair")
+    qwen2 = edited(folder, tmp_path / "qwen2", config={
+        "text_config": {**text, "model_type": "qwen2"}})
+    assert bad_input(vlm_flags(qwen2, grids), monkeypatch) == (
+        f"{HF_MODEL_FLAG} {qwen2}/config.json text_config.model_type 'qwen2' is not mapped for "
+        "llava; supported: llama, mistral")
+    windowed = edited(folder, tmp_path / "windowed", config={
+        "text_config": {**text, "model_type": "mistral", "sliding_window": 4096}})
+    assert bad_input(vlm_flags(windowed, grids), monkeypatch).endswith(
+        "config.json sliding_window = 4096 is not supported (Megatron attention here is full "
+        "causal); only None can be imported")
     layers = edited(folder, tmp_path / "layers", config={"vision_feature_layer": [-2, -1]})
     assert bad_input(vlm_flags(layers, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {layers}: config.json vision_feature_layer [-2, -1] is not supported; "

@@ -38,11 +38,12 @@ from megatron.energon import (
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.media import (
-    DECODERS,
     BadSampleError,
+    decode_item,
     decode_text,
+    is_video,
     media_size,
-    probe_size,
+    probe_item,
 )
 from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.data.streams import (
@@ -182,12 +183,25 @@ def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: 
                                          f"{error}") from None
 
 
+def _media_items(plugin: EncoderPlugin, sample: Any) -> list[tuple[str, Any]]:
+    """One encoder's undecoded items of a sample with their fields; a video for an encoder that
+    takes none stops naming it."""
+    preprocessor = plugin.preprocessor()
+    items = _sample_kind(sample).items(sample, preprocessor.media)
+    for field, data in items:
+        if is_video(data) and not getattr(preprocessor, "takes_video", False):
+            raise BadSampleError(sample.__key__, field, f"is a video (a list of frames), which "
+                                 f"--encoder {plugin.name}={plugin.grid.provider} does not take; "
+                                 "give one image, or use an encoder that takes videos")
+    return items
+
+
 def _header_sizes(plugin: EncoderPlugin, sample: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """One encoder's items of a sample: each one's field and size, from its media part's header
-    (never decoded)."""
+    """One encoder's items of a sample: each one's field and size, from its media parts'
+    headers (never decoded)."""
     media = plugin.preprocessor().media
-    return [(field, probe_size(media, data, sample.__key__, field))
-            for field, data in _sample_kind(sample).items(sample, media)]
+    return [(field, probe_item(media, data, sample.__key__, field))
+            for field, data in _media_items(plugin, sample)]
 
 
 def _header_item_tokens(plugin: EncoderPlugin, sample: Any) -> tuple[int, ...]:
@@ -270,8 +284,8 @@ class _EncoderInputs:
                                              bool]:
         media_kind = self.preprocessor.media
         items, counts = [], []
-        for field, data in _sample_kind(sample).items(sample, media_kind):
-            media = DECODERS[media_kind](data, sample.__key__, field)
+        for field, data in _media_items(self.plugin, sample):
+            media = decode_item(media_kind, data, sample.__key__, field)
             counts.append(_item_tokens(self.plugin, media_size(media), sample.__key__, field))
             try:
                 items.append(self.preprocessor(media))

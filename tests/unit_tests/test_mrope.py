@@ -146,6 +146,38 @@ def test_a_grid_that_does_not_hold_the_items_tokens_names_the_plugin() -> None:
         item_layout(plugin, (64, 80))
 
 
+VIDEO_SAMPLE = [
+    ("text", 3), ("video", (4, 16, 16, 2.0)), ("text", 2), ("image", (24, 40)),
+    ("video", (3, 21, 30, 3.0)), ("text", 1), ("video", (5, 13, 21, 8.0)), ("text", 1),
+    ("video", (2, 8, 8, 24.0)), ("image", (16, 16)), ("text", 2)]
+"""Text, videos of several frame counts and rates (seconds per step 1, 2/3, 1/4, 1/12) and
+images, an image and a video side by side (HF reads same-kind runs side by side as one)."""
+
+
+def test_video_and_image_positions_equal_transformers_get_rope_index(tmp_path) -> None:
+    """The ``qwen2_5_vl`` encoder's item grids (a video's time interval from tokens_per_second
+    and its fps) through the data's position code equal HF's get_rope_index given the same
+    items as images and videos (``video_grid_thw``, ``second_per_grid_ts``)."""
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+
+    encoder = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    tokens, layouts, grids, seconds = [], [], [], []
+    for kind, value in VIDEO_SAMPLE:
+        if kind == "text":
+            tokens += list(range(5, 5 + value))
+            continue
+        count, grid = item_layout(encoder, value)
+        tokens += [IMAGE_TOKEN] * count
+        layouts.append((count, grid))
+        grids.append(grid[:3])
+        seconds.append(2 / value[3] if kind == "video" else None)
+    assert [grid[0] for grid in grids] == [2, 1, 2, 3, 1, 1]
+    got = mrope_position_ids(torch.tensor(tokens), {IMAGE_TOKEN: layouts})
+    want = hf_rope_index(torch.tensor([tokens]), grids, seconds=seconds)[:, 0]
+    assert torch.equal(got, want)
+    assert (got[0].diff() < 0).any()  # a video's time positions pass the text after it, as HF
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native-vit", "fixed-vit"])
 def test_mock_mrope_positions_follow_the_items_grids(native: bool) -> None:
     plugin = _vit(*(["--vit-native-resolution"] if native else []))

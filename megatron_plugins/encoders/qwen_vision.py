@@ -364,17 +364,19 @@ class QwenVisionEncoder(HFVisionEncoder):
         where = f"{self.where}: preprocessor_config.json"
         hf = self.hf_config
         config = self._read_json("preprocessor_config.json") or {}
-        for key, value in (("patch_size", hf.patch_size), ("merge_size", hf.spatial_merge_size),
-                           ("temporal_patch_size", hf.temporal_patch_size)):
-            if config.get(key, value) != value:
-                raise EncoderPluginError(f"{where} {key} {config[key]} is not the model's "
-                                         f"{value}; fix {key}")
-        for flag in ("do_resize", "do_rescale", "do_normalize"):
-            if not config.get(flag, True):
-                raise EncoderPluginError(f"{where} {flag} false is not supported")
+        video_file, video = self._video_config()
+        for file, settings in ((where, config), (f"{self.where}: {video_file}", video)):
+            for key, value in (("patch_size", hf.patch_size),
+                               ("merge_size", hf.spatial_merge_size),
+                               ("temporal_patch_size", hf.temporal_patch_size)):
+                if settings.get(key, value) != value:
+                    raise EncoderPluginError(f"{file} {key} {settings[key]} is not the model's "
+                                             f"{value}; fix {key}")
+            for flag in ("do_resize", "do_rescale", "do_normalize"):
+                if not settings.get(flag, True):
+                    raise EncoderPluginError(f"{file} {flag} false is not supported")
         min_pixels, max_pixels = self._pixel_range(where, config, DEFAULT_MIN_PIXELS,
                                                    DEFAULT_MAX_PIXELS)
-        video_file, video = self._video_config()
         video_pixels = self._pixel_range(f"{self.where}: {video_file}", video,
                                          DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS)
         return QwenImagePreprocessor(

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
+from megatron_plugins.data.media import Video
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
 from tests.hf_vlm_models import train_and_export
@@ -25,6 +27,7 @@ from tests.qwen_vlm_models import (
     images,
     sample,
     save_tiny_qwen_vl,
+    video_sample,
 )
 
 TOLERANCE = 1e-5
@@ -58,6 +61,34 @@ def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_str
     assert sorted(streamed) == sorted(original)
     for name, tensor in streamed.items():
         assert torch.equal(tensor, original[name]), name
+
+
+@pytest.fixture(scope="module")
+def video(qwen):
+    """A 5-frame video at 3 fps, then an image, with text; transformers' logits on it."""
+    folder = qwen[0]
+    rng = np.random.default_rng(7)
+    items = [Video(rng.integers(0, 256, (5, 20, 28, 3), np.uint8), 3.0), images()[0]]
+    ids = video_sample(folder, items)
+    return ids, items, hf_logits(folder, ids, items)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("grids, nproc", [
+    (("image:dp=1", "language:dp=1"), 2),
+    (("image:tp=2", "language:pp=2"), 4),
+], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_a_video_an_image_and_text(
+        qwen, video, grids, nproc):
+    """A 5-frame video at 3 fps (three temporal steps, the last frame repeated; time positions
+    2 2/3 apart) then an image: our video item of the image encoder, marked with the image
+    token, gives the logits transformers gives with ``<|video_pad|>``, ``video_grid_thw`` and
+    ``second_per_grid_ts``."""
+    ids, items, want = video
+    results = forward(nproc, qwen[0], grids, ids, items)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert int((ids == IMAGE_TOKEN).sum()) == 3 * 8 + 15  # 16x32-pixel frames, 2x4 merged
+    assert rel_diff(logits[..., :VOCAB], want) < TOLERANCE
 
 
 @pytest.fixture(scope="module")

@@ -547,3 +547,55 @@ def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, 
         seen.update(len(c) for c in counts)
     assert seen == {0, 1, 2}
     assert moved == balance
+
+
+def _frames(count: int, size: tuple[int, int]) -> list[bytes]:
+    return [encode_png(np.full((*size, 3), 30 * index, dtype=np.uint8)) for index in range(count)]
+
+
+def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer, tmp_path):
+    """A conversation's second item is a video (a list of frame images, 4 fps): the language
+    ranks size its run from the frames' headers and place it as transformers' get_rope_index
+    places a video; the encoder ranks decode and preprocess it to that many tokens."""
+    from megatron_plugins.data.energon import _EncoderInputs
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+    from tests.mrope_models import IMAGE_TOKEN, hf_rope_index
+
+    qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    sample = _sample("v1", SIZES[:2], MULTI[:2])
+    sample.images[1] = {"frames": _frames(3, (16, 40)), "fps": 4}
+    fields, counts, _ = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96,
+                                    mrope=True)(sample)
+    assert counts == {"vision": (4, 2 * 10)}  # two temporal steps of 2x5 merged patches
+    items, encoder_counts, _ = _EncoderInputs(qwen, qwen.preprocessor())(sample)
+    assert encoder_counts == (4, 20)
+    assert [item["grid_thw"].tolist() for item in items] == [[1, 4, 4], [2, 4, 10]]
+    length = int(fields["length"])
+    tokens = fields["tokens"][:length] == tokenizer.placeholder_ids["vision"]
+    want = hf_rope_index((tokens * IMAGE_TOKEN)[None], [(1, 2, 2), (2, 2, 5)],
+                         seconds=[None, 2 / 4])[:, 0]
+    assert torch.equal(fields["position_ids"][:, :length], want)
+
+
+def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(tokenizer,
+                                                                               tmp_path):
+    from megatron_plugins.data.energon import _EncoderInputs
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+
+    qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    text = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)
+    encoder = _EncoderInputs(qwen, qwen.preprocessor())
+    sample = _sample("v2", SIZES[:1], TURNS)
+    sample.images[0] = [*_frames(2, (16, 16)), b"\x89PNG broken"]
+    for inputs in (text, encoder):
+        with pytest.raises(BadSampleError, match=r"^sample 'v2': field 'images\[0\]\[2\]' does "
+                                                 "not decode as an image"):
+            inputs(sample)
+    sample.images[0] = [*_frames(1, (16, 16)), *_frames(1, (16, 24))]
+    with pytest.raises(BadSampleError, match=r"field 'images\[0\]\[1\]' is 16x24 .* not the "
+                                             "16x16 of the video's first frame"):
+        text(sample)
+    vit = _native_vit()
+    with pytest.raises(BadSampleError, match=r"field 'images\[0\]' is a video .* which "
+                                             "--encoder vision=vit does not take"):
+        _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)

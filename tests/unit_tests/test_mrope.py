@@ -178,6 +178,36 @@ def test_video_and_image_positions_equal_transformers_get_rope_index(tmp_path) -
     assert (got[0].diff() < 0).any()  # a video's time positions pass the text after it, as HF
 
 
+def test_mock_video_items_are_laid_out_and_embedded_alike(tmp_path) -> None:
+    """``--mock-video-frames 3``: about half the items are 3-frame videos; each one's run, its
+    positions and the encoder's preprocessed grid follow from its drawn size alone."""
+    from megatron_plugins.data.media import Video
+    from megatron_plugins.errors import DataFlagError
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+
+    encoder = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    source = MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": encoder},
+                        items_per_sample=(1, 2), mrope=True, video_frames=3)
+    preprocessor = encoder.preprocessor()
+    videos = 0
+    for index in range(8):
+        sizes = source.item_sizes("vision", "train", index)
+        media = source.media("vision", "train", index)
+        for size, item in zip(sizes, media):
+            grid = preprocessor(item)["grid_thw"].tolist()
+            assert encoder.item_tokens(size) == grid[0] * grid[1] * grid[2] // 4
+            if isinstance(item, Video):
+                videos += 1
+                assert item.frames.shape[:3] == size[:3] and grid[0] == 2
+        sample = source.text("train", index)
+        assert int((sample["tokens"] == source.special_token_ids["vision"]).sum()) == sum(
+            encoder.item_tokens(size) for size in sizes)
+    assert 3 <= videos < sum(len(source.item_sizes("vision", "train", i)) for i in range(8))
+    with pytest.raises(DataFlagError, match="--mock-video-frames 3: no --encoder takes videos"):
+        MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": _vit()},
+                   video_frames=3)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native-vit", "fixed-vit"])
 def test_mock_mrope_positions_follow_the_items_grids(native: bool) -> None:
     plugin = _vit(*(["--vit-native-resolution"] if native else []))

@@ -65,7 +65,7 @@ from megatron_plugins.data.text import (
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
-from megatron_plugins.weights.flags import checkpoint_image_token
+from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
 
 __all__ = ["DataPathError", "EnergonSource", "SAMPLE_KINDS", "open_source"]
 
@@ -240,7 +240,8 @@ class _TextInputs:
     def _check_room(self, sample: Any, counts: dict[str, tuple[int, ...]]) -> None:
         """The placeholder runs are never cut, so runs that alone overflow the row stop the run
         naming the sample (text is cut to fit around runs that do fit)."""
-        needed = 1 + sum(sum(items) for items in counts.values())  # a bos token before them
+        needed = 1 + sum(sum(items) + 2 * len(items) * (name in self.tokenizer.wrapping)
+                         for name, items in counts.items())  # a bos token, start / end ids
         if needed > self.seq_length:
             runs = ", ".join(f"{len(items)} {name} item{'s' * (len(items) != 1)} "
                              f"({'+'.join(map(str, items))} tokens)"
@@ -573,7 +574,8 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
                                      getattr(args, "padded_vocab_size", None) or sys.maxsize,
                                      args.special_tokens,
                                      read_chat_template(getattr(args, "chat_template", None)),
-                                     checkpoint_image_token(args))
+                                     checkpoint_image_token(args),
+                                     checkpoint_item_wrapping(args))
     if isinstance(kind, ConversationKind):
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,

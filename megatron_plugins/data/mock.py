@@ -94,6 +94,9 @@ class MockSource:
     placeholder_ids: Mapping[str, int] = field(default_factory=dict)
     """Encoders whose placeholder id is given: ``--hf-model``'s image token, where the
     checkpoint's language model reads image features (the others take the top ids)."""
+    wrapping: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Encoder -> (start, end) ids put around each of its runs: ``--hf-model``'s
+    ``<|vision_start|>`` / ``<|vision_end|>``, as the checkpoint's processor puts them."""
     video_frames: int = 0
     """``--mock-video-frames``: an item of an encoder that takes videos is, one time in two, a
     video of this many frames instead of an image (0: images only)."""
@@ -124,7 +127,8 @@ class MockSource:
     @property
     def text_vocab_size(self) -> int:
         """Ids below this are text; the encoders' special tokens are at or above it."""
-        return min([self.vocab_size - len(self.plugins), *self.placeholder_ids.values()])
+        return min([self.vocab_size - len(self.plugins), *self.placeholder_ids.values(),
+                    *(token for ids in self.wrapping.values() for token in ids)])
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -159,9 +163,9 @@ class MockSource:
         text_vocab = self.text_vocab_size
         step = 1 + label % 3
         first = label * (text_vocab // NUM_CLASSES) + int(torch.randint(2, (1,), generator=generator))
-        blocks = [(self.special_token_ids[name], count)
+        blocks = [(name, count)
                   for name, counts in self.item_tokens(split, index).items() for count in counts]
-        placeholders = sum(count for _, count in blocks)
+        placeholders = sum(count + 2 * (name in self.wrapping) for name, count in blocks)
         # Real samples are shorter than the row: text of 2 up to half a row less the media.
         most = max(2, self.seq_length // 2 - placeholders)
         text_length = int(torch.randint(2, most + 1, (1,), generator=generator))
@@ -170,8 +174,12 @@ class MockSource:
         progression = [(first + step * k) % text_vocab for k in range(text_length)]
         tokens: list[int] = []
         previous = 0
-        for cut, (token_id, count) in zip(cuts, blocks):
-            tokens += progression[previous:cut] + [token_id] * count
+        for cut, (name, count) in zip(cuts, blocks):
+            run = [self.special_token_ids[name]] * count
+            if name in self.wrapping:
+                start, end = self.wrapping[name]
+                run = [start, *run, end]
+            tokens += progression[previous:cut] + run
             previous = cut
         tokens += progression[previous:]
         length = len(tokens)

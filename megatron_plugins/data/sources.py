@@ -59,6 +59,14 @@ def _items_per_sample(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _checkpoint_wrapping(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """``--hf-model``'s ids around each item's run (Qwen's ``<|vision_start|>`` /
+    ``<|vision_end|>``), for the mock to put them where the checkpoint's processor does."""
+    from megatron_plugins.weights.flags import checkpoint_item_wrapping
+
+    return checkpoint_item_wrapping(args)
+
+
 def _checkpoint_placeholders(args: argparse.Namespace) -> dict[str, int]:
     """``--hf-model``'s encoder and its checkpoint's image token: the mock marks that encoder's
     positions with it, so the checkpoint's language model reads image features where HF does."""
@@ -80,7 +88,9 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
     if frames < 0:
         raise DataFlagError(f"--mock-video-frames {frames}: give 0 (images only) or a number of "
                             "frames >= 1")
-    encoder_tokens = max_encoder_tokens(list(plugins.values()), items[1], frames)
+    wrapping = _checkpoint_wrapping(args)
+    encoder_tokens = (max_encoder_tokens(list(plugins.values()), items[1], frames)
+                      + 2 * items[1] * len(wrapping))
     if encoder_tokens + 2 > args.seq_length:
         per = (f"{items[1]} items per encoder (--mock-items-per-sample "
                f"{args.mock_items_per_sample})" if items[1] > 1 else "one item per encoder")
@@ -93,7 +103,8 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
                           vocab_size=args.vocab_size, plugins=dict(plugins),
                           items_per_sample=items,
                           mrope=args.position_embedding_type == "mrope",
-                          placeholder_ids=_checkpoint_placeholders(args), video_frames=frames)
+                          placeholder_ids=_checkpoint_placeholders(args), wrapping=wrapping,
+                          video_frames=frames)
     if len(args.data_path) != 1:
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "

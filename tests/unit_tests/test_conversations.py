@@ -18,8 +18,8 @@ from PIL import Image
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
 from megatron_plugins.data.media import BadSampleError, encode_png
 from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
-from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
-                                        read_chat_template)
+from megatron_plugins.data.text import (Conversation, PromptTokenizer, SampleText,
+                                        media_marker, read_chat_template)
 from megatron_plugins.errors import FlagError
 from tools.make_energon_dataset import make_dataset
 from tools.train_tokenizer import train_tokenizer
@@ -599,3 +599,56 @@ def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(
     with pytest.raises(BadSampleError, match=r"field 'images\[0\]' is a video .* which "
                                              "--encoder vision=vit does not take"):
         _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
+
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer_folder(chat_folder, tmp_path_factory):
+    """The chat tokenizer with Qwen's vision tokens, special as in Qwen's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(chat_folder, local_files_only=True)
+    hf.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    folder = tmp_path_factory.mktemp("qwen_tokenizer")
+    hf.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_plain_image_markers_give_the_prompt_qwens_processor_gives(qwen_tokenizer_folder,
+                                                                    monkeypatch):
+    """With the checkpoint's start / end ids, each ``<image>`` marker's run is wrapped in
+    ``<|vision_start|>`` / ``<|vision_end|>`` (a marker the record already wraps is not wrapped
+    twice): the ids equal Qwen2_5_VLProcessor's on the template's text with Qwen's own image
+    prompt."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    hf = AutoTokenizer.from_pretrained(qwen_tokenizer_folder, local_files_only=True)
+    start, end, pad = hf.convert_tokens_to_ids(QWEN_TOKENS)
+    images = [np.full((h, w, 3), 90, dtype=np.uint8) for h, w in SIZES]
+    # The image path only: the processor's video processor needs torchvision, absent here.
+    monkeypatch.setattr(Qwen2_5_VLProcessor, "check_argument_for_proper_class",
+                        lambda self, name, argument: None)
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=128, max_pixels=1280),
+        tokenizer=hf)
+    turns = (("user", "<image> and <image>\nwhich is red"), ("assistant", "the cat is red"),
+             ("user", "and this <|vision_start|><image><|vision_end|>"), ("assistant", "a mat"))
+    qwen_prompt = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = hf.apply_chat_template(
+        [{"role": role, "content": content.replace("<|vision_start|><image><|vision_end|>",
+                                                   "<image>").replace("<image>", qwen_prompt)}
+         for role, content in turns], tokenize=False)
+    inputs = processor(text=[text], images=images)
+    want = inputs["input_ids"][0]
+    counts = [int(grid.prod()) // 4 for grid in inputs["image_grid_thw"]]
+    tokenizer = PromptTokenizer.load(qwen_tokenizer_folder, ["image"], BIG,
+                                     checkpoint_tokens={"image": pad},
+                                     wrapping={"image": (start, end)})
+    ours = tokenizer.encode_conversation(Conversation(turns), [("image", c) for c in counts],
+                                         {"image": "<image>"}, 160)
+    assert ours.tokens[:ours.length].tolist() == want
+    assert want.count(start) == want.count(end) == 3 and want.count(pad) == sum(counts)
+    plain = tokenizer.encode(SampleText("", "a cat"), [("image", 4)], 16).tokens.tolist()
+    assert plain[plain.index(start):plain.index(end) + 1] == [start, *[pad] * 4, end]

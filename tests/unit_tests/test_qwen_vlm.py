@@ -188,6 +188,41 @@ def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(
         assert int(tokens[tokens != IMAGE_TOKEN].max()) < IMAGE_TOKEN
 
 
+def test_the_checkpoints_vision_start_and_end_wrap_every_mock_run(qwen, tmp_path):
+    """config.json's vision_start / vision_end ids, where the vocabulary holds them, go around
+    each item's run in the mock (as Qwen's processor puts them), outside the loss."""
+    import argparse
+
+    from megatron_plugins.data.mock import MockSource
+    from megatron_plugins.weights.flags import checkpoint_item_wrapping
+    from tests.hf_vision_models import plugin
+
+    def wrapping(folder):
+        return checkpoint_item_wrapping(argparse.Namespace(
+            hf_model=str(folder), encoder_hf_weights={"image": str(folder)}))
+
+    assert wrapping(qwen[0]) == {}  # transformers' default ids lie outside the tiny vocabulary
+    config = json.loads((qwen[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "vision_start_token_id": 52, "vision_end_token_id": 53}))
+    assert wrapping(tmp_path) == {"image": (52, 53)}
+    source = MockSource(seed=1, seq_length=96, vocab_size=VOCAB,
+                        plugins={"image": plugin("qwen2_5_vl", qwen[0])}, items_per_sample=(1, 3),
+                        placeholder_ids={"image": IMAGE_TOKEN}, wrapping=wrapping(tmp_path))
+    for index in range(10):
+        sample = source.text("train", index)
+        tokens = sample["tokens"][:int(sample["length"])].tolist()
+        counts = source.item_tokens("train", index)["image"]
+        wrapped = []
+        for position, token in enumerate(tokens):
+            if token == 52:
+                run = tokens[position + 1:tokens.index(53, position)]
+                assert set(run) == {IMAGE_TOKEN}
+                wrapped.append(len(run))
+        assert wrapped == list(counts) and tokens.count(53) == len(counts)
+        assert not sample["loss_mask"][sample["labels"] >= IMAGE_TOKEN].any()
+
+
 RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simulation.sh"
 
 

@@ -206,9 +206,12 @@ def test_trained_tower_and_merger_export_to_a_vision_folder_transformers_reprodu
     for name in ("blocks.0.attn.qkv.weight", "merger.mlp.0.weight"):
         assert not torch.equal(exported[name], original[name]), name  # it trained
     assert not (out / "projections.safetensors").exists()
-    (out / "vision" / "preprocessor_config.json").write_text(
-        (qwen / "preprocessor_config.json").read_text())
+    assert (out / "vision" / "preprocessor_config.json").read_bytes() == \
+        (qwen / "preprocessor_config.json").read_bytes()
     images = qwen_images(QWEN_IMAGES[:3], seed=7)
+    # The export carries the processor: HF's own from the exported folder, the source's values.
+    torch.testing.assert_close(qwen_processor(out / "vision")(images, return_tensors="pt"),
+                               qwen_processor(qwen)(images, return_tensors="pt"), rtol=0, atol=0)
     [ours] = run_in_processes(qwen_rank, 1, args=(str(out / "vision"), 1, images,
                                                    SHAPE["hidden_size"]),
                               timeout=180, simulated=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -253,6 +254,29 @@ class _TextInputs:
                                  "raise --seq-length, lower the encoder's tokens per item, or "
                                  "split the sample")
 
+    def _video_markers(self, sample: Any, conversation: Conversation) -> Conversation:
+        """A conversation's ``<video>`` markers as the marker of the encoder that takes videos,
+        each of its markers (of either kind) at an item of that kind."""
+        video = media_marker("video")
+        if not any(video in content for _, content in conversation.turns):
+            return conversation
+        for name, marker in self.markers:
+            plugin = self.plugins[name]
+            if not getattr(plugin.preprocessor(), "takes_video", False):
+                continue
+            pattern = f"{re.escape(marker)}|{re.escape(video)}"
+            found = [m for _, content in conversation.turns for m in re.findall(pattern, content)]
+            kinds = [video if len(size) == 4 else marker
+                     for _, size in _header_sizes(plugin, sample)]
+            if found != kinds:
+                raise BadSampleError(sample.__key__, "conversation",
+                                     f"has the markers {' '.join(found)} for the items "
+                                     f"{' '.join(kinds) or '(none)'}; give one marker per item "
+                                     f"in order, {video} at each video")
+            return Conversation(tuple((role, content.replace(video, marker))
+                                      for role, content in conversation.turns))
+        return conversation
+
     def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]],
                                              bool]:
         text = _sample_kind(sample).text(sample)
@@ -260,6 +284,7 @@ class _TextInputs:
         self._check_room(sample, counts)
         blocks = tuple((name, count) for name, items in counts.items() for count in items)
         if isinstance(text, Conversation):
+            text = self._video_markers(sample, text)
             try:
                 encoded = self.tokenizer.encode_conversation(text, blocks, dict(self.markers),
                                                              self.seq_length)

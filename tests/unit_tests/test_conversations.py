@@ -575,6 +575,17 @@ def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer,
     want = hf_rope_index((tokens * IMAGE_TOKEN)[None], [(1, 2, 2), (2, 2, 5)],
                          seconds=[None, 2 / 4])[:, 0]
     assert torch.equal(fields["position_ids"][:, :length], want)
+    # A <video> marker at the video gives the same prompt; one at the image is refused.
+    marked = dataclasses.replace(sample, conversation=sample.conversation.replace(
+        " and <image>", " and <video>"))
+    again, _, _ = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(marked)
+    assert torch.equal(again["tokens"], fields["tokens"])
+    swapped = dataclasses.replace(sample, conversation=sample.conversation.replace(
+        "<image> and <image>", "<video> and <image>"))
+    with pytest.raises(BadSampleError, match=r"^sample 'v1': field 'conversation' has the "
+                                             r"markers <video> <image> for the items <image> "
+                                             r"<video>; give one marker per item"):
+        _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(swapped)
 
 
 def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(tokenizer,

@@ -29,6 +29,8 @@ IMAGE_TOKEN = 50
 VIDEO_TOKEN = 51
 """Its ``<|video_pad|>`` id: where transformers puts video features (ours mark videos with the
 encoder's token, whose embedding is overwritten just the same)."""
+WRAPPING = (52, 53)
+"""Its ``<|vision_start|>`` / ``<|vision_end|>`` ids, around every item's run."""
 TEXT = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
@@ -46,6 +48,7 @@ def save_tiny_qwen_vl(folder: str | Path, seed: int = 0, **vision: Any) -> Path:
     config = transformers.Qwen2_5_VLConfig(
         vision_config={**QWEN_VISION, "out_hidden_size": TEXT["hidden_size"], **vision},
         text_config=TEXT, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=WRAPPING[0], vision_end_token_id=WRAPPING[1],
         tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = redraw(transformers.Qwen2_5_VLForConditionalGeneration(config))
@@ -173,20 +176,24 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
 
 
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
-                        items_per_sample: tuple[int, int], seed: int) -> float:
+                        items_per_sample: tuple[int, int], seed: int,
+                        video_frames: int = 0) -> float:
     """transformers' loss on the first ``samples`` mock samples of a run from the folder (the
     first global batch): the mock is a pure function of (seed, split, index), so the same
-    source rebuilt here gives the run's tokens, labels, loss mask and images; the loss is the
-    masked token loss summed over the batch over its token count, as the run reports it."""
+    source rebuilt here gives the run's tokens, labels, loss mask and items (videos too, with
+    ``video_frames``; each run between the folder's vision start / end ids); the loss is the masked token loss summed over the batch over its token
+    count, as the run reports it."""
     import transformers
 
+    from megatron_plugins.data.media import Video
     from megatron_plugins.data.mock import MockSource
     from tests.hf_vision_models import plugin
 
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB,
                         plugins={ENCODER: plugin("qwen2_5_vl", folder)},
                         items_per_sample=items_per_sample, mrope=True,
-                        placeholder_ids={ENCODER: IMAGE_TOKEN})
+                        placeholder_ids={ENCODER: IMAGE_TOKEN}, wrapping={ENCODER: WRAPPING},
+                        video_frames=video_frames)
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32)
     processor = qwen_processor(folder)
@@ -194,12 +201,15 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
     for index in range(samples):
         text = source.text("train", index)
         ids = text["tokens"].unsqueeze(0)
-        pictures = source.media(ENCODER, "train", index)
-        inputs = processor(pictures, return_tensors="pt") if pictures else {}
+        items = source.media(ENCODER, "train", index)
+        stills = [item for item in items if not isinstance(item, Video)]
+        inputs = processor(stills, return_tensors="pt") if stills else {}
+        hf_ids, types, videos = _hf_video_inputs(
+            folder, ids, [item if isinstance(item, Video) else None for item in items])
         with torch.no_grad():
-            logits = model(input_ids=ids, pixel_values=inputs.get("pixel_values"),
+            logits = model(input_ids=hf_ids, pixel_values=inputs.get("pixel_values"),
                            image_grid_thw=inputs.get("image_grid_thw"),
-                           mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits[0]
+                           mm_token_type_ids=types, **videos).logits[0]
         losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
                                                    reduction="none")
         total += float((losses * text["loss_mask"]).sum())

@@ -22,6 +22,7 @@ from tests.multiprocess import REPO_ROOT
 from tests.qwen_vlm_models import (
     IMAGE_TOKEN,
     VOCAB,
+    WRAPPING,
     forward,
     hf_logits,
     images,
@@ -201,25 +202,26 @@ def test_the_checkpoints_vision_start_and_end_wrap_every_mock_run(qwen, tmp_path
         return checkpoint_item_wrapping(argparse.Namespace(
             hf_model=str(folder), encoder_hf_weights={"image": str(folder)}))
 
-    assert wrapping(qwen[0]) == {}  # transformers' default ids lie outside the tiny vocabulary
+    assert wrapping(qwen[0]) == {"image": WRAPPING}
     config = json.loads((qwen[0] / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(
-        {**config, "vision_start_token_id": 52, "vision_end_token_id": 53}))
-    assert wrapping(tmp_path) == {"image": (52, 53)}
+        {**config, "vision_start_token_id": 151652, "vision_end_token_id": 151653}))
+    assert wrapping(tmp_path) == {}  # transformers' default ids, outside the tiny vocabulary
     source = MockSource(seed=1, seq_length=96, vocab_size=VOCAB,
                         plugins={"image": plugin("qwen2_5_vl", qwen[0])}, items_per_sample=(1, 3),
-                        placeholder_ids={"image": IMAGE_TOKEN}, wrapping=wrapping(tmp_path))
+                        placeholder_ids={"image": IMAGE_TOKEN}, wrapping=wrapping(qwen[0]))
+    start, end = WRAPPING
     for index in range(10):
         sample = source.text("train", index)
         tokens = sample["tokens"][:int(sample["length"])].tolist()
-        counts = source.item_tokens("train", index)["image"]
         wrapped = []
         for position, token in enumerate(tokens):
-            if token == 52:
-                run = tokens[position + 1:tokens.index(53, position)]
+            if token == start:
+                run = tokens[position + 1:tokens.index(end, position)]
                 assert set(run) == {IMAGE_TOKEN}
                 wrapped.append(len(run))
-        assert wrapped == list(counts) and tokens.count(53) == len(counts)
+        counts = source.item_tokens("train", index)["image"]
+        assert wrapped == list(counts) and tokens.count(end) == len(counts)
         assert not sample["loss_mask"][sample["labels"] >= IMAGE_TOKEN].any()
 
 
@@ -229,9 +231,11 @@ RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simul
 @pytest.mark.timeout(600)
 def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_loss(
         qwen, tmp_path):
-    """The recipe script trains the tiny folder whole (mock images of native sizes, 0 to 3 a
-    sample); its loss falls, and step 1's loss (weights still the folder's) is transformers' on
-    the same first global batch, which the deterministic mock source regenerates here."""
+    """The recipe script trains the tiny folder whole (0 to 3 mock items a sample, images of
+    native sizes and, with --mock-video-frames 3, videos; each run between the folder's vision
+    start / end ids); its loss falls, and step 1's loss (weights still the folder's) is
+    transformers' on the same first global batch, which the deterministic mock source
+    regenerates here."""
     import os
     import subprocess
 
@@ -241,19 +245,22 @@ def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_l
     from tests.tensorboard_scalars import read_scalars
 
     folder = qwen[0]
-    result = subprocess.run(["bash", str(RECIPE), str(folder)], cwd=REPO_ROOT, text=True,
+    result = subprocess.run(["bash", str(RECIPE), str(folder), "--mock-video-frames", "3",
+                             "--seq-length", "160"], cwd=REPO_ROOT, text=True,
                             env={**os.environ, "MIMO_RUN_DIR": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400)
     assert result.returncode == 0, result.stdout[-4000:]
     losses = read_scalars(tmp_path / "tensorboard", "lm loss")
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1] - 0.2, losses
-    # The recipe's first global batch: 4 samples of seq-length 96, 0:3 images, seed 1234.
-    source = MockSource(seed=1234, seq_length=96, vocab_size=VOCAB,
-                        plugins={"image": plugin("qwen2_5_vl", folder)}, items_per_sample=(0, 3))
+    # The run's first global batch: 4 samples of seq-length 160, 0:3 items, seed 1234.
+    source = MockSource(seed=1234, seq_length=160, vocab_size=VOCAB,
+                        plugins={"image": plugin("qwen2_5_vl", folder)}, items_per_sample=(0, 3),
+                        video_frames=3)
     sizes = [size for index in range(4) for size in source.item_sizes("image", "train", index)]
-    assert len(set(sizes)) >= 3, sizes  # several images of different sizes
-    want = hf_first_batch_loss(folder, 4, 96, (0, 3), 1234)
+    assert len({size for size in sizes if len(size) == 2}) >= 3, sizes  # images of several sizes
+    assert sum(len(size) == 4 for size in sizes) >= 2, sizes  # and videos
+    want = hf_first_batch_loss(folder, 4, 160, (0, 3), 1234, video_frames=3)
     assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
 
 

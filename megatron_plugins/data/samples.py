@@ -116,8 +116,9 @@ _CONVERSATION_IMAGE = re.compile(rf"(\d+)\.(?:(\d+)\.)?({'|'.join(IMAGE_PARTS)})
 file's encoding."""
 
 
-def conversation_part(index: int, extension: str) -> str:
-    """The tar part of a conversation's ``index``-th image stored as ``extension`` (jpg, png)."""
+def conversation_part(index: int | str, extension: str) -> str:
+    """The tar part of a conversation's ``index``-th image stored as ``extension`` (jpg, png);
+    ``index`` ``"2.0"``: the first frame of its third item, a video."""
     return f"{index}.{extension}"
 
 

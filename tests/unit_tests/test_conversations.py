@@ -257,6 +257,30 @@ def test_llava_json_with_several_text_only_and_varied_images_converts(tmp_path: 
     assert len(samples["r5"].images) == 2 and len(samples["r3"].images) == 1
 
 
+def test_a_record_with_a_video_of_frame_files_converts_to_frame_parts(tmp_path: Path,
+                                                                     llava: Path) -> None:
+    """An ``image`` entry that is a list of paths is a video: its frames become parts
+    ``<key>.<item>.<frame>.<ext>`` and the loaded sample's item is the list of frame files."""
+    from tools.make_energon_dataset import DatasetError
+
+    frames = [_image(llava / f"frame{i}.png", (24, 16)) for i in range(3)]
+    records = [_llava(i) for i in range(10)]
+    records[0]["image"] = ["img0.png", frames]
+    records[0]["conversations"][2]["value"] = "and the shape in <video>"
+    (llava / "llava.json").write_text(json.dumps(records))
+    samples = _load_all(make_dataset(llava, llava / "llava.json", "conversation",
+                                     tmp_path / "energon", split=(80, 10, 10)))
+    assert samples["r0"].images == [(llava / "img0.png").read_bytes(),
+                                    [(llava / name).read_bytes() for name in frames]]
+    records[0]["image"][1] = [*frames, "img3.png"]
+    (llava / "llava.json").write_text(json.dumps(records))
+    with pytest.raises(DatasetError, match=r"record 0 \(id 'r0'\): image file .*img3.png is "
+                                           r"20x25 \(height x width\), not the 16x24 of its "
+                                           "video's first frame"):
+        make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "again",
+                     split=(80, 10, 10))
+
+
 def test_sharegpt_text_only_records_convert(tmp_path: Path, llava: Path) -> None:
     turns = [{"from": "system", "value": "be kind"}, {"from": "human", "value": "hi"},
              {"from": "gpt", "value": "hello"}, {"from": "human", "value": "bye"},

@@ -7,9 +7,8 @@ position after the preceding text, and the text after it starts ``max(h, w)`` pa
 (an image's largest position + 1). A video's grid carries a fourth entry, the time interval:
 its temporal positions are ``floor(index * interval)`` (float32), so they count seconds, not
 steps, and may pass the text after it, as transformers has them. An item without a grid takes
-consecutive positions, as text does. Language
-ranks compute them from the tokens and the items' sizes alone (no media decoded), on every
-pipeline stage, for the mock and Energon sources alike.
+consecutive positions, as text does. Language ranks compute them from the tokens and the items'
+sizes alone (no media decoded), on every pipeline stage, for the mock and Energon sources alike.
 """
 
 from __future__ import annotations

@@ -52,16 +52,43 @@ def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, **text_overrides: An
     return Path(folder)
 
 
+def _token_types(tokens: torch.Tensor, grids: list[tuple[int, int, int]],
+                 seconds: list[float | None]) -> torch.Tensor:
+    """HF's ``mm_token_type_ids``: each item's run (consumed in order, runs side by side told
+    apart by their counts) 1 for an image, 2 for a video (an item with seconds per step)."""
+    types = torch.zeros_like(tokens, dtype=torch.int)
+    items = iter(zip(grids, seconds))
+    for row in range(tokens.shape[0]):
+        index = 0
+        while index < tokens.shape[1]:
+            if tokens[row, index] != IMAGE_TOKEN:
+                index += 1
+                continue
+            (t, h, w), second = next(items)
+            types[row, index:index + t * h * w] = 1 if second is None else 2
+            index += t * h * w
+    return types
+
+
 def hf_rope_index(tokens: torch.Tensor, grids: list[tuple[int, int, int]],
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None,
+                  seconds: list[float | None] | None = None) -> torch.Tensor:
     """transformers' ``Qwen2_5_VLModel.get_rope_index`` of ``tokens`` ``[B, S]`` whose
-    :data:`IMAGE_TOKEN` runs are images of language grids ``grids`` (in order): ``[3, B, S]``."""
+    :data:`IMAGE_TOKEN` runs are items of language grids ``grids`` (in order): ``[3, B, S]``;
+    ``seconds`` gives each video's seconds per temporal step (None: that item is an image)."""
     import transformers
 
     model = transformers.Qwen2_5_VLModel(tiny_config(num_hidden_layers=1))
-    thw = torch.tensor([[t, h * MERGE, w * MERGE] for t, h, w in grids], dtype=torch.long)
+    seconds = seconds or [None] * len(grids)
+    thw = {kind: torch.tensor([[t, h * MERGE, w * MERGE] for (t, h, w), second
+                               in zip(grids, seconds) if (second is None) == (kind == "image")],
+                              dtype=torch.long).reshape(-1, 3) for kind in ("image", "video")}
+    videos = [second for second in seconds if second is not None]
     positions, _ = model.get_rope_index(
-        tokens, (tokens == IMAGE_TOKEN).int(), image_grid_thw=thw if grids else None,
+        tokens, _token_types(tokens, grids, seconds),
+        image_grid_thw=thw["image"] if len(thw["image"]) else None,
+        video_grid_thw=thw["video"] if videos else None,
+        second_per_grid_ts=torch.tensor(videos) if videos else None,
         attention_mask=attention_mask)
     return positions
 

@@ -26,6 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 64
 IMAGE_TOKEN = 50
 """The tiny checkpoint's ``<|image_pad|>`` id: inside the vocabulary, below its top."""
+VIDEO_TOKEN = 51
+"""Its ``<|video_pad|>`` id: where transformers puts video features (ours mark videos with the
+encoder's token, whose embedding is overwritten just the same)."""
+WRAPPING = (52, 53)
+"""Its ``<|vision_start|>`` / ``<|vision_end|>`` ids, around every item's run."""
 TEXT = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
@@ -42,7 +47,9 @@ def save_tiny_qwen_vl(folder: str | Path, seed: int = 0, **vision: Any) -> Path:
 
     config = transformers.Qwen2_5_VLConfig(
         vision_config={**QWEN_VISION, "out_hidden_size": TEXT["hidden_size"], **vision},
-        text_config=TEXT, image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
+        text_config=TEXT, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=WRAPPING[0], vision_end_token_id=WRAPPING[1],
+        tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = redraw(transformers.Qwen2_5_VLForConditionalGeneration(config))
     model.save_pretrained(folder)
@@ -66,22 +73,72 @@ def sample(folder: str | Path, pictures: list[np.ndarray]) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[np.ndarray]) -> np.ndarray:
+def video_sample(folder: str | Path, items: list[Any]) -> torch.Tensor:
+    """``[1, S]`` ids: text with one ``<|image_pad|>`` run per item (image or
+    :class:`~megatron_plugins.data.media.Video`), as long as the encoder's item_tokens, text
+    between every two runs."""
+    from megatron_plugins.data.media import media_size
+    from tests.hf_vision_models import plugin
+
+    encoder = plugin("qwen2_5_vl", folder)
+    ids = [5, 17]
+    for index, item in enumerate(items):
+        ids += [IMAGE_TOKEN] * encoder.item_tokens(media_size(item)) + [9 + index, 30]
+    return torch.tensor([ids])
+
+
+def _hf_video_inputs(folder: str | Path, ids: torch.Tensor, videos: list[Any]
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """transformers' ids, token types and video inputs for a sample whose runs (in order)
+    belong to ``videos`` where the item is a video (None: an image): a video's run holds its
+    ``<|video_pad|>`` id; its pixel values are our preprocessor's (equal to HF's video
+    processor, which needs torchvision: tests/unit_tests/test_qwen_vision.py)."""
+    import itertools
+
+    from tests.hf_vision_models import plugin
+
+    hf_ids, types, start = ids.clone(), (ids == IMAGE_TOKEN).int(), 0
+    runs = iter(videos)
+    for token, run in itertools.groupby(ids[0].tolist()):
+        length = len(list(run))
+        if token == IMAGE_TOKEN and next(runs) is not None:
+            hf_ids[0, start:start + length] = VIDEO_TOKEN
+            types[0, start:start + length] = 2
+        start += length
+    clips = [video for video in videos if video is not None]
+    if not clips:
+        return hf_ids, types, {}
+    preprocessor = plugin("qwen2_5_vl", folder).preprocessor()
+    packed = preprocessor.collate([preprocessor(video) for video in clips])
+    span = preprocessor.temporal_patch_size
+    return hf_ids, types, {
+        "pixel_values_videos": packed["pixel_values"], "video_grid_thw": packed["grid_thw"],
+        "second_per_grid_ts": torch.tensor([span / video.fps for video in clips])}
+
+
+def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[Any]) -> np.ndarray:
     """transformers' own forward of the saved Qwen2.5-VL, fp32: its processor's pixel values
-    and grids, its own mrope positions (from the image tokens' types)."""
+    and grids, its own mrope positions (from the tokens' types); a
+    :class:`~megatron_plugins.data.media.Video` among the items goes in as a video."""
     import transformers
+
+    from megatron_plugins.data.media import Video
 
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32)
-    inputs = qwen_processor(folder)(pictures, return_tensors="pt")
+    stills = [item for item in pictures if not isinstance(item, Video)]
+    inputs = qwen_processor(folder)(stills, return_tensors="pt") if stills else {}
+    hf_ids, types, videos = _hf_video_inputs(
+        folder, ids, [item if isinstance(item, Video) else None for item in pictures])
     with torch.no_grad():
-        return model(input_ids=ids, pixel_values=inputs["pixel_values"],
-                     image_grid_thw=inputs["image_grid_thw"],
-                     mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits.numpy()
+        return model(input_ids=hf_ids, pixel_values=inputs.get("pixel_values"),
+                     image_grid_thw=inputs.get("image_grid_thw"), mm_token_type_ids=types,
+                     **videos).logits.numpy()
 
 
 def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
                         pictures: list[np.ndarray]) -> dict[str, Any]:
+    from megatron_plugins.data.media import media_size
     from megatron_plugins.data.positions import item_layout, mrope_position_ids
 
     [module] = session.topology.active_modules
@@ -89,7 +146,7 @@ def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
     plugin = session.run.plugins[ENCODER]
     preprocessor = plugin.preprocessor()
     inputs = preprocessor.collate([preprocessor(picture) for picture in pictures])
-    layouts = [item_layout(plugin, picture.shape[:2]) for picture in pictures]
+    layouts = [item_layout(plugin, media_size(picture)) for picture in pictures]
     token = mimo.special_token_ids[ENCODER]
     positions = mrope_position_ids(ids[0], {token: layouts}).unsqueeze(1)
     logits = cross_grid_forward(mimo, module, session.topology, ids, inputs,
@@ -119,20 +176,24 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
 
 
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
-                        items_per_sample: tuple[int, int], seed: int) -> float:
+                        items_per_sample: tuple[int, int], seed: int,
+                        video_frames: int = 0) -> float:
     """transformers' loss on the first ``samples`` mock samples of a run from the folder (the
     first global batch): the mock is a pure function of (seed, split, index), so the same
-    source rebuilt here gives the run's tokens, labels, loss mask and images; the loss is the
-    masked token loss summed over the batch over its token count, as the run reports it."""
+    source rebuilt here gives the run's tokens, labels, loss mask and items (videos too, with
+    ``video_frames``; each run between the folder's vision start / end ids); the loss is the masked token loss summed over the batch over its token
+    count, as the run reports it."""
     import transformers
 
+    from megatron_plugins.data.media import Video
     from megatron_plugins.data.mock import MockSource
     from tests.hf_vision_models import plugin
 
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB,
                         plugins={ENCODER: plugin("qwen2_5_vl", folder)},
                         items_per_sample=items_per_sample, mrope=True,
-                        placeholder_ids={ENCODER: IMAGE_TOKEN})
+                        placeholder_ids={ENCODER: IMAGE_TOKEN}, wrapping={ENCODER: WRAPPING},
+                        video_frames=video_frames)
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32)
     processor = qwen_processor(folder)
@@ -140,12 +201,15 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
     for index in range(samples):
         text = source.text("train", index)
         ids = text["tokens"].unsqueeze(0)
-        pictures = source.media(ENCODER, "train", index)
-        inputs = processor(pictures, return_tensors="pt") if pictures else {}
+        items = source.media(ENCODER, "train", index)
+        stills = [item for item in items if not isinstance(item, Video)]
+        inputs = processor(stills, return_tensors="pt") if stills else {}
+        hf_ids, types, videos = _hf_video_inputs(
+            folder, ids, [item if isinstance(item, Video) else None for item in items])
         with torch.no_grad():
-            logits = model(input_ids=ids, pixel_values=inputs.get("pixel_values"),
+            logits = model(input_ids=hf_ids, pixel_values=inputs.get("pixel_values"),
                            image_grid_thw=inputs.get("image_grid_thw"),
-                           mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits[0]
+                           mm_token_type_ids=types, **videos).logits[0]
         losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
                                                    reduction="none")
         total += float((losses * text["loss_mask"]).sum())

@@ -4,7 +4,8 @@
 
 writes ``hf_out/language/`` (config.json + safetensors, the family's HF format), one folder per
 encoder whose provider has a HF mapping (with the tower's tensors the encoder does not hold, such
-as CLIP's ``post_layernorm``, copied from the folder the run started from), and
+as CLIP's ``post_layernorm``, and its processor files, copied from the folder the run started
+from), and
 ``hf_out/projections.safetensors`` with ``projections.json`` describing them. A run started from
 a whole VLM folder (``--hf-model``) is written back as ONE folder of that architecture instead:
 ``hf_out/config.json`` (the folder's own), the tower, projector and language tensors under the
@@ -42,6 +43,9 @@ PROG = "export_hf"
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
               "GIB": 2**30}
 PROJECTIONS = "projections"
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+"""An encoder's source folder's processor files an export carries, so the exported folder loads
+with its own image / video processor or feature extractor."""
 
 
 def parse_size(text: str) -> int:
@@ -239,6 +243,7 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
                                str(ckpt.folder))
             tensors = {**assemble(pieces), **untrained_tensors(family, args)}
             written += write_folder(tensors, out / name, max_shard_size, config, progress)
+            written += _processor_files(args, name, out / name)
     # A projection its encoder's family maps (Qwen2.5-VL's merger) is in that encoder's folder.
     exported = {f"{name}:projection" for name, family in _encoder_families(args).items()
                 if family is not None and includes_projection(family)}
@@ -260,6 +265,18 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
                         for name, t in sorted(projections.items())},
         }))
     return written
+
+
+def _processor_files(args: Any, name: str, folder: Path) -> list[Path]:
+    """Copy :data:`PROCESSOR_FILES` from encoder ``name``'s ``--encoder-hf-weights`` folder."""
+    given = getattr(args, "encoder_hf_weights", None) or []
+    # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
+    pairs = given.items() if isinstance(given, Mapping) else (v.partition("=")[::2] for v in given)
+    source = next((Path(path) for key, path in pairs if key == name), None)
+    if source is None:
+        return []
+    return [Path(shutil.copyfile(source / file, folder / file)) for file in PROCESSOR_FILES
+            if (source / file).is_file()]
 
 
 WHOLE_WEIGHTS = re.compile(r"(model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?$")

@@ -11,15 +11,18 @@ relative to ``--input``:
 * transcript: ``audio``, ``transcript``  * image_audio_caption: ``image``, ``audio``, ``caption``
 * conversation: LLaVA-style ``conversations`` (``[{"from": "human"|"gpt"|"system", "value":
   ...}]``) with ``image`` one path, a list of paths, or absent (text-only; ShareGPT records are
-  the same shape), stored as ``{role, content}`` turns. Image ``i`` sits at the ``i``-th
-  ``<image>`` marker; a record needs as many markers as images (or none: then the images open the
-  first ``human`` turn) and at least one assistant (``gpt``) turn.
+  the same shape), stored as ``{role, content}`` turns; an entry of the list that is itself a
+  list of paths is a video, its frames (for an encoder that takes videos, e.g. ``qwen2_5_vl``).
+  Item ``i`` sits at the ``i``-th ``<image>`` (or ``<video>``) marker; a record needs as many
+  markers as items (or none: then the items open the first ``human`` turn) and at least one
+  assistant (``gpt``) turn.
 
 A record's ``key`` field (``id`` for conversations) names the sample (else its zero-padded
 index). Samples are split into train/val/test by ``--split`` (seeded shuffle, so every split gets
 its share however few shards there are) and written as WebDataset shards
 ``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png`` (the source bytes; a conversation's images
-as ``<key>.0.png``, ``<key>.1.jpg``, ...), ``<key>.wav``, and the text as ``<key>.txt`` (one text
+as ``<key>.0.png``, ``<key>.1.jpg``, ..., a video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``,
+...), ``<key>.wav``, and the text as ``<key>.txt`` (one text
 field) or ``<key>.json`` (VQA's question and answer, a conversation's turns). Energon's
 ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written as ``energon prepare`` writes it.
 Every record and media file is checked first (annotations, files, that each image and WAV
@@ -125,23 +128,27 @@ KINDS: dict[str, Kind] = {
 @dataclass(frozen=True)
 class Record:
     """One annotation record, resolved: where it was (file and line, for messages), its key,
-    media (``(column, path)`` in order: a conversation's images in marker order) and text."""
+    media (``(column, path, item)`` in order: a conversation's images in marker order, ``item``
+    their part's index, ``"2.0"`` for a video's first frame) and text."""
 
     where: str
     key: str
-    media: tuple[tuple[str, Path], ...]
+    media: tuple[tuple[str, Path, str], ...]
     text: dict[str, str]
 
 
-def _image_paths(row: dict[str, Any], where: str) -> list[str]:
-    """A LLaVA-style record's image paths: ``image`` one path, a list of them, or absent."""
+def _image_paths(row: dict[str, Any], where: str) -> list[str | list[str]]:
+    """A LLaVA-style record's image paths: ``image`` one path, a list of them (a video: a list
+    of its frames' paths), or absent."""
     image = row.get("image")
     images = [] if image is None else image if isinstance(image, list) else [image]
     for index, path in enumerate(images):
-        if not isinstance(path, str) or not path:
+        frames = path if isinstance(path, list) and isinstance(image, list) else [path]
+        if not frames or not all(isinstance(frame, str) and frame for frame in frames):
             what = "image" if not isinstance(image, list) else f"image[{index}]"
             raise DatasetError(f"{where}: {what!r} is not a file path (give a path, a list of "
-                               "paths, or no 'image' for a text-only record)")
+                               "paths (a video: a list of frame paths), or no 'image' for a "
+                               "text-only record)")
     return images
 
 
@@ -162,7 +169,8 @@ def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
             raise DatasetError(f"{where}: conversations[{index}] is not {{\"from\": "
                                f"{'|'.join(LLAVA_ROLES)}, \"value\": text}}")
         converted.append({"role": LLAVA_ROLES[speaker], "content": value})
-    markers = sum(turn["content"].count(media_marker("image")) for turn in converted)
+    markers = sum(turn["content"].count(media_marker(media)) for turn in converted
+                  for media in ("image", "video"))
     if markers and markers != len(images):
         raise DatasetError(f"{where}: {markers} <image> marker{'s' * (markers != 1)} for "
                            f"{len(images)} image{'s' * (len(images) != 1)}; give one marker per "
@@ -240,6 +248,13 @@ def _read_rows(annotations: Path, kind: Kind) -> list[tuple[str, dict[str, Any]]
     return rows
 
 
+def _conversation_items(images: list[str | list[str]]) -> list[tuple[str, str]]:
+    """Each image (a video: each frame) path of a conversation with its part's index."""
+    return [(name, f"{index}.{frame}" if isinstance(entry, list) else str(index))
+            for index, entry in enumerate(images)
+            for frame, name in enumerate(entry if isinstance(entry, list) else [entry])]
+
+
 def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]:
     """The annotation records with keys and media paths checked (media not yet decoded)."""
     if not input_dir.is_dir():
@@ -255,10 +270,10 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
         if key in seen:
             raise DatasetError(f"{where}: key {key!r} is already used by {seen[key]}")
         seen[key] = where
-        named = ([("image", name) for name in row["images"]] if kind.conversation
-                 else [(column, row[column]) for column in kind.media])
+        named = ([("image", name, item) for name, item in _conversation_items(row["images"])]
+                 if kind.conversation else [(column, row[column], "") for column in kind.media])
         media = []
-        for column, name in named:
+        for column, name, item in named:
             path = input_dir / name
             suffixes = MEDIA_SUFFIXES[column]
             if path.suffix.lower() not in suffixes:
@@ -267,7 +282,7 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
                 )
             if not path.is_file():
                 raise DatasetError(f"{where}: {column} file {path} does not exist")
-            media.append((column, path))
+            media.append((column, path, item))
         records.append(Record(where, key, tuple(media), {c: row[c] for c in kind.text}))
     return records
 
@@ -278,21 +293,28 @@ def check_media(records: Sequence[Record], quiet: bool = False) -> None:
     with tqdm(records, unit="sample", desc=f"{PROG}: checking",
               disable=quiet or not sys.stderr.isatty()) as bar:
         for record in bar:
-            for column, path in record.media:
+            frame_sizes: dict[str, tuple[int, ...]] = {}
+            for column, path, item in record.media:
                 where = f"{record.where}: {column} file {path}"
                 try:
-                    DECODERS[column](path.read_bytes(), where, column)
+                    decoded = DECODERS[column](path.read_bytes(), where, column)
                 except BadSampleError as error:
                     raise DatasetError(f"{where} does not decode as {column}: {error}") from None
+                if "." in item:  # a video's frame: all of one size
+                    size = frame_sizes.setdefault(item.partition(".")[0], decoded.shape[:2])
+                    if decoded.shape[:2] != size:
+                        raise DatasetError(f"{where} is {decoded.shape[0]}x{decoded.shape[1]} "
+                                           f"(height x width), not the {size[0]}x{size[1]} of "
+                                           "its video's first frame; give frames of one size")
 
 
 def _parts(record: Record, kind: Kind) -> dict[str, bytes | str]:
     """The tar parts of one sample: media bytes as they are on disk (checked before), numbered
     for conversations (:func:`conversation_part`), and the text."""
     parts: dict[str, bytes | str] = {"__key__": record.key}
-    for index, (column, path) in enumerate(record.media):
+    for column, path, item in record.media:
         extension = MEDIA_SUFFIXES[column][path.suffix.lower()]
-        parts[conversation_part(index, extension) if kind.conversation else extension] = (
+        parts[conversation_part(item, extension) if kind.conversation else extension] = (
             path.read_bytes())
     text = (
         record.text[kind.text[0]] if len(kind.text) == 1

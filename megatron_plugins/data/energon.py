@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -38,11 +39,12 @@ from megatron.energon import (
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.media import (
-    DECODERS,
     BadSampleError,
+    decode_item,
     decode_text,
+    is_video,
     media_size,
-    probe_size,
+    probe_item,
 )
 from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.data.streams import (
@@ -64,7 +66,7 @@ from megatron_plugins.data.text import (
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.layout import LANGUAGE
-from megatron_plugins.weights.flags import checkpoint_image_token
+from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
 
 __all__ = ["DataPathError", "EnergonSource", "SAMPLE_KINDS", "open_source"]
 
@@ -182,12 +184,25 @@ def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: 
                                          f"{error}") from None
 
 
+def _media_items(plugin: EncoderPlugin, sample: Any) -> list[tuple[str, Any]]:
+    """One encoder's undecoded items of a sample with their fields; a video for an encoder that
+    takes none stops naming it."""
+    preprocessor = plugin.preprocessor()
+    items = _sample_kind(sample).items(sample, preprocessor.media)
+    for field, data in items:
+        if is_video(data) and not getattr(preprocessor, "takes_video", False):
+            raise BadSampleError(sample.__key__, field, f"is a video (a list of frames), which "
+                                 f"--encoder {plugin.name}={plugin.grid.provider} does not take; "
+                                 "give one image, or use an encoder that takes videos")
+    return items
+
+
 def _header_sizes(plugin: EncoderPlugin, sample: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """One encoder's items of a sample: each one's field and size, from its media part's header
-    (never decoded)."""
+    """One encoder's items of a sample: each one's field and size, from its media parts'
+    headers (never decoded)."""
     media = plugin.preprocessor().media
-    return [(field, probe_size(media, data, sample.__key__, field))
-            for field, data in _sample_kind(sample).items(sample, media)]
+    return [(field, probe_item(media, data, sample.__key__, field))
+            for field, data in _media_items(plugin, sample)]
 
 
 def _header_item_tokens(plugin: EncoderPlugin, sample: Any) -> tuple[int, ...]:
@@ -226,7 +241,8 @@ class _TextInputs:
     def _check_room(self, sample: Any, counts: dict[str, tuple[int, ...]]) -> None:
         """The placeholder runs are never cut, so runs that alone overflow the row stop the run
         naming the sample (text is cut to fit around runs that do fit)."""
-        needed = 1 + sum(sum(items) for items in counts.values())  # a bos token before them
+        needed = 1 + sum(sum(items) + 2 * len(items) * (name in self.tokenizer.wrapping)
+                         for name, items in counts.items())  # a bos token, start / end ids
         if needed > self.seq_length:
             runs = ", ".join(f"{len(items)} {name} item{'s' * (len(items) != 1)} "
                              f"({'+'.join(map(str, items))} tokens)"
@@ -238,6 +254,29 @@ class _TextInputs:
                                  "raise --seq-length, lower the encoder's tokens per item, or "
                                  "split the sample")
 
+    def _video_markers(self, sample: Any, conversation: Conversation) -> Conversation:
+        """A conversation's ``<video>`` markers as the marker of the encoder that takes videos,
+        each of its markers (of either kind) at an item of that kind."""
+        video = media_marker("video")
+        if not any(video in content for _, content in conversation.turns):
+            return conversation
+        for name, marker in self.markers:
+            plugin = self.plugins[name]
+            if not getattr(plugin.preprocessor(), "takes_video", False):
+                continue
+            pattern = f"{re.escape(marker)}|{re.escape(video)}"
+            found = [m for _, content in conversation.turns for m in re.findall(pattern, content)]
+            kinds = [video if len(size) == 4 else marker
+                     for _, size in _header_sizes(plugin, sample)]
+            if found != kinds:
+                raise BadSampleError(sample.__key__, "conversation",
+                                     f"has the markers {' '.join(found)} for the items "
+                                     f"{' '.join(kinds) or '(none)'}; give one marker per item "
+                                     f"in order, {video} at each video")
+            return Conversation(tuple((role, content.replace(video, marker))
+                                      for role, content in conversation.turns))
+        return conversation
+
     def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]],
                                              bool]:
         text = _sample_kind(sample).text(sample)
@@ -245,6 +284,7 @@ class _TextInputs:
         self._check_room(sample, counts)
         blocks = tuple((name, count) for name, items in counts.items() for count in items)
         if isinstance(text, Conversation):
+            text = self._video_markers(sample, text)
             try:
                 encoded = self.tokenizer.encode_conversation(text, blocks, dict(self.markers),
                                                              self.seq_length)
@@ -270,8 +310,8 @@ class _EncoderInputs:
                                              bool]:
         media_kind = self.preprocessor.media
         items, counts = [], []
-        for field, data in _sample_kind(sample).items(sample, media_kind):
-            media = DECODERS[media_kind](data, sample.__key__, field)
+        for field, data in _media_items(self.plugin, sample):
+            media = decode_item(media_kind, data, sample.__key__, field)
             counts.append(_item_tokens(self.plugin, media_size(media), sample.__key__, field))
             try:
                 items.append(self.preprocessor(media))
@@ -559,7 +599,8 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
                                      getattr(args, "padded_vocab_size", None) or sys.maxsize,
                                      args.special_tokens,
                                      read_chat_template(getattr(args, "chat_template", None)),
-                                     checkpoint_image_token(args))
+                                     checkpoint_image_token(args),
+                                     checkpoint_item_wrapping(args))
     if isinstance(kind, ConversationKind):
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,

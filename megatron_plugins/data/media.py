@@ -2,8 +2,10 @@
 and reads text parts.
 
 Decoded kinds (the contract with the data sources and the encoders' preprocessors): ``"image"`` is
-a ``numpy.ndarray`` uint8 ``[H, W, 3]`` RGB; ``"audio"`` is a :class:`Waveform`. The dataset tools
-write with the same module that the loader reads with, so a round trip is exact by construction.
+a ``numpy.ndarray`` uint8 ``[H, W, 3]`` RGB, or a :class:`Video` (frames of one size, given in a
+sample as a list of frame images) for an encoder whose preprocessor takes videos; ``"audio"`` is a
+:class:`Waveform`. The dataset tools write with the same module that the loader reads with, so a
+round trip is exact by construction.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ import numpy as np
 from PIL import Image
 
 __all__ = [
-    "BadSampleError", "DECODERS", "MEDIA_KINDS", "Waveform", "decode_audio", "decode_image",
-    "decode_text", "encode_jpeg", "encode_png", "encode_wav", "media_size", "probe_size"
+    "BadSampleError", "DECODERS", "DEFAULT_VIDEO_FPS", "MEDIA_KINDS", "Video", "Waveform",
+    "decode_audio", "decode_image", "decode_item", "decode_text", "decode_video", "encode_jpeg",
+    "encode_png", "encode_wav", "is_video", "media_size", "probe_item", "probe_size"
 ]
+
+DEFAULT_VIDEO_FPS = 2.0
+"""Frames per second of a video whose sample does not say (Qwen2.5-VL's recommended sampling)."""
 
 
 class BadSampleError(RuntimeError):
@@ -36,6 +42,15 @@ class Waveform:
 
     samples: np.ndarray
     sample_rate: int
+
+
+@dataclass(frozen=True)
+class Video:
+    """Frames sampled from a clip: ``frames`` uint8 ``[T, H, W, 3]`` RGB, ``fps`` of the sampled
+    frames (what a model's temporal positions count time by)."""
+
+    frames: np.ndarray
+    fps: float = DEFAULT_VIDEO_FPS
 
 
 def _first_line(error: Exception) -> str:
@@ -123,6 +138,46 @@ def encode_wav(waveform: Waveform) -> bytes:
     return buffer.getvalue()
 
 
+def is_video(data: object) -> bool:
+    """Whether a sample's undecoded item is a video: a list of frame images, or a mapping
+    ``{"frames": [...], "fps": number}``."""
+    return isinstance(data, (list, tuple, dict))
+
+
+def _video_parts(data: object, key: str, field: str) -> tuple[list[bytes], float]:
+    """A video item's frame parts and fps; a malformed one stops naming the field."""
+    fps = DEFAULT_VIDEO_FPS
+    if isinstance(data, dict):
+        fps = data.get("fps", DEFAULT_VIDEO_FPS)
+        data = data.get("frames")
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0:
+            raise BadSampleError(key, field, f"has fps {fps!r}; give a positive number")
+    if not isinstance(data, (list, tuple)) or not data:
+        raise BadSampleError(key, field, "is a video without frames; give a non-empty list of "
+                                         "frame images")
+    for index, frame in enumerate(data):
+        if not isinstance(frame, (bytes, bytearray, memoryview)) or not frame:
+            raise BadSampleError(key, f"{field}[{index}]", "is not an encoded frame image")
+    return list(data), float(fps)
+
+
+def _check_frame_sizes(sizes: list[tuple[int, ...]], key: str, field: str) -> None:
+    for index, size in enumerate(sizes):
+        if size != sizes[0]:
+            raise BadSampleError(key, f"{field}[{index}]", f"is {size[0]}x{size[1]} (height x "
+                                 f"width), not the {sizes[0][0]}x{sizes[0][1]} of the video's "
+                                 "first frame; give frames of one size")
+
+
+def decode_video(data: object, key: str, field: str) -> Video:
+    """A video item (:func:`is_video`) -> :class:`Video`; an unreadable frame or frames of
+    different sizes stop naming the frame's field."""
+    parts, fps = _video_parts(data, key, field)
+    frames = [decode_image(part, key, f"{field}[{index}]") for index, part in enumerate(parts)]
+    _check_frame_sizes([frame.shape[:2] for frame in frames], key, field)
+    return Video(np.stack(frames), fps)
+
+
 DECODERS = {"image": decode_image, "audio": decode_audio}
 """The decoder of each media kind a sample can carry."""
 
@@ -130,11 +185,22 @@ MEDIA_KINDS = tuple(DECODERS)
 """The media kinds a sample can carry and a preprocessor can read."""
 
 
-def media_size(media: np.ndarray | Waveform) -> tuple[int, ...]:
+def decode_item(kind: str, data: object, key: str, field: str) -> np.ndarray | Video | Waveform:
+    """One undecoded item of a sample's ``kind`` media: a video where the item is one
+    (:func:`is_video`), else the kind's decoder."""
+    if kind == "image" and is_video(data):
+        return decode_video(data, key, field)
+    return DECODERS[kind](data, key, field)
+
+
+def media_size(media: np.ndarray | Video | Waveform) -> tuple[int | float, ...]:
     """A decoded item's size, what an encoder's token count follows: ``(height, width)`` of an
-    image, ``(samples, sample_rate)`` of audio."""
+    image, ``(frames, height, width, fps)`` of a video, ``(samples, sample_rate)`` of audio."""
     if isinstance(media, Waveform):
         return (len(media.samples), media.sample_rate)
+    if isinstance(media, Video):
+        frames, height, width = (int(n) for n in media.frames.shape[:3])
+        return (frames, height, width, media.fps)
     return tuple(int(n) for n in media.shape[:2])
 
 
@@ -152,3 +218,14 @@ def probe_size(kind: str, data: bytes, key: str, field: str) -> tuple[int, ...]:
         what = "an image" if kind == "image" else "WAV audio"
         raise BadSampleError(key, field, f"does not decode as {what} "
                                          f"({_first_line(error)})") from error
+
+
+def probe_item(kind: str, data: object, key: str, field: str) -> tuple[int | float, ...]:
+    """:func:`probe_size` of any undecoded item, a video's from its frames' headers (which must
+    agree)."""
+    if not (kind == "image" and is_video(data)):
+        return probe_size(kind, data, key, field)
+    parts, fps = _video_parts(data, key, field)
+    sizes = [probe_size(kind, part, key, f"{field}[{index}]") for index, part in enumerate(parts)]
+    _check_frame_sizes(sizes, key, field)
+    return (len(parts), *sizes[0], fps)

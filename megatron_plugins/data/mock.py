@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.mock_media import MOCK_KINDS, NUM_CLASSES, mock_media, mock_size
+from megatron_plugins.data.mock_media import (
+    MOCK_KINDS,
+    NUM_CLASSES,
+    largest_video_size,
+    mock_media,
+    mock_size,
+)
 from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.data.streams import (
     LENGTH, POSITIONS, SPLITS, Microbatch, collate_items, collate_text
@@ -54,9 +60,18 @@ def _generator(seed: int, split: str, index: int, stream: int) -> torch.Generato
     return torch.Generator().manual_seed(int(entropy.generate_state(1, np.uint64)[0] >> 1))
 
 
-def max_encoder_tokens(plugins: Sequence[EncoderPlugin], items_per_sample: int) -> int:
-    """The most positions the encoders' placeholder runs can take in one sample."""
-    return items_per_sample * sum(plugin.tokens_per_item for plugin in plugins)
+def _takes_video(plugin: EncoderPlugin) -> bool:
+    return getattr(plugin.preprocessor(), "takes_video", False)
+
+
+def max_encoder_tokens(plugins: Sequence[EncoderPlugin], items_per_sample: int,
+                       video_frames: int = 0) -> int:
+    """The most positions the encoders' placeholder runs can take in one sample (with
+    ``video_frames``, the mock's videos counted at their largest)."""
+    most = [max(plugin.tokens_per_item,
+                plugin.item_tokens(largest_video_size(video_frames))
+                if video_frames and _takes_video(plugin) else 0) for plugin in plugins]
+    return items_per_sample * sum(most)
 
 
 @dataclass(frozen=True)
@@ -79,8 +94,17 @@ class MockSource:
     placeholder_ids: Mapping[str, int] = field(default_factory=dict)
     """Encoders whose placeholder id is given: ``--hf-model``'s image token, where the
     checkpoint's language model reads image features (the others take the top ids)."""
+    wrapping: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Encoder -> (start, end) ids put around each of its runs: ``--hf-model``'s
+    ``<|vision_start|>`` / ``<|vision_end|>``, as the checkpoint's processor puts them."""
+    video_frames: int = 0
+    """``--mock-video-frames``: an item of an encoder that takes videos is, one time in two, a
+    video of this many frames instead of an image (0: images only)."""
 
     def __post_init__(self) -> None:
+        if self.video_frames and not any(map(_takes_video, self.plugins.values())):
+            raise DataFlagError(f"--mock-video-frames {self.video_frames}: no --encoder takes "
+                                "videos (qwen2_5_vl does); drop the flag or add such an encoder")
         if self.text_vocab_size < NUM_CLASSES:
             raise DataFlagError(
                 f"--vocab-size {self.vocab_size} is too small: {len(self.plugins)} ids are "
@@ -103,7 +127,8 @@ class MockSource:
     @property
     def text_vocab_size(self) -> int:
         """Ids below this are text; the encoders' special tokens are at or above it."""
-        return min([self.vocab_size - len(self.plugins), *self.placeholder_ids.values()])
+        return min([self.vocab_size - len(self.plugins), *self.placeholder_ids.values(),
+                    *(token for ids in self.wrapping.values() for token in ids)])
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -120,7 +145,8 @@ class MockSource:
         fewest, most = self.items_per_sample
         count = int(torch.randint(fewest, most + 1, (1,), generator=generator))
         preprocessor = self.plugins[name].preprocessor()
-        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate)
+        frames = self.video_frames if getattr(preprocessor, "takes_video", False) else 0
+        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate, frames)
                 for _ in range(count)]
 
     def item_tokens(self, split: str, index: int) -> dict[str, tuple[int, ...]]:
@@ -137,9 +163,9 @@ class MockSource:
         text_vocab = self.text_vocab_size
         step = 1 + label % 3
         first = label * (text_vocab // NUM_CLASSES) + int(torch.randint(2, (1,), generator=generator))
-        blocks = [(self.special_token_ids[name], count)
+        blocks = [(name, count)
                   for name, counts in self.item_tokens(split, index).items() for count in counts]
-        placeholders = sum(count for _, count in blocks)
+        placeholders = sum(count + 2 * (name in self.wrapping) for name, count in blocks)
         # Real samples are shorter than the row: text of 2 up to half a row less the media.
         most = max(2, self.seq_length // 2 - placeholders)
         text_length = int(torch.randint(2, most + 1, (1,), generator=generator))
@@ -148,8 +174,12 @@ class MockSource:
         progression = [(first + step * k) % text_vocab for k in range(text_length)]
         tokens: list[int] = []
         previous = 0
-        for cut, (token_id, count) in zip(cuts, blocks):
-            tokens += progression[previous:cut] + [token_id] * count
+        for cut, (name, count) in zip(cuts, blocks):
+            run = [self.special_token_ids[name]] * count
+            if name in self.wrapping:
+                start, end = self.wrapping[name]
+                run = [start, *run, end]
+            tokens += progression[previous:cut] + run
             previous = cut
         tokens += progression[previous:]
         length = len(tokens)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_plugins.data.media import Waveform
+from megatron_plugins.data.media import DEFAULT_VIDEO_FPS, Video, Waveform
 
-__all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "mock_media", "mock_size"]
+__all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "largest_video_size", "mock_media",
+           "mock_size"]
 
 NUM_CLASSES = 8
 """Mock samples belong to one of these classes; encoders see it, text depends on it."""
@@ -24,17 +25,30 @@ AUDIO_RATE = 16000
 AUDIO_SAMPLES = 1600
 """Mock audio: 1600 samples (0.1 s at 16 kHz), a tone of ``400 x (class + 1)`` Hz in noise."""
 
+MOCK_VIDEO_FPS = DEFAULT_VIDEO_FPS
+"""Mock videos' frames per second."""
+
 MOCK_KINDS = ("image", "audio")
 """Decoded media the mock can make, by the kind an encoder's preprocessor reads."""
 
 
-def mock_size(kind: str, generator: torch.Generator, rate: int | None) -> tuple[int, ...]:
+def mock_size(kind: str, generator: torch.Generator, rate: int | None,
+              video_frames: int = 0) -> tuple[int | float, ...]:
     """One item's size (:func:`~megatron_plugins.data.media.media_size`), drawn from
-    ``generator``: the language ranks draw it too, to lay out the item's placeholder run."""
+    ``generator``: the language ranks draw it too, to lay out the item's placeholder run. With
+    ``video_frames``, an image item is, one time in two, a video of that many frames."""
     if kind == "image":
         sides = torch.randint(len(IMAGE_SIDES), (2,), generator=generator).tolist()
-        return (IMAGE_SIDES[sides[0]], IMAGE_SIDES[sides[1]])
+        size = (IMAGE_SIDES[sides[0]], IMAGE_SIDES[sides[1]])
+        if video_frames and int(torch.randint(2, (1,), generator=generator)):
+            return (video_frames, *size, MOCK_VIDEO_FPS)
+        return size
     return (AUDIO_SAMPLES, rate or AUDIO_RATE)
+
+
+def largest_video_size(video_frames: int) -> tuple[int | float, ...]:
+    """The mock's largest video of ``video_frames`` frames (its frames the largest image)."""
+    return (video_frames, IMAGE_SIDES[-1], IMAGE_SIDES[-1], MOCK_VIDEO_FPS)
 
 
 def example_size(kind: str, rate: int | None) -> tuple[int, ...]:
@@ -64,6 +78,10 @@ def _audio(generator: torch.Generator, label: int, size: tuple[int, ...]) -> Wav
 
 
 def mock_media(kind: str, generator: torch.Generator, label: int,
-               size: tuple[int, ...]) -> np.ndarray | Waveform:
-    """One decoded item of ``kind`` and ``size`` showing class ``label``."""
+               size: tuple[int | float, ...]) -> np.ndarray | Video | Waveform:
+    """One decoded item of ``kind`` and ``size`` showing class ``label`` (in every frame of a
+    video)."""
+    if kind == "image" and len(size) == 4:
+        frames = [_image(generator, label, size[1:3]) for _ in range(int(size[0]))]
+        return Video(np.stack(frames), float(size[3]))
     return (_image if kind == "image" else _audio)(generator, label, size)

@@ -1,12 +1,14 @@
 """Multimodal RoPE positions (``--position-embedding-type mrope``): a sample's ``[3, S]`` ids.
 
-As Qwen2-VL / Qwen2.5-VL's ``get_rope_index`` lays them out for images: a text token advances the
-temporal, height and width positions together by one; an item's placeholder run takes its
-``(t, h, w)`` grid's positions (:meth:`EncoderPlugin.item_grid`, row-major, width fastest), each
-offset by the position after the preceding text, and the text after it starts at the run's
-largest position + 1. An item without a grid takes consecutive positions, as text does. Language
-ranks compute them from the tokens and the items' sizes alone (no media decoded), on every
-pipeline stage, for the mock and Energon sources alike.
+As Qwen2-VL / Qwen2.5-VL's ``get_rope_index`` lays them out: a text token advances the temporal,
+height and width positions together by one; an item's placeholder run takes its ``(t, h, w)``
+grid's positions (:meth:`EncoderPlugin.item_grid`, row-major, width fastest), each offset by the
+position after the preceding text, and the text after it starts ``max(h, w)`` past that offset
+(an image's largest position + 1). A video's grid carries a fourth entry, the time interval:
+its temporal positions are ``floor(index * interval)`` (float32), so they count seconds, not
+steps, and may pass the text after it, as transformers has them. An item without a grid takes
+consecutive positions, as text does. Language ranks compute them from the tokens and the items'
+sizes alone (no media decoded), on every pipeline stage, for the mock and Energon sources alike.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError
 
 __all__ = ["Grid", "ItemLayout", "item_layout", "mrope_position_ids"]
 
-Grid = tuple[int, int, int]
-"""An item's ``(t, h, w)`` token layout."""
+Grid = tuple[int, int, int] | tuple[int, int, int, float]
+"""An item's ``(t, h, w)`` token layout, with a video's time interval (temporal positions per
+step) as a fourth entry."""
 
 ItemLayout = tuple[int, Grid | None]
 """An item's token count and its grid (None: consecutive positions)."""
@@ -32,18 +35,25 @@ def item_layout(plugin: EncoderPlugin, size: tuple[int, ...]) -> ItemLayout:
     count = plugin.item_tokens(size)
     grid = plugin.item_grid(size)
     if grid is not None:
-        grid = tuple(int(side) for side in grid)
-        if len(grid) != 3 or min(grid) < 1 or grid[0] * grid[1] * grid[2] != count:
+        sides = tuple(int(side) for side in grid[:3])
+        interval = tuple(float(step) for step in grid[3:])
+        if (len(sides) != 3 or len(interval) > 1 or min(sides) < 1 or min(interval, default=0) < 0
+                or sides[0] * sides[1] * sides[2] != count):
             raise EncoderPluginError(
                 f"--encoder {plugin.name}: item_grid({tuple(size)}) = {grid} is not three "
-                f"positive sides whose product is item_tokens({tuple(size)}) = {count}; fix the "
-                "plugin's item_grid")
+                f"positive sides whose product is item_tokens({tuple(size)}) = {count} (and a "
+                "video's time interval >= 0); fix the plugin's item_grid")
+        grid = sides + interval
     return count, grid
 
 
 def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
-    """``[3, t * h * w]``: each axis' index offset by ``start``, width fastest."""
-    axes = torch.meshgrid(*(torch.arange(side) for side in grid), indexing="ij")
+    """``[3, t * h * w]``: each axis' index offset by ``start``, width fastest; a video's
+    temporal index scaled by its time interval first."""
+    steps = torch.arange(grid[0])
+    if len(grid) == 4:
+        steps = (steps * grid[3]).long()
+    axes = torch.meshgrid(steps, torch.arange(grid[1]), torch.arange(grid[2]), indexing="ij")
     return torch.stack(axes).reshape(3, -1) + start
 
 
@@ -75,10 +85,12 @@ def mrope_position_ids(tokens: torch.Tensor,
         text = index - text_start
         pieces.append(torch.arange(current, current + text).expand(3, -1))
         current += text
-        positions = (_grid_positions(grid, current) if grid is not None
-                     else torch.arange(current, current + count).expand(3, -1))
-        pieces.append(positions)
-        current = int(positions.max()) + 1
+        if grid is None:
+            pieces.append(torch.arange(current, current + count).expand(3, -1))
+            current += count
+        else:
+            pieces.append(_grid_positions(grid, current))
+            current += max(grid[1], grid[2])
         index += count
         text_start = index
     left = {token: len(layouts) for token, layouts in pending.items() if layouts}

@@ -52,14 +52,18 @@ class ImageAudioCaptionSample(Sample):
 
 @edataclass
 class ConversationSample(Sample):
-    """A multi-turn conversation with 0..N images, each at its ``<image>`` marker, in order.
+    """A multi-turn conversation with 0..N images or videos, each at its ``<image>`` marker, in
+    order.
 
-    Stored as tar parts ``<key>.0.png``, ``<key>.1.jpg``, ... (:func:`conversation_part`) and
-    ``<key>.json``; a text-only sample has the ``json`` part alone.
+    Stored as tar parts ``<key>.0.png``, ``<key>.1.jpg``, ... (:func:`conversation_part`), a
+    video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``, ..., and ``<key>.json``; a text-only
+    sample has the ``json`` part alone.
     """
 
-    #: The image files' bytes (PNG or JPEG), undecoded, in marker order (empty: text-only).
-    images: list[bytes]
+    #: The image files' bytes (PNG or JPEG), undecoded, in marker order (empty: text-only); a
+    #: video is a list of its frames' files (at ``media.DEFAULT_VIDEO_FPS``) or a mapping
+    #: ``{"frames": [...], "fps": number}``.
+    images: list[bytes | list[bytes] | dict]
     #: The turns as JSON text: a list of ``{"role": "system"|"user"|"assistant", "content"}``,
     #: image ``i`` at the ``i``-th ``<image>`` marker (with no marker, all images at the start of
     #: the first user turn).
@@ -107,12 +111,14 @@ def load_image_audio_caption(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw, "txt"))
 
 
-_CONVERSATION_IMAGE = re.compile(rf"(\d+)\.({'|'.join(IMAGE_PARTS)})")
-"""A conversation's image part: its index in marker order, then the source file's encoding."""
+_CONVERSATION_IMAGE = re.compile(rf"(\d+)\.(?:(\d+)\.)?({'|'.join(IMAGE_PARTS)})")
+"""A conversation's image part: its index in marker order, a video frame's index, then the source
+file's encoding."""
 
 
-def conversation_part(index: int, extension: str) -> str:
-    """The tar part of a conversation's ``index``-th image stored as ``extension`` (jpg, png)."""
+def conversation_part(index: int | str, extension: str) -> str:
+    """The tar part of a conversation's ``index``-th image stored as ``extension`` (jpg, png);
+    ``index`` ``"2.0"``: the first frame of its third item, a video."""
     return f"{index}.{extension}"
 
 
@@ -123,16 +129,31 @@ def conversation_parts(part: str) -> bool:
 
 
 def _conversation_images(raw: dict[str, Any]) -> list[bytes]:
-    """A conversation's images in index order; the indices must run 0..N-1."""
-    numbered = {}
+    """A conversation's images (a video: its frames, in frame order) in index order; the indices
+    must run 0..N-1."""
+    numbered: dict[int, Any] = {}
     for part, data in raw.items():
         match = _CONVERSATION_IMAGE.fullmatch(part)
-        if match:
-            numbered[int(match.group(1))] = data
+        if not match:
+            continue
+        index, existing = int(match.group(1)), numbered.get(int(match.group(1)))
+        if existing is not None and (match.group(2) is None or not isinstance(existing, dict)):
+            raise BadSampleError(raw["__key__"], f"images[{index}]", "is stored as more than one "
+                                 "image part, or as an image and video frames; keep one")
+        if match.group(2) is None:
+            numbered[index] = data
+        else:
+            numbered.setdefault(index, {})[int(match.group(2))] = data
     if sorted(numbered) != list(range(len(numbered))):
         raise BadSampleError(raw["__key__"], "images", f"has image parts numbered "
                              f"{sorted(numbered)}; they must run 0..N-1 (rewrite the dataset with "
                              "python -m tools.make_energon_dataset --kind conversation)")
+    for index, frames in numbered.items():
+        if isinstance(frames, dict):
+            if sorted(frames) != list(range(len(frames))):
+                raise BadSampleError(raw["__key__"], f"images[{index}]", f"has video frame "
+                                     f"parts numbered {sorted(frames)}; they must run 0..N-1")
+            numbered[index] = [frames[frame] for frame in sorted(frames)]
     legacy = [raw[part] for part in IMAGE_PARTS if part in raw]
     return legacy + [numbered[index] for index in sorted(numbered)]
 

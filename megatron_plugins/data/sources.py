@@ -27,6 +27,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Mock data only: each sample holds MIN to MAX items (images, clips) "
                             "per encoder, drawn uniformly (0: a text-only sample for that "
                             "encoder); one number N for exactly N. Default 0:2.")
+    group.add_argument("--mock-video-frames", type=int, default=0, metavar="N",
+                       help="Mock data only: for encoders that take videos (qwen2_5_vl), each "
+                            "item is, one time in two, a video of N frames at 2 fps instead of "
+                            "an image. Default 0 (images only).")
     group.add_argument("--balance-encoder-work", action="store_true",
                        help="Where an encoder has more DP replicas than the language model, let "
                             "the replicas that fill one language replica share its samples by "
@@ -55,6 +59,14 @@ def _items_per_sample(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _checkpoint_wrapping(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """``--hf-model``'s ids around each item's run (Qwen's ``<|vision_start|>`` /
+    ``<|vision_end|>``), for the mock to put them where the checkpoint's processor does."""
+    from megatron_plugins.weights.flags import checkpoint_item_wrapping
+
+    return checkpoint_item_wrapping(args)
+
+
 def _checkpoint_placeholders(args: argparse.Namespace) -> dict[str, int]:
     """``--hf-model``'s encoder and its checkpoint's image token: the mock marks that encoder's
     positions with it, so the checkpoint's language model reads image features where HF does."""
@@ -72,7 +84,13 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
     items = (1, 1) if args.data_path else _items_per_sample(args.mock_items_per_sample)
-    encoder_tokens = max_encoder_tokens(list(plugins.values()), items[1])
+    frames = 0 if args.data_path else getattr(args, "mock_video_frames", 0)
+    if frames < 0:
+        raise DataFlagError(f"--mock-video-frames {frames}: give 0 (images only) or a number of "
+                            "frames >= 1")
+    wrapping = _checkpoint_wrapping(args)
+    encoder_tokens = (max_encoder_tokens(list(plugins.values()), items[1], frames)
+                      + 2 * items[1] * len(wrapping))
     if encoder_tokens + 2 > args.seq_length:
         per = (f"{items[1]} items per encoder (--mock-items-per-sample "
                f"{args.mock_items_per_sample})" if items[1] > 1 else "one item per encoder")
@@ -85,7 +103,8 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
                           vocab_size=args.vocab_size, plugins=dict(plugins),
                           items_per_sample=items,
                           mrope=args.position_embedding_type == "mrope",
-                          placeholder_ids=_checkpoint_placeholders(args))
+                          placeholder_ids=_checkpoint_placeholders(args), wrapping=wrapping,
+                          video_frames=frames)
     if len(args.data_path) != 1:
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "

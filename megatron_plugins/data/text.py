@@ -144,8 +144,12 @@ class PromptTokenizer:
 
     def __init__(self, folder: str, special_tokens: Sequence[str], encoders: Sequence[str],
                  hf: Any, chat_template: str | None = None,
-                 checkpoint_tokens: Mapping[str, int] | None = None) -> None:
+                 checkpoint_tokens: Mapping[str, int] | None = None,
+                 wrapping: Mapping[str, tuple[int, int]] | None = None) -> None:
         self.folder = folder
+        self.wrapping = dict(wrapping or {})
+        """Encoder -> (start, end) ids around each of its runs (Qwen's ``<|vision_start|>`` /
+        ``<|vision_end|>``), as the checkpoint's own processor puts them."""
         self.chat_template: str | None = chat_template or getattr(hf, "chat_template", None)
         self.special_tokens = tuple(special_tokens)
         self._hf = hf
@@ -161,7 +165,8 @@ class PromptTokenizer:
     def load(cls, folder: str, encoders: Sequence[str], padded_vocab_size: int,
              special_tokens: Sequence[str] | None = None,
              chat_template: str | None = None,
-             checkpoint_tokens: Mapping[str, int] | None = None) -> PromptTokenizer:
+             checkpoint_tokens: Mapping[str, int] | None = None,
+             wrapping: Mapping[str, tuple[int, int]] | None = None) -> PromptTokenizer:
         """Load ``folder`` (``--tokenizer-model``) with ``special_tokens_flag(special_tokens,
         encoders)`` added; a :class:`FlagError` when it cannot serve the run.
 
@@ -170,7 +175,9 @@ class PromptTokenizer:
         ``chat_template`` (Jinja text, from ``--chat-template``) replaces the tokenizer's own;
         ``checkpoint_tokens`` (encoder -> id) marks those encoders' positions with a pretrained
         model's own token (``--hf-model``'s image token, e.g. Qwen's ``<|image_pad|>``) instead of
-        the added ``<NAME>``.
+        the added ``<NAME>``; ``wrapping`` (encoder -> (start, end) ids) puts those ids around
+        each of that encoder's runs where the text does not already (Qwen's
+        ``<|vision_start|>`` / ``<|vision_end|>``).
         """
         tokens = special_tokens_flag(special_tokens, encoders)
         hf = _load_hf(folder, tokens)
@@ -178,8 +185,10 @@ class PromptTokenizer:
             raise FlagError(f"--tokenizer-model {folder} has no end-of-sequence token (eos_token); "
                             "the loss trains the model to end its answer, so use a tokenizer "
                             "with one")
-        tokenizer = cls(folder, tokens, encoders, hf, chat_template, checkpoint_tokens)
-        for name, token_id in (checkpoint_tokens or {}).items():
+        tokenizer = cls(folder, tokens, encoders, hf, chat_template, checkpoint_tokens, wrapping)
+        marks = [(name, token_id) for name, token_id in (checkpoint_tokens or {}).items()]
+        marks += [(name, token_id) for name, ids in (wrapping or {}).items() for token_id in ids]
+        for name, token_id in marks:
             if not 0 <= token_id < len(hf):
                 raise FlagError(f"--tokenizer-model {folder} has {len(hf)} tokens, but the "
                                 f"checkpoint marks encoder {name}'s positions with id {token_id}; "
@@ -242,7 +251,8 @@ class PromptTokenizer:
         if unknown:
             raise ValueError(f"encoders {unknown} have no placeholder token in this tokenizer")
         prefix = [] if self.bos_id is None else [self.bos_id]
-        prefix += [self.placeholder_ids[name] for name, count in encoder_blocks for _ in range(count)]
+        for name, count in encoder_blocks:
+            prefix += self._wrapped(name, [self.placeholder_ids[name]] * count)
         if len(prefix) > seq_length:
             raise ValueError(f"{len(prefix)} encoder positions do not fit in {seq_length} tokens")
         context = prefix + self._ids(text.prompt)[: seq_length - len(prefix)]
@@ -258,6 +268,18 @@ class PromptTokenizer:
         return EncodedText(tokens=tokens, labels=labels, loss_mask=loss_mask,
                            position_ids=torch.arange(seq_length, dtype=torch.int64),
                            truncated=len(kept) < len(answer), length=len(ids))
+
+    def _wrapped(self, name: str, run: list[int]) -> list[int]:
+        """``run`` between the encoder's start and end ids, where it has them."""
+        if name not in self.wrapping:
+            return run
+        start, end = self.wrapping[name]
+        return [start, *run, end]
+
+    def _marker_text(self, name: str) -> str:
+        """What a marker becomes in the rendered text: the token of the encoder's placeholder
+        id (the checkpoint's own, e.g. ``<|image_pad|>``, or the added ``<NAME>``)."""
+        return str(self._hf.convert_ids_to_tokens(self.placeholder_ids[name]))
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         from jinja2 import TemplateError
@@ -276,8 +298,9 @@ class PromptTokenizer:
         at the start of the first user turn)."""
         turns = [list(turn) for turn in conversation.turns]
         for name in markers:
-            if any(placeholder_token(name) in content for _, content in turns):
-                raise ValueError(f"a turn holds {placeholder_token(name)} as text")
+            token = self._marker_text(name)
+            if token != markers[name] and any(token in content for _, content in turns):
+                raise ValueError(f"a turn holds {token} as text")
         for name, marker in markers.items():
             count, wanted = sum(content.count(marker) for _, content in turns), items.get(name, 0)
             if count and count != wanted:
@@ -291,7 +314,7 @@ class PromptTokenizer:
                                      f"{wanted} item{'s' * (wanted != 1)} in")
                 first_user[1] = f"{marker}\n" * wanted + first_user[1]
             for turn in turns:
-                turn[1] = turn[1].replace(marker, placeholder_token(name))
+                turn[1] = turn[1].replace(marker, self._marker_text(name))
         return [{"role": role, "content": content} for role, content in turns]
 
     def _assistant_spans(self, messages: list[dict[str, str]], rendered: str) -> list[range]:
@@ -338,16 +361,22 @@ class PromptTokenizer:
         ids: list[int] = []
         trained: list[bool] = []
         in_run: list[bool] = []
-        for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        rendered_ids = encoded["input_ids"]
+        for index, (token_id, (start, end)) in enumerate(zip(rendered_ids,
+                                                             encoded["offset_mapping"])):
             if token_id in by_id:
                 name = by_id[token_id]
                 if not pending[name]:
                     raise ValueError(f"the chat template rendered more {markers[name]} markers "
                                      f"than its {len(runs[name])} items")
                 count = pending[name].pop(0)
-                ids += [token_id] * count
-                trained += [False] * count
-                in_run += [True] * count
+                run = self._wrapped(name, [token_id] * count)
+                if name in self.wrapping:  # text that already wraps the marker keeps its own
+                    following = rendered_ids[index + 1: index + 2]
+                    run = run[(ids[-1:] == run[:1]):len(run) - (following == run[-1:])]
+                ids += run
+                trained += [False] * len(run)
+                in_run += [token == token_id for token in run]
             else:
                 ids.append(token_id)
                 # Overlap, not containment: a first content token may carry the space before it.

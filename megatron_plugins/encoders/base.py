@@ -158,11 +158,16 @@ class MediaPreprocessor(abc.ABC):
     sample_rate: int | None = None
     """Audio only: the rate waveforms must have (None: any); synthetic audio is made at it."""
 
+    takes_video: ClassVar[bool] = False
+    """Image only: it also takes a :class:`megatron_plugins.data.media.Video` (frames of one
+    size) as an item, which a sample gives as a list of frame images."""
+
     @abc.abstractmethod
     def __call__(self, media: Any) -> dict[str, torch.Tensor]:
         """Keyword inputs of the encoder for one item, without a batch dimension.
 
-        ``media`` is a uint8 ``[H, W, 3]`` RGB ``numpy.ndarray`` for ``"image"`` and a
+        ``media`` is a uint8 ``[H, W, 3]`` RGB ``numpy.ndarray`` (or, with :attr:`takes_video`,
+        a :class:`megatron_plugins.data.media.Video`) for ``"image"`` and a
         :class:`megatron_plugins.data.media.Waveform` for ``"audio"``. Raise ``ValueError`` for
         media it cannot use; the data source reports it with the sample's key.
         """
@@ -212,16 +217,18 @@ class EncoderPlugin(abc.ABC):
 
     def item_tokens(self, size: tuple[int, ...]) -> int:
         """Positions one item of this ``size`` fills (:func:`megatron_plugins.data.media.
-        media_size`: ``(height, width)`` of an image, ``(samples, rate)`` of audio); at most
+        media_size`: ``(height, width)`` of an image, ``(frames, height, width, fps)`` of a video,
+        ``(samples, rate)`` of audio); for an image or audio at most
         :attr:`tokens_per_item`. A pure function of the size: the language ranks call it on
         sizes read from the sample's metadata, the encoder ranks must produce exactly that many."""
         return self.tokens_per_item
 
-    def item_grid(self, size: tuple[int, ...]) -> tuple[int, int, int] | None:
+    def item_grid(self, size: tuple[int, ...]) -> tuple[int, ...] | None:
         """The ``(t, h, w)`` layout of an item's language tokens for multimodal RoPE
         (``t * h * w == item_tokens(size)``), a pure function of the size like
-        :meth:`item_tokens`; None (the default) gives the item's tokens consecutive positions,
-        as text has."""
+        :meth:`item_tokens`; a video's may add a fourth entry, the temporal positions between
+        its steps (:mod:`megatron_plugins.data.positions`). None (the default) gives the item's
+        tokens consecutive positions, as text has."""
         return None
 
     @property

@@ -21,6 +21,7 @@ language model adds to its hidden states after its first L layers
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_plugins.encoders.hf_vision import HALF
 from megatron_plugins.encoders.packed_attention import packed_seq_params
 from megatron_plugins.encoders.qwen_vision import (
+    QwenImagePreprocessor,
     QwenVisionEncoder,
     merge_block_positions,
     packed_decoder,
@@ -41,7 +43,8 @@ from megatron_plugins.encoders.qwen_vision import (
 )
 from megatron_plugins.weights.vision_families import QWEN3_VL_VISION
 
-__all__ = ["PatchMerger", "Qwen3Mergers", "Qwen3ViT", "Qwen3VisionEncoder", "position_taps"]
+__all__ = ["PatchMerger", "Qwen3ImagePreprocessor", "Qwen3Mergers", "Qwen3ViT", "Qwen3VisionEncoder",
+           "position_taps"]
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")
 """A whole Qwen3-VL model's ``model_type`` and its vision config's."""
@@ -166,6 +169,14 @@ class Qwen3Mergers(MegatronModule):
         return torch.cat([merger(part) for merger, part in zip(mergers, parts)], dim=-1)
 
 
+@dataclass(frozen=True)
+class Qwen3ImagePreprocessor(QwenImagePreprocessor):
+    """Qwen2-VL's image preprocessing at Qwen3-VL's sizes. Videos are refused: Qwen3-VL places
+    their frames with timestamp text, which the data path does not write."""
+
+    takes_video: ClassVar[bool] = False
+
+
 class Qwen3VisionEncoder(QwenVisionEncoder):
     """Qwen3-VL's vision tower; its merger and DeepStack mergers are the projection to the
     language model, which adds the :attr:`deepstack_levels` extra feature levels."""
@@ -177,6 +188,7 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
     config_class = "Qwen3VLVisionConfig"
     default_mean, default_std = HALF, HALF
     default_pixels: ClassVar[tuple[int, int]] = DEFAULT_PIXELS
+    preprocessor_class = Qwen3ImagePreprocessor
     gated = False
     normalization = "LayerNorm"
 

@@ -4,8 +4,10 @@
 The folder given as ``--encoder-hf-weights NAME=DIR`` (a whole Qwen2.5-VL folder, or one of just
 its vision model) shapes the tower and holds its weights. Each image is resized to multiples of
 ``patch_size * spatial_merge_size`` within the processor's pixel range (Qwen2-VL's
-``smart_resize``), cut into patches with each 2x2 merge block contiguous, and a microbatch's images
-run as one packed sequence: patches reordered by attention window, 2D rotary positions, window
+``smart_resize``), cut into patches with each 2x2 merge block contiguous; a video (a
+:class:`~megatron_plugins.data.media.Video`, an item of the same encoder) is resized frame by
+frame as HF's video processor does, its frames paired by ``temporal_patch_size``. A microbatch's
+images and videos run as one packed sequence: patches reordered by attention window, 2D rotary positions, window
 attention in most layers and whole-image attention in ``fullatt_block_indexes``, RMSNorm, SwiGLU,
 then the merger's ``ln_q`` and 2x2 merge, back in image order. The merger's MLP is the modality's
 input projection (:meth:`QwenVisionEncoder.projection_spec`), loaded from the same folder, so the
@@ -29,6 +31,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_plugins.data.media import Video
 from megatron_plugins.encoders.base import (
     EncoderPluginError,
     MediaPreprocessor,
@@ -54,6 +57,9 @@ TOWER_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu}
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 """Qwen2-VL's image processor's pixel range when preprocessor_config.json gives none."""
+DEFAULT_VIDEO_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_VIDEO_MAX_PIXELS = 28 * 28 * 768
+"""Qwen2-VL's video processor's per-frame pixel range when its config gives none."""
 
 
 def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -74,10 +80,13 @@ def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int,
 class QwenImagePreprocessor(MediaPreprocessor):
     """HF's ``Qwen2VLImageProcessor`` (PIL) for one still image: resize to
     :func:`qwen_smart_resize`, rescale, normalize, repeat over ``temporal_patch_size`` frames,
-    flatten patches with each ``merge_size`` x ``merge_size`` block contiguous; a microbatch's
-    images are packed."""
+    flatten patches with each ``merge_size`` x ``merge_size`` block contiguous; HF's
+    ``Qwen2VLVideoProcessor`` for a :class:`Video` (torch's antialiased bicubic resize within the
+    video pixel range, the last frame repeated up to a multiple of ``temporal_patch_size``); a
+    microbatch's items are packed."""
 
     media: ClassVar[str] = "image"
+    takes_video: ClassVar[bool] = True
     patch_size: int
     merge_size: int
     temporal_patch_size: int
@@ -87,17 +96,61 @@ class QwenImagePreprocessor(MediaPreprocessor):
     rescale_factor: float
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    video_min_pixels: int = DEFAULT_VIDEO_MIN_PIXELS
+    video_max_pixels: int = DEFAULT_VIDEO_MAX_PIXELS
 
-    def grid(self, height: int, width: int) -> tuple[int, int]:
-        """The patch grid (rows, columns) of a ``height`` x ``width`` image."""
+    def grid(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+        """The patch grid (rows, columns) of a ``height`` x ``width`` image (or video frame)."""
+        pixels = ((self.video_min_pixels, self.video_max_pixels) if video
+                  else (self.min_pixels, self.max_pixels))
         new_height, new_width = qwen_smart_resize(height, width, self.patch_size * self.merge_size,
-                                                  self.min_pixels, self.max_pixels)
+                                                  *pixels)
         return new_height // self.patch_size, new_width // self.patch_size
 
-    def __call__(self, media: np.ndarray) -> dict[str, torch.Tensor]:
+    def item_grid(self, size: tuple[int | float, ...]) -> tuple[int, int, int]:
+        """(temporal, rows, columns) patches of an item of this
+        :func:`~megatron_plugins.data.media.media_size`: ``(height, width)`` or a video's
+        ``(frames, height, width, fps)``."""
+        if len(size) == 2:
+            return (1, *self.grid(int(size[0]), int(size[1])))
+        frames = int(size[0])
+        return (-(-frames // self.temporal_patch_size),
+                *self.grid(int(size[1]), int(size[2]), video=True))
+
+    def _video(self, video: Video) -> dict[str, torch.Tensor]:
+        """As HF's ``Qwen2VLVideoProcessor`` (``pixel_values_videos`` / ``video_grid_thw``)."""
+        frames = video.frames
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise ValueError(f"video frames {frames.dtype} {list(frames.shape)}: expected uint8 "
+                             "[frames, height, width, 3]")
+        _, rows, columns = self.item_grid(frames.shape[:3] + (video.fps,))
+        p, m, span = self.patch_size, self.merge_size, self.temporal_patch_size
+        pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+        if (rows * p, columns * p) != tuple(pixels.shape[-2:]):
+            # torchvision's uint8 bicubic resize on CPU, which HF's video processor calls.
+            pixels = F.interpolate(pixels, size=(rows * p, columns * p), mode="bicubic",
+                                   align_corners=False, antialias=True)
+        scale = 1.0 / self.rescale_factor
+        mean = (torch.tensor(self.mean) * scale)[:, None, None]
+        std = (torch.tensor(self.std) * scale)[:, None, None]
+        pixels = (pixels.to(torch.float32) - mean) / std
+        if pad := -len(pixels) % span:
+            pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
+        steps = len(pixels) // span
+        # (step, block row, block column, row in block, column in block, channel, frame, y, x).
+        patches = pixels.reshape(steps, span, 3, rows // m, m, p, columns // m, m, p)
+        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return {"pixel_values": patches.reshape(steps * rows * columns,
+                                                3 * span * p * p).contiguous(),
+                "grid_thw": torch.tensor([steps, rows, columns], dtype=torch.int64)}
+
+    def __call__(self, media: np.ndarray | Video) -> dict[str, torch.Tensor]:
         """uint8 ``[H, W, 3]`` -> ``{"pixel_values": float32 [rows * columns, 3 * T * p * p],
         "grid_thw": int64 [3] (1, rows, columns)}``, as HF's ``pixel_values`` /
-        ``image_grid_thw``."""
+        ``image_grid_thw``; a :class:`Video` -> its ``[steps * rows * columns, ...]`` patches
+        and ``(steps, rows, columns)``."""
+        if isinstance(media, Video):
+            return self._video(media)
         rows, columns = self.grid(*media.shape[:2])
         p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
         image = Image.fromarray(media).resize((columns * p, rows * p),
@@ -258,6 +311,8 @@ class QwenVisionEncoder(HFVisionEncoder):
     """The transformers vision config class validating ``config.json``."""
     default_mean, default_std = CLIP_MEAN, CLIP_STD
     default_pixels: ClassVar[tuple[int, int]] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    preprocessor_class: ClassVar[type[QwenImagePreprocessor]] = QwenImagePreprocessor
+    """The preprocessing; a tower whose videos are laid out otherwise gives one without them."""
     """(min_pixels, max_pixels) when preprocessor_config.json gives none."""
     activations: ClassVar[dict[str, Any]] = TOWER_ACTIVATIONS
     gated: ClassVar[bool] = True
@@ -311,53 +366,90 @@ class QwenVisionEncoder(HFVisionEncoder):
             problems.append(f"window_size {window} below patch_size * spatial_merge_size")
         return problems
 
-    def _read_preprocessor(self) -> QwenImagePreprocessor:
-        """preprocessor_config.json's recipe (the class defaults where it is silent); its
-        patch, merge and temporal sizes must be the model's."""
-        where = f"{self.where}: preprocessor_config.json"
-        hf = self.hf_config
-        config = self._read_json("preprocessor_config.json") or {}
-        for key, value in (("patch_size", hf.patch_size), ("merge_size", hf.spatial_merge_size),
-                           ("temporal_patch_size", hf.temporal_patch_size)):
-            if config.get(key, value) != value:
-                raise EncoderPluginError(f"{where} {key} {config[key]} is not the model's "
-                                         f"{value}; fix {key}")
-        for flag in ("do_resize", "do_rescale", "do_normalize"):
-            if not config.get(flag, True):
-                raise EncoderPluginError(f"{where} {flag} false is not supported")
+    def _video_config(self) -> tuple[str, dict]:
+        """The video processor's settings as HF finds them: ``processor_config.json``'s
+        ``video_processor``, else video_preprocessor_config.json, else preprocessor_config.json
+        (whose image pixel range then holds for videos too)."""
+        nested = (self._read_json("processor_config.json") or {}).get("video_processor")
+        if nested is not None:
+            return "processor_config.json video_processor", nested
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            config = self._read_json(name)
+            if config is not None:
+                return name, config
+        return "", {}
+
+    def _pixel_range(self, where: str, config: dict, least: int, most: int) -> tuple[int, int]:
+        """``min_pixels`` / ``max_pixels`` (or ``size``'s shortest / longest edge) of a processor
+        config, refused in one line when they leave no merge block."""
         size = config.get("size") or {}
-        default_min, default_max = self.default_pixels
-        min_pixels = config.get("min_pixels", size.get("shortest_edge", default_min))
-        max_pixels = config.get("max_pixels", size.get("longest_edge", default_max))
-        factor = hf.patch_size * hf.spatial_merge_size
+        min_pixels = config.get("min_pixels", size.get("shortest_edge", least))
+        max_pixels = config.get("max_pixels", size.get("longest_edge", most))
+        factor = self.hf_config.patch_size * self.hf_config.spatial_merge_size
         if not 0 < min_pixels <= max_pixels or max_pixels < factor * factor:
             raise EncoderPluginError(f"{where} min_pixels {min_pixels} / max_pixels {max_pixels} "
                                      f"leave no {factor}x{factor}-pixel grid; fix them")
-        return QwenImagePreprocessor(
+        return int(min_pixels), int(max_pixels)
+
+    def _read_preprocessor(self) -> QwenImagePreprocessor:
+        """preprocessor_config.json's recipe (HF's Qwen2-VL defaults where it is silent), the
+        video pixel range from the video processor's config; its patch, merge and temporal sizes
+        must be the model's."""
+        where = f"{self.where}: preprocessor_config.json"
+        hf = self.hf_config
+        config = self._read_json("preprocessor_config.json") or {}
+        video_file, video = self._video_config()
+        for file, settings in ((where, config), (f"{self.where}: {video_file}", video)):
+            for key, value in (("patch_size", hf.patch_size),
+                               ("merge_size", hf.spatial_merge_size),
+                               ("temporal_patch_size", hf.temporal_patch_size)):
+                if settings.get(key, value) != value:
+                    raise EncoderPluginError(f"{file} {key} {settings[key]} is not the model's "
+                                             f"{value}; fix {key}")
+            for flag in ("do_resize", "do_rescale", "do_normalize"):
+                if not settings.get(flag, True):
+                    raise EncoderPluginError(f"{file} {flag} false is not supported")
+        min_pixels, max_pixels = self._pixel_range(where, config, *self.default_pixels)
+        video_pixels = self._pixel_range(f"{self.where}: {video_file}", video,
+                                         DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS)
+        return self.preprocessor_class(
             patch_size=hf.patch_size, merge_size=hf.spatial_merge_size,
-            temporal_patch_size=hf.temporal_patch_size, min_pixels=int(min_pixels),
-            max_pixels=int(max_pixels),
+            temporal_patch_size=hf.temporal_patch_size, min_pixels=min_pixels,
+            max_pixels=max_pixels,
             resample=int(config.get("resample", Image.Resampling.BICUBIC)),
             rescale_factor=float(config.get("rescale_factor", 1 / 255)),
             mean=tuple(float(v) for v in config.get("image_mean", self.default_mean)),
-            std=tuple(float(v) for v in config.get("image_std", self.default_std)))
+            std=tuple(float(v) for v in config.get("image_std", self.default_std)),
+            video_min_pixels=video_pixels[0], video_max_pixels=video_pixels[1])
 
     @property
     def tokens_per_item(self) -> int:
-        """Merged tokens of the largest grid within max_pixels."""
+        """Merged tokens of the largest image grid within max_pixels (a video's count grows with
+        its frames: :meth:`item_tokens`)."""
         factor = self.hf_config.patch_size * self.hf_config.spatial_merge_size
         return self._preprocessor.max_pixels // (factor * factor)
 
-    def item_tokens(self, size: tuple[int, ...]) -> int:
-        """Merged tokens (language positions) of an image of this (height, width)."""
-        _, rows, columns = self.item_grid(size)
-        return rows * columns
+    def item_tokens(self, size: tuple[int | float, ...]) -> int:
+        """Merged tokens (language positions) of an image of this (height, width), or of a video
+        of this (frames, height, width, fps)."""
+        steps, rows, columns = self.item_grid(size)[:3]
+        return steps * rows * columns
 
-    def item_grid(self, size: tuple[int, ...]) -> tuple[int, int, int]:
-        """(1, merged rows, merged columns) of an image of this (height, width)."""
-        rows, columns = self._preprocessor.grid(size[0], size[1])
+    def item_grid(self, size: tuple[int | float, ...]) -> tuple[int, ...]:
+        """(1, merged rows, merged columns) of an image; a video's (temporal steps, merged rows,
+        merged columns, time interval): its steps' temporal positions lie ``tokens_per_second *
+        temporal_patch_size / fps`` apart, in float32 as transformers computes them."""
+        steps, rows, columns = self._preprocessor.item_grid(size)
         merge = self.hf_config.spatial_merge_size
-        return 1, rows // merge, columns // merge
+        if len(size) == 2:
+            return 1, rows // merge, columns // merge
+        seconds = torch.tensor(self.hf_config.temporal_patch_size / size[3], dtype=torch.float32)
+        return steps, rows // merge, columns // merge, float(seconds * self.tokens_per_second)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The vision config's ``tokens_per_second``: temporal positions per second of video."""
+        return self.hf_config.tokens_per_second
 
     def _check_language(self, language_hidden_size: int) -> None:
         out = self.hf_config.out_hidden_size

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
+from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, norm_rules
 
 __all__ = ["WHISPER_ENCODER", "WHISPER_MODEL_TYPE", "whisper_source_config"]
 
@@ -24,11 +24,6 @@ WHISPER_MODEL_TYPE = "whisper"
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "layers.{layer}."
-
-
-def _norm(megatron: str, hf: str, te: bool = False) -> tuple[Rule, ...]:
-    prefix = "layer_norm_" if te else ""
-    return tuple(Rule(f"{megatron}.{prefix}{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
 
 
 def _qkv(part: str) -> tuple[str, str, str]:
@@ -41,21 +36,21 @@ RULES = (
     Rule("conv2.weight", ("conv2.weight",)),
     Rule("conv2.bias", ("conv2.bias",)),
     Rule("embed_positions", ("embed_positions.weight",)),
-    *_norm(f"{LAYER}input_layernorm", f"{HF_LAYER}self_attn_layer_norm"),
-    *_norm(f"{LAYER}self_attention.linear_qkv", f"{HF_LAYER}self_attn_layer_norm", te=True),
+    *norm_rules(f"{LAYER}input_layernorm", f"{HF_LAYER}self_attn_layer_norm"),
+    *norm_rules(f"{LAYER}self_attention.linear_qkv", f"{HF_LAYER}self_attn_layer_norm", te=True),
     Rule(f"{LAYER}self_attention.linear_qkv.weight", _qkv("weight"), "qkv", tp_dim=0),
     Rule(f"{LAYER}self_attention.linear_qkv.bias", _qkv("bias"), "qkv", tp_dim=0,
          absent_zero=(1,)),
     Rule(f"{LAYER}self_attention.linear_proj.weight", (f"{HF_LAYER}self_attn.out_proj.weight",),
          tp_dim=1),
     Rule(f"{LAYER}self_attention.linear_proj.bias", (f"{HF_LAYER}self_attn.out_proj.bias",)),
-    *_norm(f"{LAYER}pre_mlp_layernorm", f"{HF_LAYER}final_layer_norm"),
-    *_norm(f"{LAYER}mlp.linear_fc1", f"{HF_LAYER}final_layer_norm", te=True),
+    *norm_rules(f"{LAYER}pre_mlp_layernorm", f"{HF_LAYER}final_layer_norm"),
+    *norm_rules(f"{LAYER}mlp.linear_fc1", f"{HF_LAYER}final_layer_norm", te=True),
     Rule(f"{LAYER}mlp.linear_fc1.weight", (f"{HF_LAYER}fc1.weight",), tp_dim=0),
     Rule(f"{LAYER}mlp.linear_fc1.bias", (f"{HF_LAYER}fc1.bias",), tp_dim=0),
     Rule(f"{LAYER}mlp.linear_fc2.weight", (f"{HF_LAYER}fc2.weight",), tp_dim=1),
     Rule(f"{LAYER}mlp.linear_fc2.bias", (f"{HF_LAYER}fc2.bias",)),
-    *_norm("decoder.final_layernorm", "layer_norm"),
+    *norm_rules("decoder.final_layernorm", "layer_norm"),
 )
 
 OTHER_MODEL = (r"(model\.)?decoder\.", r"proj_out\.", r"projector\.", r"classifier\.",

@@ -28,7 +28,7 @@ from megatron_plugins.weights.vlm_families import (
 
 __all__ = [
     "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
-    "checkpoint_image_token",
+    "checkpoint_image_token", "checkpoint_item_wrapping",
     "check_safetensors", "encoder_assignments", "encoder_family", "encoder_folders",
     "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "implied_language_args",
     "language_origin"
@@ -130,6 +130,21 @@ def checkpoint_image_token(args: argparse.Namespace) -> dict[str, int]:
         return {}
     vlm, config = read_vlm(args.hf_model)
     return {name: vlm.image_token_id(config)}
+
+
+def checkpoint_item_wrapping(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """``{encoder: (start, end)}``: the ids ``--hf-model``'s checkpoint puts around each item's
+    run (config.json ``vision_start_token_id`` / ``vision_end_token_id``, Qwen's
+    ``<|vision_start|>`` / ``<|vision_end|>``), where its vocabulary holds both; else empty."""
+    name = hf_model_encoder(args)
+    if name is None:
+        return {}
+    _, config = read_vlm(args.hf_model)
+    ids = (config.get("vision_start_token_id"), config.get("vision_end_token_id"))
+    vocab = (config.get("text_config") or config).get("vocab_size")
+    if None in ids or vocab is None or not all(0 <= int(i) < int(vocab) for i in ids):
+        return {}
+    return {name: (int(ids[0]), int(ids[1]))}
 
 
 USER_MAY_SET = {"untie_embeddings_and_output_weights": True}

@@ -18,7 +18,7 @@ from typing import Any
 from megatron_plugins.errors import UsageError
 
 __all__ = ["PROJECTION", "TOWER", "Bound", "Family", "HFWeightsError", "Heads", "Rule",
-           "includes_projection", "split_projection"]
+           "includes_projection", "norm_rules", "split_projection"]
 
 TOWER = "encoder."
 """Prefix of the encoder network's parameters in a family that includes the projection."""
@@ -82,6 +82,13 @@ class Rule:
         for key in PLACEHOLDERS:
             text = text.replace(re.escape("{" + key + "}"), f"(?P<{key}>[0-9]+)")
         return re.compile(text + "$")
+
+
+def norm_rules(megatron: str, hf: str, te: bool = False) -> tuple[Rule, ...]:
+    """A LayerNorm's weight and bias rules; ``te``: the Transformer Engine spec's, fused into the
+    following linear (``layer_norm_weight`` / ``layer_norm_bias``)."""
+    prefix = "layer_norm_" if te else ""
+    return tuple(Rule(f"{megatron}.{prefix}{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from megatron_plugins.weights.hf_folder import HFCheckpoint
-from megatron_plugins.weights.mapping import PROJECTION, TOWER, Family, HFWeightsError, Rule
+from megatron_plugins.weights.mapping import (
+    PROJECTION,
+    TOWER,
+    Family,
+    HFWeightsError,
+    Rule,
+    norm_rules,
+)
 
 __all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION",
            "SIGLIP_VISION", "untrained_tensors"]
@@ -30,11 +37,11 @@ HF_LAYER = "encoder.layers.{layer}."
 
 
 def _norm(megatron: str, hf: str) -> tuple[Rule, ...]:
-    return tuple(Rule(f"{megatron}.{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
+    return norm_rules(megatron, hf)
 
 
 def _te_norm(megatron: str, hf: str) -> tuple[Rule, ...]:
-    return tuple(Rule(f"{megatron}.layer_norm_{p}", (f"{hf}.{p}",)) for p in ("weight", "bias"))
+    return norm_rules(megatron, hf, te=True)
 
 
 LAYER_RULES = (

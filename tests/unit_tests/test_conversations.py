@@ -18,8 +18,8 @@ from PIL import Image
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
 from megatron_plugins.data.media import BadSampleError, encode_png
 from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
-from megatron_plugins.data.text import (Conversation, PromptTokenizer, media_marker,
-                                        read_chat_template)
+from megatron_plugins.data.text import (Conversation, PromptTokenizer, SampleText,
+                                        media_marker, read_chat_template)
 from megatron_plugins.errors import FlagError
 from tools.make_energon_dataset import make_dataset
 from tools.train_tokenizer import train_tokenizer
@@ -255,6 +255,30 @@ def test_llava_json_with_several_text_only_and_varied_images_converts(tmp_path: 
     assert samples["r2"].images == [] and kind.text(samples["r2"]).turns[1] == ("assistant",
                                                                                "four")
     assert len(samples["r5"].images) == 2 and len(samples["r3"].images) == 1
+
+
+def test_a_record_with_a_video_of_frame_files_converts_to_frame_parts(tmp_path: Path,
+                                                                     llava: Path) -> None:
+    """An ``image`` entry that is a list of paths is a video: its frames become parts
+    ``<key>.<item>.<frame>.<ext>`` and the loaded sample's item is the list of frame files."""
+    from tools.make_energon_dataset import DatasetError
+
+    frames = [_image(llava / f"frame{i}.png", (24, 16)) for i in range(3)]
+    records = [_llava(i) for i in range(10)]
+    records[0]["image"] = ["img0.png", frames]
+    records[0]["conversations"][2]["value"] = "and the shape in <video>"
+    (llava / "llava.json").write_text(json.dumps(records))
+    samples = _load_all(make_dataset(llava, llava / "llava.json", "conversation",
+                                     tmp_path / "energon", split=(80, 10, 10)))
+    assert samples["r0"].images == [(llava / "img0.png").read_bytes(),
+                                    [(llava / name).read_bytes() for name in frames]]
+    records[0]["image"][1] = [*frames, "img3.png"]
+    (llava / "llava.json").write_text(json.dumps(records))
+    with pytest.raises(DatasetError, match=r"record 0 \(id 'r0'\): image file .*img3.png is "
+                                           r"20x25 \(height x width\), not the 16x24 of its "
+                                           "video's first frame"):
+        make_dataset(llava, llava / "llava.json", "conversation", tmp_path / "again",
+                     split=(80, 10, 10))
 
 
 def test_sharegpt_text_only_records_convert(tmp_path: Path, llava: Path) -> None:
@@ -547,3 +571,119 @@ def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, 
         seen.update(len(c) for c in counts)
     assert seen == {0, 1, 2}
     assert moved == balance
+
+
+def _frames(count: int, size: tuple[int, int]) -> list[bytes]:
+    return [encode_png(np.full((*size, 3), 30 * index, dtype=np.uint8)) for index in range(count)]
+
+
+def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer, tmp_path):
+    """A conversation's second item is a video (a list of frame images, 4 fps): the language
+    ranks size its run from the frames' headers and place it as transformers' get_rope_index
+    places a video; the encoder ranks decode and preprocess it to that many tokens."""
+    from megatron_plugins.data.energon import _EncoderInputs
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+    from tests.mrope_models import IMAGE_TOKEN, hf_rope_index
+
+    qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    sample = _sample("v1", SIZES[:2], MULTI[:2])
+    sample.images[1] = {"frames": _frames(3, (16, 40)), "fps": 4}
+    fields, counts, _ = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96,
+                                    mrope=True)(sample)
+    assert counts == {"vision": (4, 2 * 10)}  # two temporal steps of 2x5 merged patches
+    items, encoder_counts, _ = _EncoderInputs(qwen, qwen.preprocessor())(sample)
+    assert encoder_counts == (4, 20)
+    assert [item["grid_thw"].tolist() for item in items] == [[1, 4, 4], [2, 4, 10]]
+    length = int(fields["length"])
+    tokens = fields["tokens"][:length] == tokenizer.placeholder_ids["vision"]
+    want = hf_rope_index((tokens * IMAGE_TOKEN)[None], [(1, 2, 2), (2, 2, 5)],
+                         seconds=[None, 2 / 4])[:, 0]
+    assert torch.equal(fields["position_ids"][:, :length], want)
+    # A <video> marker at the video gives the same prompt; one at the image is refused.
+    marked = dataclasses.replace(sample, conversation=sample.conversation.replace(
+        " and <image>", " and <video>"))
+    again, _, _ = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(marked)
+    assert torch.equal(again["tokens"], fields["tokens"])
+    swapped = dataclasses.replace(sample, conversation=sample.conversation.replace(
+        "<image> and <image>", "<video> and <image>"))
+    with pytest.raises(BadSampleError, match=r"^sample 'v1': field 'conversation' has the "
+                                             r"markers <video> <image> for the items <image> "
+                                             r"<video>; give one marker per item"):
+        _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(swapped)
+
+
+def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(tokenizer,
+                                                                               tmp_path):
+    from megatron_plugins.data.energon import _EncoderInputs
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+
+    qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    text = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)
+    encoder = _EncoderInputs(qwen, qwen.preprocessor())
+    sample = _sample("v2", SIZES[:1], TURNS)
+    sample.images[0] = [*_frames(2, (16, 16)), b"\x89PNG broken"]
+    for inputs in (text, encoder):
+        with pytest.raises(BadSampleError, match=r"^sample 'v2': field 'images\[0\]\[2\]' does "
+                                                 "not decode as an image"):
+            inputs(sample)
+    sample.images[0] = [*_frames(1, (16, 16)), *_frames(1, (16, 24))]
+    with pytest.raises(BadSampleError, match=r"field 'images\[0\]\[1\]' is 16x24 .* not the "
+                                             "16x16 of the video's first frame"):
+        text(sample)
+    vit = _native_vit()
+    with pytest.raises(BadSampleError, match=r"field 'images\[0\]' is a video .* which "
+                                             "--encoder vision=vit does not take"):
+        _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
+
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer_folder(chat_folder, tmp_path_factory):
+    """The chat tokenizer with Qwen's vision tokens, special as in Qwen's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(chat_folder, local_files_only=True)
+    hf.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    folder = tmp_path_factory.mktemp("qwen_tokenizer")
+    hf.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_plain_image_markers_give_the_prompt_qwens_processor_gives(qwen_tokenizer_folder,
+                                                                    monkeypatch):
+    """With the checkpoint's start / end ids, each ``<image>`` marker's run is wrapped in
+    ``<|vision_start|>`` / ``<|vision_end|>`` (a marker the record already wraps is not wrapped
+    twice): the ids equal Qwen2_5_VLProcessor's on the template's text with Qwen's own image
+    prompt."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    hf = AutoTokenizer.from_pretrained(qwen_tokenizer_folder, local_files_only=True)
+    start, end, pad = hf.convert_tokens_to_ids(QWEN_TOKENS)
+    images = [np.full((h, w, 3), 90, dtype=np.uint8) for h, w in SIZES]
+    # The image path only: the processor's video processor needs torchvision, absent here.
+    monkeypatch.setattr(Qwen2_5_VLProcessor, "check_argument_for_proper_class",
+                        lambda self, name, argument: None)
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=128, max_pixels=1280),
+        tokenizer=hf)
+    turns = (("user", "<image> and <image>\nwhich is red"), ("assistant", "the cat is red"),
+             ("user", "and this <|vision_start|><image><|vision_end|>"), ("assistant", "a mat"))
+    qwen_prompt = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = hf.apply_chat_template(
+        [{"role": role, "content": content.replace("<|vision_start|><image><|vision_end|>",
+                                                   "<image>").replace("<image>", qwen_prompt)}
+         for role, content in turns], tokenize=False)
+    inputs = processor(text=[text], images=images)
+    want = inputs["input_ids"][0]
+    counts = [int(grid.prod()) // 4 for grid in inputs["image_grid_thw"]]
+    tokenizer = PromptTokenizer.load(qwen_tokenizer_folder, ["image"], BIG,
+                                     checkpoint_tokens={"image": pad},
+                                     wrapping={"image": (start, end)})
+    ours = tokenizer.encode_conversation(Conversation(turns), [("image", c) for c in counts],
+                                         {"image": "<image>"}, 160)
+    assert ours.tokens[:ours.length].tolist() == want
+    assert want.count(start) == want.count(end) == 3 and want.count(pad) == sum(counts)
+    plain = tokenizer.encode(SampleText("", "a cat"), [("image", 4)], 16).tokens.tolist()
+    assert plain[plain.index(start):plain.index(end) + 1] == [start, *[pad] * 4, end]

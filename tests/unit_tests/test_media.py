@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 
 from megatron_plugins.data.media import (
+    DEFAULT_VIDEO_FPS,
     BadSampleError,
+    Video,
     Waveform,
     decode_audio,
     decode_image,
+    decode_item,
     encode_jpeg,
     encode_png,
     encode_wav,
+    media_size,
+    probe_item,
 )
 
 KEY = "shard_000/00042"
@@ -110,3 +115,30 @@ def test_a_wav_ending_inside_a_frame_is_a_bad_sample(cut):
 def test_24_bit_wav_is_refused_by_name():
     with pytest.raises(BadSampleError, match="field 'audio' is 24-bit WAV; only 8, 16 and 32-bit"):
         decode_audio(_wav(np.zeros(6, np.uint8), 3, 1), KEY)
+
+
+def test_a_list_of_frame_images_is_a_video_whose_size_its_headers_give():
+    frames = [_image(12, 20) + index for index in range(3)]
+    parts = [encode_png(frame) for frame in frames]
+    video = decode_item("image", parts, KEY, "images[1]")
+    assert isinstance(video, Video) and video.fps == DEFAULT_VIDEO_FPS
+    assert np.array_equal(video.frames, np.stack(frames))
+    timed = decode_item("image", {"frames": parts, "fps": 4}, KEY, "images[1]")
+    assert media_size(timed) == probe_item("image", {"frames": parts, "fps": 4}, KEY,
+                                           "images[1]") == (3, 12, 20, 4.0)
+    assert probe_item("image", parts[0], KEY, "images[0]") == (12, 20)
+
+
+@pytest.mark.parametrize("read", [decode_item, probe_item], ids=["decode", "probe"])
+def test_unreadable_or_inconsistent_frames_name_the_sample_and_frame(read):
+    good = encode_png(_image(12, 20))
+    with pytest.raises(BadSampleError, match=r"^sample 'shard_000/00042': field "
+                                             r"'images\[1\]\[2\]' does not decode as an image"):
+        read("image", [good, good, b"not an image"], KEY, "images[1]")
+    with pytest.raises(BadSampleError, match=r"field 'images\[1\]\[1\]' is 8x20 \(height x "
+                                             r"width\), not the 12x20 of the video's first frame"):
+        read("image", [good, encode_png(_image(8, 20))], KEY, "images[1]")
+    with pytest.raises(BadSampleError, match=r"field 'images\[1\]' is a video without frames"):
+        read("image", [], KEY, "images[1]")
+    with pytest.raises(BadSampleError, match=r"field 'images\[1\]' has fps -1"):
+        read("image", {"frames": [good], "fps": -1}, KEY, "images[1]")

@@ -146,6 +146,68 @@ def test_a_grid_that_does_not_hold_the_items_tokens_names_the_plugin() -> None:
         item_layout(plugin, (64, 80))
 
 
+VIDEO_SAMPLE = [
+    ("text", 3), ("video", (4, 16, 16, 2.0)), ("text", 2), ("image", (24, 40)),
+    ("video", (3, 21, 30, 3.0)), ("text", 1), ("video", (5, 13, 21, 8.0)), ("text", 1),
+    ("video", (2, 8, 8, 24.0)), ("image", (16, 16)), ("text", 2)]
+"""Text, videos of several frame counts and rates (seconds per step 1, 2/3, 1/4, 1/12) and
+images, an image and a video side by side (HF reads same-kind runs side by side as one)."""
+
+
+def test_video_and_image_positions_equal_transformers_get_rope_index(tmp_path) -> None:
+    """The ``qwen2_5_vl`` encoder's item grids (a video's time interval from tokens_per_second
+    and its fps) through the data's position code equal HF's get_rope_index given the same
+    items as images and videos (``video_grid_thw``, ``second_per_grid_ts``)."""
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+
+    encoder = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    tokens, layouts, grids, seconds = [], [], [], []
+    for kind, value in VIDEO_SAMPLE:
+        if kind == "text":
+            tokens += list(range(5, 5 + value))
+            continue
+        count, grid = item_layout(encoder, value)
+        tokens += [IMAGE_TOKEN] * count
+        layouts.append((count, grid))
+        grids.append(grid[:3])
+        seconds.append(2 / value[3] if kind == "video" else None)
+    assert [grid[0] for grid in grids] == [2, 1, 2, 3, 1, 1]
+    got = mrope_position_ids(torch.tensor(tokens), {IMAGE_TOKEN: layouts})
+    want = hf_rope_index(torch.tensor([tokens]), grids, seconds=seconds)[:, 0]
+    assert torch.equal(got, want)
+    assert (got[0].diff() < 0).any()  # a video's time positions pass the text after it, as HF
+
+
+def test_mock_video_items_are_laid_out_and_embedded_alike(tmp_path) -> None:
+    """``--mock-video-frames 3``: about half the items are 3-frame videos; each one's run, its
+    positions and the encoder's preprocessed grid follow from its drawn size alone."""
+    from megatron_plugins.data.media import Video
+    from megatron_plugins.errors import DataFlagError
+    from tests.hf_vision_models import plugin, save_tiny_qwen
+
+    encoder = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
+    source = MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": encoder},
+                        items_per_sample=(1, 2), mrope=True, video_frames=3)
+    preprocessor = encoder.preprocessor()
+    videos = 0
+    for index in range(8):
+        sizes = source.item_sizes("vision", "train", index)
+        media = source.media("vision", "train", index)
+        for size, item in zip(sizes, media):
+            grid = preprocessor(item)["grid_thw"].tolist()
+            assert encoder.item_tokens(size) == grid[0] * grid[1] * grid[2] // 4
+            if isinstance(item, Video):
+                videos += 1
+                assert item.frames.shape[:3] == size[:3] and grid[0] == 2
+        sample = source.text("train", index)
+        assert int((sample["tokens"] == source.special_token_ids["vision"]).sum()) == sum(
+            encoder.item_tokens(size) for size in sizes)
+    assert 3 <= videos < sum(len(source.item_sizes("vision", "train", i)) for i in range(8))
+    with pytest.raises(DataFlagError, match="--mock-video-frames 3: no --encoder takes videos"):
+        MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": _vit()},
+                   video_frames=3)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native-vit", "fixed-vit"])
 def test_mock_mrope_positions_follow_the_items_grids(native: bool) -> None:
     plugin = _vit(*(["--vit-native-resolution"] if native else []))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,58 @@ def test_preprocessing_equals_hf_qwen2_vl_image_processor(config, tmp_path):
     torch.testing.assert_close(got["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
 
 
+VIDEOS = ((3, 21, 30), (4, 16, 16), (5, 50, 30), (1, 7, 9), (2, 64, 8))
+"""(frames, height, width) of packed videos: odd frame counts (last frame repeated), resized up,
+down and not at all."""
+
+
+@pytest.mark.parametrize("config", [
+    {},  # the image processor's pixel range holds for videos (HF reads the same file)
+    {"size": {"shortest_edge": 300, "longest_edge": 700}, "patch_size": 4,
+     "temporal_patch_size": 2, "merge_size": 2},  # video_preprocessor_config.json's
+])
+def test_video_preprocessing_equals_hf_qwen2_vl_video_processor(config, tmp_path):
+    """HF's video processor (its uint8 bicubic resize needs torchvision, which the test extra
+    leaves out: skipped without it) on videos of several sizes and frame counts."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoVideoProcessor
+
+    from megatron_plugins.data.media import Video
+
+    folder = save_tiny_qwen(tmp_path / "qwen")
+    if config:
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(2)
+    videos = [rng.integers(0, 256, (*shape, 3), np.uint8) for shape in VIDEOS]
+    encoder = plugin("qwen2_5_vl", folder)
+    preprocessor = encoder.preprocessor()
+    got = preprocessor.collate([preprocessor(Video(video, 2.0)) for video in videos])
+    want = AutoVideoProcessor.from_pretrained(folder)(videos=videos, return_tensors="pt",
+                                                      cap_pixels_per_frame=False)
+    torch.testing.assert_close(got["grid_thw"], want["video_grid_thw"], rtol=0, atol=0)
+    torch.testing.assert_close(got["pixel_values"], want["pixel_values_videos"], rtol=0,
+                               atol=1e-6)
+    assert [encoder.item_tokens((*shape, 2.0)) for shape in VIDEOS] == [
+        int(grid.prod()) // 4 for grid in want["video_grid_thw"]]
+
+
+def test_a_video_at_grid_size_is_hf_image_processors_frames_paired(tmp_path):
+    """Without a resize (frames already on the 8-pixel grid) a video's patches are HF's image
+    processor's patches of its frames, frame ``2k`` and ``2k + 1`` in temporal step ``k``, the
+    last frame repeated to fill the last step."""
+    from megatron_plugins.data.media import Video
+
+    folder = save_tiny_qwen(tmp_path / "qwen")
+    frames = np.random.default_rng(3).integers(0, 256, (3, 16, 24, 3), np.uint8)
+    preprocessor = plugin("qwen2_5_vl", folder).preprocessor()
+    got = preprocessor(Video(frames, 2.0))
+    assert got["grid_thw"].tolist() == [2, 4, 6]
+    stills = qwen_processor(folder)(list(frames), return_tensors="pt")["pixel_values"]
+    stills = stills.view(3, 24, 3, 2, 16)[:, :, :, 0]  # each image's two equal copies: one
+    paired = torch.stack([stills[[0, 2]], stills[[1, 2]]], dim=3)  # [step, patch, c, t, 16]
+    torch.testing.assert_close(got["pixel_values"], paired.reshape(48, 96), rtol=0, atol=1e-6)
+
+
 def test_errors_name_the_flag_and_both_sizes_or_types(tmp_path):
     from tests.hf_vision_models import language_config
 
@@ -148,9 +201,12 @@ def test_trained_tower_and_merger_export_to_a_vision_folder_transformers_reprodu
     for name in ("blocks.0.attn.qkv.weight", "merger.mlp.0.weight"):
         assert not torch.equal(exported[name], original[name]), name  # it trained
     assert not (out / "projections.safetensors").exists()
-    (out / "vision" / "preprocessor_config.json").write_text(
-        (qwen / "preprocessor_config.json").read_text())
+    assert (out / "vision" / "preprocessor_config.json").read_bytes() == \
+        (qwen / "preprocessor_config.json").read_bytes()
     images = qwen_images(QWEN_IMAGES[:3], seed=7)
+    # The export carries the processor: HF's own from the exported folder, the source's values.
+    torch.testing.assert_close(qwen_processor(out / "vision")(images, return_tensors="pt"),
+                               qwen_processor(qwen)(images, return_tensors="pt"), rtol=0, atol=0)
     [ours] = run_in_processes(qwen_rank, 1, args=(str(out / "vision"), 1, images,
                                                    SHAPE["hidden_size"]),
                               timeout=180, simulated=True)

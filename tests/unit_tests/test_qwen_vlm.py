@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
+from megatron_plugins.data.media import Video
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
 from tests.hf_vlm_models import check_export, train_and_export
@@ -20,11 +22,13 @@ from tests.multiprocess import REPO_ROOT
 from tests.qwen_vlm_models import (
     IMAGE_TOKEN,
     VOCAB,
+    WRAPPING,
     forward,
     hf_logits,
     images,
     sample,
     save_tiny_qwen_vl,
+    video_sample,
 )
 
 TOLERANCE = 1e-5
@@ -58,6 +62,34 @@ def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_str
     assert sorted(streamed) == sorted(original)
     for name, tensor in streamed.items():
         assert torch.equal(tensor, original[name]), name
+
+
+@pytest.fixture(scope="module")
+def video(qwen):
+    """A 5-frame video at 3 fps, then an image, with text; transformers' logits on it."""
+    folder = qwen[0]
+    rng = np.random.default_rng(7)
+    items = [Video(rng.integers(0, 256, (5, 20, 28, 3), np.uint8), 3.0), images()[0]]
+    ids = video_sample(folder, items)
+    return ids, items, hf_logits(folder, ids, items)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("grids, nproc", [
+    (("image:dp=1", "language:dp=1"), 2),
+    (("image:tp=2", "language:pp=2"), 4),
+], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_a_video_an_image_and_text(
+        qwen, video, grids, nproc):
+    """A 5-frame video at 3 fps (three temporal steps, the last frame repeated; time positions
+    2 2/3 apart) then an image: our video item of the image encoder, marked with the image
+    token, gives the logits transformers gives with ``<|video_pad|>``, ``video_grid_thw`` and
+    ``second_per_grid_ts``."""
+    ids, items, want = video
+    results = forward(nproc, qwen[0], grids, ids, items)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert int((ids == IMAGE_TOKEN).sum()) == 3 * 8 + 15  # 16x32-pixel frames, 2x4 merged
+    assert rel_diff(logits[..., :VOCAB], want) < TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -151,15 +183,53 @@ def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(
         assert int(tokens[tokens != IMAGE_TOKEN].max()) < IMAGE_TOKEN
 
 
+def test_the_checkpoints_vision_start_and_end_wrap_every_mock_run(qwen, tmp_path):
+    """config.json's vision_start / vision_end ids, where the vocabulary holds them, go around
+    each item's run in the mock (as Qwen's processor puts them), outside the loss."""
+    import argparse
+
+    from megatron_plugins.data.mock import MockSource
+    from megatron_plugins.weights.flags import checkpoint_item_wrapping
+    from tests.hf_vision_models import plugin
+
+    def wrapping(folder):
+        return checkpoint_item_wrapping(argparse.Namespace(
+            hf_model=str(folder), encoder_hf_weights={"image": str(folder)}))
+
+    assert wrapping(qwen[0]) == {"image": WRAPPING}
+    config = json.loads((qwen[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "vision_start_token_id": 151652, "vision_end_token_id": 151653}))
+    assert wrapping(tmp_path) == {}  # transformers' default ids, outside the tiny vocabulary
+    source = MockSource(seed=1, seq_length=96, vocab_size=VOCAB,
+                        plugins={"image": plugin("qwen2_5_vl", qwen[0])}, items_per_sample=(1, 3),
+                        placeholder_ids={"image": IMAGE_TOKEN}, wrapping=wrapping(qwen[0]))
+    start, end = WRAPPING
+    for index in range(10):
+        sample = source.text("train", index)
+        tokens = sample["tokens"][:int(sample["length"])].tolist()
+        wrapped = []
+        for position, token in enumerate(tokens):
+            if token == start:
+                run = tokens[position + 1:tokens.index(end, position)]
+                assert set(run) == {IMAGE_TOKEN}
+                wrapped.append(len(run))
+        counts = source.item_tokens("train", index)["image"]
+        assert wrapped == list(counts) and tokens.count(end) == len(counts)
+        assert not sample["loss_mask"][sample["labels"] >= IMAGE_TOKEN].any()
+
+
 RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simulation.sh"
 
 
 @pytest.mark.timeout(600)
 def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_loss(
         qwen, tmp_path):
-    """The recipe script trains the tiny folder whole (mock images of native sizes, 0 to 3 a
-    sample); its loss falls, and step 1's loss (weights still the folder's) is transformers' on
-    the same first global batch, which the deterministic mock source regenerates here."""
+    """The recipe script trains the tiny folder whole (0 to 3 mock items a sample, images of
+    native sizes and, with --mock-video-frames 3, videos; each run between the folder's vision
+    start / end ids); its loss falls, and step 1's loss (weights still the folder's) is
+    transformers' on the same first global batch, which the deterministic mock source
+    regenerates here."""
     import os
     import subprocess
 
@@ -169,19 +239,22 @@ def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_l
     from tests.tensorboard_scalars import read_scalars
 
     folder = qwen[0]
-    result = subprocess.run(["bash", str(RECIPE), str(folder)], cwd=REPO_ROOT, text=True,
+    result = subprocess.run(["bash", str(RECIPE), str(folder), "--mock-video-frames", "3",
+                             "--seq-length", "160"], cwd=REPO_ROOT, text=True,
                             env={**os.environ, "MIMO_RUN_DIR": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=400)
     assert result.returncode == 0, result.stdout[-4000:]
     losses = read_scalars(tmp_path / "tensorboard", "lm loss")
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1] - 0.2, losses
-    # The recipe's first global batch: 4 samples of seq-length 96, 0:3 images, seed 1234.
-    source = MockSource(seed=1234, seq_length=96, vocab_size=VOCAB,
-                        plugins={"image": plugin("qwen2_5_vl", folder)}, items_per_sample=(0, 3))
+    # The run's first global batch: 4 samples of seq-length 160, 0:3 items, seed 1234.
+    source = MockSource(seed=1234, seq_length=160, vocab_size=VOCAB,
+                        plugins={"image": plugin("qwen2_5_vl", folder)}, items_per_sample=(0, 3),
+                        video_frames=3)
     sizes = [size for index in range(4) for size in source.item_sizes("image", "train", index)]
-    assert len(set(sizes)) >= 3, sizes  # several images of different sizes
-    want = hf_first_batch_loss(folder, 4, 96, (0, 3), 1234)
+    assert len({size for size in sizes if len(size) == 2}) >= 3, sizes  # images of several sizes
+    assert sum(len(size) == 4 for size in sizes) >= 2, sizes  # and videos
+    want = hf_first_batch_loss(folder, 4, 160, (0, 3), 1234, video_frames=3)
     assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
 
 

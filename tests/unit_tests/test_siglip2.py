@@ -177,9 +177,14 @@ def test_trained_tower_exports_what_it_streams_and_transformers_reproduces_it(tm
         assert torch.equal(exported[name], tensor), name
     assert not torch.equal(exported["encoder.layers.0.mlp.fc1.weight"],
                            original["encoder.layers.0.mlp.fc1.weight"])  # it trained
-    (folder / "preprocessor_config.json").write_text(
-        (siglip2 / "preprocessor_config.json").read_text())
     batch = images(seed=5)
+    from transformers import AutoImageProcessor
+
+    exported_inputs = AutoImageProcessor.from_pretrained(folder)(batch, return_tensors="pt")
+    source_inputs = AutoImageProcessor.from_pretrained(siglip2)(batch, return_tensors="pt")
+    assert sorted(exported_inputs) == sorted(source_inputs)
+    for key, value in source_inputs.items():  # the export carries the processor
+        assert torch.equal(exported_inputs[key], value), key
     [ours] = run_in_processes(siglip2_rank, 1, args=(str(folder), 1, batch), timeout=120,
                               simulated=True)
     want = np.concatenate(siglip2_hf(folder, batch)["hidden"])

@@ -200,3 +200,10 @@ def test_trained_whisper_encoder_exports_what_it_streams_and_transformers_loads_
     assert "layers.0.fc1.weight" in trained and "embed_positions.weight" not in trained
     model, info = WhisperEncoder.from_pretrained(out / "audio", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    from transformers import WhisperFeatureExtractor
+
+    sound = waveforms()["short"]
+    features = [WhisperFeatureExtractor.from_pretrained(folder)(sound, sampling_rate=RATE,
+                                                                return_tensors="np")
+                for folder in (out / "audio", whisper)]  # the export carries the extractor
+    assert np.array_equal(features[0]["input_features"], features[1]["input_features"])

@@ -54,6 +54,11 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "NAME:... places it), its projector as that encoder's projection, "
                             "its language model on the language grid; its config sets the shape "
                             "flags and the image token.")
+    group.add_argument("--mrope-interleaved", action="store_true",
+                       help="With --position-embedding-type mrope: rotate frequency pair j by "
+                            "the temporal, height or width position in turn (Qwen3-VL; set by "
+                            "its config.json) instead of one block of --mrope-section pairs per "
+                            "axis.")
     return parser
 
 

@@ -248,8 +248,8 @@ def qwen_hf_features(folder: str | Path, images: list[np.ndarray]) -> np.ndarray
 
 
 def qwen_rank(folder: str, tp: int, images: list[np.ndarray],
-              text_hidden: int = QWEN_TEXT_HIDDEN) -> dict[str, Any]:
-    """One TP rank of our ``qwen2_5_vl`` encoder and its projection built from ``folder``, HF
+              text_hidden: int = QWEN_TEXT_HIDDEN, provider: str = "qwen2_5_vl") -> dict[str, Any]:
+    """One TP rank of our ``provider`` encoder and its projection built from ``folder``, HF
     weights imported through the family table; its projected output on the packed ``images``,
     its token counts and its streamed HF pieces (serialized)."""
     from megatron_plugins.cpu_simulation import patches
@@ -267,7 +267,7 @@ def qwen_rank(folder: str, tp: int, images: list[np.ndarray],
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
-    encoder = plugin("qwen2_5_vl", folder, tp)
+    encoder = plugin(provider, folder, tp)
     language = dataclasses.replace(language_config(), hidden_size=text_hidden)
     config = encoder.transformer_config(language)
     view = EncoderView(build_module(encoder.encoder_spec(config, pgc)),

@@ -1,7 +1,7 @@
 """Encoder plugins: how one modality plugs into the MiMo model, and how a provider is resolved.
 
 An encoder is a subclass of :class:`~megatron_plugins.encoders.base.EncoderPlugin`. Built-ins are
-named (``vit``, ``audio``, ``clip``, ``siglip``, ``whisper``, ``qwen2_5_vl``, ``siglip2``); anything else is an import path ``package.module:ClassName`` given as
+named (``vit``, ``audio``, ``clip``, ``siglip``, ``whisper``, ``qwen2_5_vl``, ``qwen3_vl``, ``siglip2``); anything else is an import path ``package.module:ClassName`` given as
 ``--encoder NAME=package.module:ClassName``, so a user's encoder lives in the user's own file.
 """
 
@@ -31,6 +31,7 @@ BUILTIN = {
     "siglip": "megatron_plugins.encoders.hf_vision:SiglipVisionEncoder",
     "whisper": "megatron_plugins.encoders.whisper:WhisperEncoder",
     "qwen2_5_vl": "megatron_plugins.encoders.qwen_vision:QwenVisionEncoder",
+    "qwen3_vl": "megatron_plugins.encoders.qwen3_vision:Qwen3VisionEncoder",
     "siglip2": "megatron_plugins.encoders.siglip2:Siglip2VisionEncoder",
 }
 """Built-in provider names and the classes they stand for."""

@@ -225,6 +225,14 @@ class EncoderPlugin(abc.ABC):
         return None
 
     @property
+    def deepstack_levels(self) -> int:
+        """Extra language-width feature levels appended to each token's embedding (the
+        projection's output is ``(1 + levels) * language hidden`` wide), which the language
+        model adds to its hidden states after its first ``levels`` layers (Qwen3-VL's
+        DeepStack); 0 by default."""
+        return 0
+
+    @property
     def fixed_item_tokens(self) -> bool:
         """Every item fills :attr:`tokens_per_item` positions, whatever its size; true unless
         the class overrides :meth:`item_tokens` (then override this too where it can be)."""

@@ -41,8 +41,9 @@ from megatron_plugins.encoders.packed_attention import packed_layer_spec, packed
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
 from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
 
-__all__ = ["QwenImagePreprocessor", "QwenViT", "QwenVisionEncoder", "qwen_smart_resize",
-           "qwen_vit_spec", "rotary_angles", "window_order"]
+__all__ = ["QwenImagePreprocessor", "QwenViT", "QwenVisionEncoder", "merge_block_positions",
+           "packed_decoder", "qwen_smart_resize", "qwen_vit_spec", "rotary_angles", "vision_norm",
+           "window_order"]
 
 MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
 """A whole Qwen2.5-VL model's ``model_type`` and its vision config's."""
@@ -135,12 +136,9 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int
     return torch.cat(order), torch.tensor(lengths, dtype=torch.int64)
 
 
-def rotary_angles(grids: list[tuple[int, int, int]], merge: int, head_dim: int,
-                  theta: float) -> torch.Tensor:
-    """HF's axial 2D rotary angles of every patch in merge-block order, ``[patches, head_dim]``:
-    [row * f, column * f] twice over, ``f`` the ``head_dim // 4`` inverse frequencies."""
-    half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+def merge_block_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """(row, column) of every patch of the packed images in HF's patch order, ``[patches, 2]``:
+    each ``merge`` x ``merge`` block contiguous, blocks row-major, every frame over again."""
     pieces = []
     for frames, rows, columns in grids:
         row, column = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
@@ -148,18 +146,39 @@ def rotary_angles(grids: list[tuple[int, int, int]], merge: int, head_dim: int,
         positions = torch.stack([row.reshape(shape).transpose(1, 2).flatten(),
                                  column.reshape(shape).transpose(1, 2).flatten()], dim=-1)
         pieces.append(positions.repeat(frames, 1))
-    angles = torch.cat(pieces)[..., None].float() * inv_freq
+    return torch.cat(pieces)
+
+
+def rotary_angles(grids: list[tuple[int, int, int]], merge: int, head_dim: int,
+                  theta: float) -> torch.Tensor:
+    """HF's axial 2D rotary angles of every patch in merge-block order, ``[patches, head_dim]``:
+    [row * f, column * f] twice over, ``f`` the ``head_dim // 4`` inverse frequencies."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+    angles = merge_block_positions(grids, merge)[..., None].float() * inv_freq
     angles = angles.flatten(1)
     return torch.cat([angles, angles], dim=-1)
 
 
-def _rms_norm(config: TransformerConfig) -> type:
-    """The RMSNorm class of the layer spec: TE's when the config uses TE, else torch's."""
+def vision_norm(config: TransformerConfig) -> type:
+    """The norm class of the tower's layer spec (``config.normalization``): TE's when the config
+    uses TE, else torch's."""
     if config.transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
     return WrappedTorchNorm
+
+
+def packed_decoder(config: TransformerConfig,
+                   pg_collection: ProcessGroupCollection | None) -> TransformerBlock:
+    """The tower's transformer layers over packed images (:func:`packed_layer_spec`, torch's
+    norms of ``config.normalization`` on the local path), no final norm."""
+    spec = packed_layer_spec(config)
+    if config.transformer_impl != "transformer_engine":
+        spec.submodules.input_layernorm = WrappedTorchNorm
+        spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
+    return TransformerBlock(config, spec, post_layer_norm=False, pg_collection=pg_collection)
 
 
 class QwenViT(MegatronModule):
@@ -184,13 +203,8 @@ class QwenViT(MegatronModule):
         self.patch_embed = torch.nn.Parameter(torch.empty(
             hidden, 3, temporal_patch_size, patch_size, patch_size, dtype=config.params_dtype))
         config.init_method(self.patch_embed)
-        spec = packed_layer_spec(config)
-        if config.transformer_impl != "transformer_engine":
-            spec.submodules.input_layernorm = WrappedTorchNorm
-            spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
-        self.decoder = TransformerBlock(config, spec, post_layer_norm=False,
-                                        pg_collection=pg_collection)
-        self.ln_q = build_module(_rms_norm(config), config=config, hidden_size=hidden,
+        self.decoder = packed_decoder(config, pg_collection)
+        self.ln_q = build_module(vision_norm(config), config=config, hidden_size=hidden,
                                  eps=config.layernorm_epsilon)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -238,49 +252,63 @@ class QwenVisionEncoder(HFVisionEncoder):
     provider = "qwen2_5_vl"
     model_type = "qwen2_5_vl_vision"
     hf_family = QWEN2_5_VL_VISION
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    """A whole model's ``model_type`` and its vision config's."""
+    config_class: ClassVar[str] = "Qwen2_5_VLVisionConfig"
+    """The transformers vision config class validating ``config.json``."""
+    default_mean, default_std = CLIP_MEAN, CLIP_STD
+    default_pixels: ClassVar[tuple[int, int]] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    """(min_pixels, max_pixels) when preprocessor_config.json gives none."""
+    activations: ClassVar[dict[str, Any]] = TOWER_ACTIVATIONS
 
     def _read_config(self) -> Any:
-        """The HF vision config of a whole Qwen2.5-VL folder (``vision_config``) or of a vision
+        """The HF vision config of a whole model's folder (``vision_config``) or of a vision
         model's own folder; shapes the tower cannot take are one line naming the field."""
+        import transformers
         from huggingface_hub.errors import StrictDataclassError
-        from transformers import Qwen2_5_VLVisionConfig
 
         config = self._read_json("config.json")
+        name = " or ".join(map(repr, self.model_types))
         if config is None:
-            raise EncoderPluginError(f"{self.where}: no config.json; give a Qwen2.5-VL folder "
+            raise EncoderPluginError(f"{self.where}: no config.json; give a {name} folder "
                                      "saved by save_pretrained")
-        if config.get("model_type") not in MODEL_TYPES:
+        if config.get("model_type") not in self.model_types:
             raise EncoderPluginError(
                 f"{self.where}: config.json is a {config.get('model_type')!r} model, not "
-                f"{' or '.join(map(repr, MODEL_TYPES))}; use the provider matching the model")
+                f"{name}; use the provider matching the model")
         vision = config.get("vision_config", config)
         fields = {key: value for key, value in vision.items()
                   if key not in ("model_type", "architectures", "transformers_version")}
         try:
-            hf = Qwen2_5_VLVisionConfig(**fields)
+            hf = getattr(transformers, self.config_class)(**fields)
         except (TypeError, ValueError, StrictDataclassError) as error:
             reason = " ".join(str(error).split())
             raise EncoderPluginError(f"{self.where}: config.json rejected by "
                                      f"transformers: {reason}") from None
-        problems = []
-        if hf.hidden_act not in TOWER_ACTIVATIONS:
-            problems.append(f"hidden_act {hf.hidden_act!r} (supported: "
-                            f"{', '.join(TOWER_ACTIVATIONS)})")
-        if hf.in_channels != 3:
-            problems.append(f"in_channels {hf.in_channels} (need 3)")
-        if hf.hidden_size % hf.num_heads:
-            problems.append(f"hidden_size {hf.hidden_size} not divisible by num_heads "
-                            f"{hf.num_heads}")
-        if hf.window_size // hf.spatial_merge_size // hf.patch_size < 1:
-            problems.append(f"window_size {hf.window_size} below patch_size * "
-                            f"spatial_merge_size")
+        problems = self._unsupported(hf)
         if problems:
             raise EncoderPluginError(f"{self.where}: config.json {'; '.join(problems)} is not "
                                      "supported")
         return hf
 
+    def _unsupported(self, hf: Any) -> list[str]:
+        """The vision config's fields the tower cannot build, each as "field value (why)"."""
+        problems = []
+        if hf.hidden_act not in self.activations:
+            problems.append(f"hidden_act {hf.hidden_act!r} (supported: "
+                            f"{', '.join(self.activations)})")
+        if hf.in_channels != 3:
+            problems.append(f"in_channels {hf.in_channels} (need 3)")
+        if hf.hidden_size % hf.num_heads:
+            problems.append(f"hidden_size {hf.hidden_size} not divisible by num_heads "
+                            f"{hf.num_heads}")
+        window = getattr(hf, "window_size", None)
+        if window is not None and window // hf.spatial_merge_size // hf.patch_size < 1:
+            problems.append(f"window_size {window} below patch_size * spatial_merge_size")
+        return problems
+
     def _read_preprocessor(self) -> QwenImagePreprocessor:
-        """preprocessor_config.json's recipe (HF's Qwen2-VL defaults where it is silent); its
+        """preprocessor_config.json's recipe (the class defaults where it is silent); its
         patch, merge and temporal sizes must be the model's."""
         where = f"{self.where}: preprocessor_config.json"
         hf = self.hf_config
@@ -294,8 +322,9 @@ class QwenVisionEncoder(HFVisionEncoder):
             if not config.get(flag, True):
                 raise EncoderPluginError(f"{where} {flag} false is not supported")
         size = config.get("size") or {}
-        min_pixels = config.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
-        max_pixels = config.get("max_pixels", size.get("longest_edge", DEFAULT_MAX_PIXELS))
+        default_min, default_max = self.default_pixels
+        min_pixels = config.get("min_pixels", size.get("shortest_edge", default_min))
+        max_pixels = config.get("max_pixels", size.get("longest_edge", default_max))
         factor = hf.patch_size * hf.spatial_merge_size
         if not 0 < min_pixels <= max_pixels or max_pixels < factor * factor:
             raise EncoderPluginError(f"{where} min_pixels {min_pixels} / max_pixels {max_pixels} "
@@ -306,8 +335,8 @@ class QwenVisionEncoder(HFVisionEncoder):
             max_pixels=int(max_pixels),
             resample=int(config.get("resample", Image.Resampling.BICUBIC)),
             rescale_factor=float(config.get("rescale_factor", 1 / 255)),
-            mean=tuple(float(v) for v in config.get("image_mean", CLIP_MEAN)),
-            std=tuple(float(v) for v in config.get("image_std", CLIP_STD)))
+            mean=tuple(float(v) for v in config.get("image_mean", self.default_mean)),
+            std=tuple(float(v) for v in config.get("image_std", self.default_std)))
 
     @property
     def tokens_per_item(self) -> int:

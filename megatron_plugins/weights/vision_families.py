@@ -22,8 +22,8 @@ import torch
 from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.mapping import PROJECTION, TOWER, Family, HFWeightsError, Rule
 
-__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION",
-           "untrained_tensors"]
+__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION",
+           "SIGLIP_VISION", "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."
@@ -163,6 +163,34 @@ SIGLIP_VISION = Family(
 QWEN_LAYER = f"{TOWER}decoder.layers.{{layer}}."
 QWEN_BLOCK = "blocks.{layer}."
 
+QWEN_ATTENTION = (
+    *(Rule(f"{QWEN_LAYER}self_attention.linear_qkv.{p}", (f"{QWEN_BLOCK}attn.qkv.{p}",),
+           "fused_qkv", tp_dim=0) for p in ("weight", "bias")),
+    Rule(f"{QWEN_LAYER}self_attention.linear_proj.weight", (f"{QWEN_BLOCK}attn.proj.weight",),
+         tp_dim=1),
+    Rule(f"{QWEN_LAYER}self_attention.linear_proj.bias", (f"{QWEN_BLOCK}attn.proj.bias",)),
+)
+"""A Qwen vision block's attention: one HF ``attn.qkv`` laid out [q; k; v], ``attn.proj``."""
+
+
+def _qwen_norms(params: tuple[str, ...]) -> tuple[Rule, ...]:
+    """A Qwen vision block's ``norm1`` / ``norm2`` (``params`` of each), local and TE names."""
+    return tuple(Rule(f"{QWEN_LAYER}{megatron}{p}", (f"{QWEN_BLOCK}{hf}.{p}",))
+                 for hf, local, fused in (("norm1", "input_layernorm", "self_attention.linear_qkv"),
+                                          ("norm2", "pre_mlp_layernorm", "mlp.linear_fc1"))
+                 for p in params
+                 for megatron in (f"{local}.", f"{fused}.layer_norm_"))
+
+
+def _merger_mlp(megatron: str, fc1: str, fc2: str) -> tuple[Rule, ...]:
+    """A merger MLP as a ``MultimodalProjector`` (``megatron`` + ``encoder.``): HF ``fc1`` column
+    and ``fc2`` row parallel, with biases."""
+    return (*(Rule(f"{megatron}encoder.linear_fc1.{p}", (f"{fc1}.{p}",), tp_dim=0)
+              for p in ("weight", "bias")),
+            Rule(f"{megatron}encoder.linear_fc2.weight", (f"{fc2}.weight",), tp_dim=1),
+            Rule(f"{megatron}encoder.linear_fc2.bias", (f"{fc2}.bias",)))
+
+
 QWEN2_5_VL_VISION = Family(
     name="qwen2_5_vl_vision",
     architectures=("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel",
@@ -170,16 +198,8 @@ QWEN2_5_VL_VISION = Family(
     model_type="qwen2_5_vl_vision",
     rules=(
         Rule(f"{TOWER}patch_embed", ("patch_embed.proj.weight",)),
-        Rule(f"{QWEN_LAYER}input_layernorm.weight", (f"{QWEN_BLOCK}norm1.weight",)),
-        Rule(f"{QWEN_LAYER}self_attention.linear_qkv.layer_norm_weight",
-             (f"{QWEN_BLOCK}norm1.weight",)),
-        *(Rule(f"{QWEN_LAYER}self_attention.linear_qkv.{p}", (f"{QWEN_BLOCK}attn.qkv.{p}",),
-               "fused_qkv", tp_dim=0) for p in ("weight", "bias")),
-        Rule(f"{QWEN_LAYER}self_attention.linear_proj.weight", (f"{QWEN_BLOCK}attn.proj.weight",),
-             tp_dim=1),
-        Rule(f"{QWEN_LAYER}self_attention.linear_proj.bias", (f"{QWEN_BLOCK}attn.proj.bias",)),
-        Rule(f"{QWEN_LAYER}pre_mlp_layernorm.weight", (f"{QWEN_BLOCK}norm2.weight",)),
-        Rule(f"{QWEN_LAYER}mlp.linear_fc1.layer_norm_weight", (f"{QWEN_BLOCK}norm2.weight",)),
+        *_qwen_norms(("weight",)),
+        *QWEN_ATTENTION,
         *(Rule(f"{QWEN_LAYER}mlp.linear_fc1.{p}",
                (f"{QWEN_BLOCK}mlp.gate_proj.{p}", f"{QWEN_BLOCK}mlp.up_proj.{p}"), "gate_up",
                tp_dim=0) for p in ("weight", "bias")),
@@ -188,16 +208,47 @@ QWEN2_5_VL_VISION = Family(
         Rule(f"{QWEN_LAYER}mlp.linear_fc2.bias", (f"{QWEN_BLOCK}mlp.down_proj.bias",)),
         Rule(f"{TOWER}ln_q.weight", ("merger.ln_q.weight",)),
         # The merger's MLP is the encoder's input projection (EncoderPlugin.projection_spec).
-        *(Rule(f"{PROJECTION}encoder.linear_fc1.{p}", (f"merger.mlp.0.{p}",), tp_dim=0)
-          for p in ("weight", "bias")),
-        Rule(f"{PROJECTION}encoder.linear_fc2.weight", ("merger.mlp.2.weight",), tp_dim=1),
-        Rule(f"{PROJECTION}encoder.linear_fc2.bias", ("merger.mlp.2.bias",)),
+        *_merger_mlp(PROJECTION, "merger.mlp.0", "merger.mlp.2"),
     ),
     megatron_args=_no_stock_flags,
     hf_config=_loaded_config("qwen2_5_vl_vision"),
     # A whole Qwen2.5-VL folder also holds the language model, another module's weights.
     unused=(r"model\.", r"lm_head\."),
     hf_prefixes=("", "visual."),
+)
+
+DEEPSTACK = "deepstack_merger_list.{layer}."
+
+QWEN3_VL_VISION = Family(
+    name="qwen3_vl_vision",
+    architectures=("Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen3VLVisionModel"),
+    model_type="qwen3_vl_vision",
+    # Names of encoders.qwen3_vision.Qwen3ViT and its projection Qwen3Mergers: the merger and
+    # the deepstack mergers ({layer}: the deepstack level) are the input projection.
+    rules=(
+        Rule(f"{TOWER}patch_embed", ("patch_embed.proj.weight",)),
+        Rule(f"{TOWER}patch_bias", ("patch_embed.proj.bias",)),
+        Rule(f"{TOWER}pos_embed", ("pos_embed.weight",)),
+        *_qwen_norms(("weight", "bias")),
+        *QWEN_ATTENTION,
+        *(Rule(f"{QWEN_LAYER}mlp.linear_fc1.{p}", (f"{QWEN_BLOCK}mlp.linear_fc1.{p}",), tp_dim=0)
+          for p in ("weight", "bias")),
+        Rule(f"{QWEN_LAYER}mlp.linear_fc2.weight", (f"{QWEN_BLOCK}mlp.linear_fc2.weight",),
+             tp_dim=1),
+        Rule(f"{QWEN_LAYER}mlp.linear_fc2.bias", (f"{QWEN_BLOCK}mlp.linear_fc2.bias",)),
+        *(Rule(f"{PROJECTION}{megatron}norm.{p}", (f"{hf}norm.{p}",))
+          for megatron, hf in (("merger.", "merger."),
+                               ("deepstack.{layer}.", DEEPSTACK))
+          for p in ("weight", "bias")),
+        *_merger_mlp(f"{PROJECTION}merger.mlp.", "merger.linear_fc1", "merger.linear_fc2"),
+        *_merger_mlp(f"{PROJECTION}deepstack.{{layer}}.mlp.", f"{DEEPSTACK}linear_fc1",
+                     f"{DEEPSTACK}linear_fc2"),
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_loaded_config("qwen3_vl_vision"),
+    # A whole Qwen3-VL folder also holds the language model, another module's weights.
+    unused=(r"model\.language_model\.", r"lm_head\."),
+    hf_prefixes=("", "visual.", "model.visual."),
 )
 
 SIGLIP2_VISION = Family(

@@ -1,0 +1,232 @@
+"""Qwen3-VL's vision tower (``--encoder NAME=qwen3_vl``): HF's ``Qwen3VLVisionModel`` as a
+tensor-parallel Megatron module, its merger and DeepStack mergers as the input projection.
+
+The folder given as ``--encoder-hf-weights NAME=DIR`` (a whole Qwen3-VL folder, or one of just its
+vision model) shapes the tower and holds its weights. Images are preprocessed as for Qwen2.5-VL
+(HF's Qwen2-VL image processor, :class:`~megatron_plugins.encoders.qwen_vision.
+QwenImagePreprocessor`) and a microbatch's images run as one packed sequence: Conv3d patch
+embedding with bias, the learned square position table bilinearly resampled to each image's grid
+(HF's ``fast_pos_embed_interpolate``), 2D rotary positions, whole-image attention in every block,
+LayerNorm, a GELU MLP.
+
+DeepStack: the outputs of the blocks in ``deepstack_visual_indexes`` leave the tower with the last
+block's, ``[patches, (1 + L) * hidden]`` (last block first, then the levels in block order); the
+projection (:class:`Qwen3Mergers`) runs the merger (LayerNorm, 2x2 merge, MLP) on the first and
+deepstack merger ``i`` (2x2 merge, LayerNorm, MLP) on level ``i``, giving ``[tokens, (1 + L) *
+language hidden]``: HF's image embeddings, then its ``deepstack_features`` in order, which the
+language model adds to its hidden states after its first L layers
+(:attr:`~megatron_plugins.encoders.base.EncoderPlugin.deepstack_levels`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_plugins.encoders.base import encoder_config, mlp_projection_spec
+from megatron_plugins.encoders.hf_vision import HALF
+from megatron_plugins.encoders.packed_attention import packed_seq_params
+from megatron_plugins.encoders.qwen_vision import (
+    QwenVisionEncoder,
+    merge_block_positions,
+    packed_decoder,
+    rotary_angles,
+    vision_norm,
+)
+from megatron_plugins.weights.vision_families import QWEN3_VL_VISION
+
+__all__ = ["PatchMerger", "Qwen3Mergers", "Qwen3ViT", "Qwen3VisionEncoder", "position_taps"]
+
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")
+"""A whole Qwen3-VL model's ``model_type`` and its vision config's."""
+
+DEFAULT_PIXELS = (65536, 16777216)
+"""(min_pixels, max_pixels) of the released Qwen3-VL checkpoints' preprocessor_config.json,
+used when a folder's gives none."""
+
+NORM_EPS = 1e-6
+"""HF's LayerNorm eps in the blocks and mergers (fixed in the model code, not the config)."""
+
+
+def position_taps(grids: list[tuple[int, int, int]], merge: int, side: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's bilinear resampling (corners aligned) of a ``side`` x ``side`` position table to each
+    image's patch grid, as row indices into the flattened table and weights, both ``[patches,
+    4]`` (taps (top, left), (top, right), (bottom, left), (bottom, right)), patches in HF's
+    merge-block order, every frame over again."""
+    positions = merge_block_positions(grids, merge)
+    sizes = torch.cat([torch.tensor([[rows, columns]]).expand(frames * rows * columns, 2)
+                       for frames, rows, columns in grids])
+    source = positions.float() * (side - 1) / torch.clamp(sizes - 1, min=1)
+    floor = torch.floor(source)
+    offsets = torch.arange(2)
+    taps = (floor.long()[..., None] + offsets).clamp(0, side - 1)
+    weights = (1 - (source[..., None] - floor[..., None] - offsets).abs()).clamp(min=0)
+    indices = taps[:, 0, :, None] * side + taps[:, 1, None, :]
+    return indices.reshape(-1, 4), (weights[:, 0, :, None] * weights[:, 1, None, :]).reshape(-1, 4)
+
+
+class Qwen3ViT(MegatronModule):
+    """Patch embedding plus the resampled position table, full-attention blocks with 2D rotary
+    positions over the packed images: ``[patches, (1 + L) * hidden]``, the last block's output
+    then the DeepStack blocks' (HF's merge-block patch order, images in order).
+
+    ``patch_embed`` / ``patch_bias`` (HF's Conv3d, its weight kept in its shape) and
+    ``pos_embed`` are replicated on the tp ranks (the first layer's column-parallel linear
+    all-reduces their input gradient, so the copies stay equal); the checkpoint holds them once.
+    """
+
+    def __init__(self, config: TransformerConfig, patch_size: int, temporal_patch_size: int,
+                 merge: int, position_side: int, deepstack_layers: tuple[int, ...],
+                 rope_theta: float, pg_collection: ProcessGroupCollection | None) -> None:
+        super().__init__(config=config)
+        if pg_collection is not None:
+            self.tp_group = pg_collection.tp
+        hidden = config.hidden_size
+        self.merge, self.side, self.rope_theta = merge, position_side, rope_theta
+        self.deepstack_layers = deepstack_layers
+        self.patch_embed = torch.nn.Parameter(torch.empty(
+            hidden, 3, temporal_patch_size, patch_size, patch_size, dtype=config.params_dtype))
+        config.init_method(self.patch_embed)
+        self.patch_bias = torch.nn.Parameter(torch.zeros(hidden, dtype=config.params_dtype))
+        self.pos_embed = torch.nn.Parameter(torch.empty(
+            position_side * position_side, hidden, dtype=config.params_dtype))
+        config.init_method(self.pos_embed)
+        self.decoder = packed_decoder(config, pg_collection)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``pixel_values`` ``[patches, 3 * T * p * p]`` and ``grid_thw`` ``[items, 3]`` as
+        :meth:`~megatron_plugins.encoders.qwen_vision.QwenImagePreprocessor.collate` packs them
+        -> ``[patches, (1 + L) * hidden]``."""
+        grids = [tuple(grid) for grid in grid_thw.tolist()]
+        device = pixel_values.device
+        weight = self.patch_embed
+        hidden = F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1),
+                          self.patch_bias)
+        indices, weights = position_taps(grids, self.merge, self.side)
+        table = (self.pos_embed[indices.to(device)] * weights.to(device)[..., None]).sum(1)
+        hidden = (hidden + table.to(hidden.dtype)).unsqueeze(1)
+        head_dim = self.config.kv_channels
+        angles = rotary_angles(grids, self.merge, head_dim, self.rope_theta).to(device)
+        images = torch.tensor([rows * columns for frames, rows, columns in grids
+                               for _ in range(frames)], device=device)
+        params = packed_seq_params(images)
+        levels = []
+        for layer in self.decoder.layers:
+            hidden, _ = layer(hidden, attention_mask=None,
+                              rotary_pos_emb=angles.view(-1, 1, 1, head_dim),
+                              packed_seq_params=params)
+            if layer.layer_number - 1 in self.deepstack_layers:
+                levels.append(hidden)
+        return torch.cat([hidden, *levels], dim=-1).squeeze(1)
+
+
+class PatchMerger(MegatronModule):
+    """HF's ``Qwen3VLVisionPatchMerger``: LayerNorm over each patch (the merger) or over each
+    merged ``merge ** 2`` patch block (``postshuffle``: a DeepStack merger), the merge, then the
+    MLP (``MultimodalProjector``, tensor parallel); the norm is replicated on the tp ranks."""
+
+    def __init__(self, config: TransformerConfig, mlp: ModuleSpec, units: int,
+                 postshuffle: bool) -> None:
+        super().__init__(config=config)
+        self.units, self.postshuffle = units, postshuffle
+        width = config.hidden_size * (units if postshuffle else 1)
+        self.norm = build_module(vision_norm(config), config=config, hidden_size=width,
+                                 eps=NORM_EPS)
+        self.mlp = build_module(mlp)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[patches, hidden]`` -> ``[patches / units, output]``."""
+        if not self.postshuffle:
+            hidden = self.norm(hidden)
+        merged = hidden.reshape(-1, self.units * hidden.shape[-1])
+        return self.mlp(self.norm(merged) if self.postshuffle else merged)
+
+
+class Qwen3Mergers(MegatronModule):
+    """The modality's input projection: the merger on the tower's first ``hidden`` columns and
+    DeepStack merger ``i`` on level ``i``'s, outputs side by side, ``[tokens, (1 + L) *
+    output]``."""
+
+    def __init__(self, config: TransformerConfig, mlp: ModuleSpec, units: int,
+                 levels: int) -> None:
+        super().__init__(config=config)
+        self.merger = PatchMerger(config, mlp, units, postshuffle=False)
+        self.deepstack = torch.nn.ModuleList(
+            [PatchMerger(config, mlp, units, postshuffle=True) for _ in range(levels)])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[patches, (1 + L) * hidden]`` -> ``[patches / units, (1 + L) * output]``."""
+        parts = hidden.split(self.config.hidden_size, dim=-1)
+        mergers = [self.merger, *self.deepstack]
+        return torch.cat([merger(part) for merger, part in zip(mergers, parts)], dim=-1)
+
+
+class Qwen3VisionEncoder(QwenVisionEncoder):
+    """Qwen3-VL's vision tower; its merger and DeepStack mergers are the projection to the
+    language model, which adds the :attr:`deepstack_levels` extra feature levels."""
+
+    provider = "qwen3_vl"
+    model_type = "qwen3_vl_vision"
+    hf_family = QWEN3_VL_VISION
+    model_types = MODEL_TYPES
+    config_class = "Qwen3VLVisionConfig"
+    default_mean, default_std = HALF, HALF
+    default_pixels: ClassVar[tuple[int, int]] = DEFAULT_PIXELS
+
+    def _unsupported(self, hf: Any) -> list[str]:
+        problems = super()._unsupported(hf)
+        side = int(hf.num_position_embeddings ** 0.5)
+        if side * side != hf.num_position_embeddings:
+            problems.append(f"num_position_embeddings {hf.num_position_embeddings} (not a "
+                            "square grid)")
+        indexes = list(hf.deepstack_visual_indexes)
+        if indexes != sorted(set(indexes)) or any(not 0 <= i < hf.depth for i in indexes):
+            problems.append(f"deepstack_visual_indexes {indexes} (need increasing block indexes "
+                            f"below depth {hf.depth})")
+        return problems
+
+    @property
+    def deepstack_levels(self) -> int:
+        """One level per ``deepstack_visual_indexes`` entry."""
+        return len(self.hf_config.deepstack_visual_indexes)
+
+    def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
+        self._check_language(language.hidden_size)
+        hf = self.hf_config
+        config = encoder_config(
+            language, self.grid, num_layers=hf.depth, hidden_size=hf.hidden_size,
+            num_attention_heads=hf.num_heads, ffn_hidden_size=hf.intermediate_size,
+            activation_func=self.activations[hf.hidden_act], add_bias_linear=True,
+            add_qkv_bias=True, normalization="LayerNorm")
+        # HF's LayerNorm eps; Megatron's fused bias-activation is not HF's function, torch's
+        # LayerNorm does not persist.
+        return dataclasses.replace(config, layernorm_epsilon=NORM_EPS,
+                                   bias_activation_fusion=False, persist_layer_norm=False)
+
+    def encoder_spec(self, config: TransformerConfig,
+                     pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        hf = self.hf_config
+        return ModuleSpec(module=Qwen3ViT, params={
+            "config": config, "patch_size": hf.patch_size,
+            "temporal_patch_size": hf.temporal_patch_size, "merge": hf.spatial_merge_size,
+            "position_side": int(hf.num_position_embeddings ** 0.5),
+            "deepstack_layers": tuple(hf.deepstack_visual_indexes),
+            "rope_theta": float(hf.rope_parameters["rope_theta"]),
+            "pg_collection": pg_collection})
+
+    def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
+                        pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+        """The merger and DeepStack mergers, each MLP ``linear_fc1`` (4h -> 4h), exact GELU,
+        ``linear_fc2`` (4h -> out_hidden_size)."""
+        mlp = super().projection_spec(config, language_hidden_size, pg_collection)
+        return ModuleSpec(module=Qwen3Mergers, params={
+            "config": config, "mlp": mlp, "units": self.hf_config.spatial_merge_size ** 2,
+            "levels": self.deepstack_levels})

@@ -238,14 +238,6 @@ class EncoderPlugin(abc.ABC):
         the class overrides :meth:`item_tokens` (then override this too where it can be)."""
         return type(self).item_tokens is EncoderPlugin.item_tokens
 
-    @property
-    def deepstack_levels(self) -> int:
-        """Extra language-width feature levels appended to each token's output row (DeepStack,
-        Qwen3-VL): rows are ``[main, level 0, ..., level L-1]``, each the language hidden size;
-        the language model adds level ``i`` at the token's position after its layer ``i``.
-        0 (the default): rows are the main features only."""
-        return 0
-
     @abc.abstractmethod
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         """The encoder's config; build it with :func:`encoder_config` to share the LM's numerics."""

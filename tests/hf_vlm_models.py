@@ -74,11 +74,13 @@ def vlm_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
 
 def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
                        inputs: dict[str, torch.Tensor], tokens: int,
-                       positions: torch.Tensor | None = None) -> np.ndarray | None:
+                       positions: torch.Tensor | None = None,
+                       levels: int = 0) -> np.ndarray | None:
     """One forward over the grids: the encoder's TP rank 0 sends its projected features (of
     ``tokens`` positions, from its forward ``inputs``) to the language's first stage, the stages
     pass hidden states on, the last returns full logits. ``positions``: consecutive unless
-    given (``[3, 1, S]`` under multimodal RoPE)."""
+    given (``[3, 1, S]`` under multimodal RoPE); ``levels``: the encoder's DeepStack levels
+    (its rows are ``1 + levels`` language hidden sizes wide)."""
     import torch.distributed as dist
 
     pgc = topology.module_pgs[module]
@@ -96,7 +98,7 @@ def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
         stage_ranks = dist.get_process_group_ranks(pgc.pp)
         hidden = mimo.language_model.config.hidden_size
         if stage == 0:
-            features = torch.empty(tokens, hidden)
+            features = torch.empty(tokens, (1 + levels) * hidden)
             dist.recv(features, src=topology.grids[ENCODER].rank_offset)
             mimo.set_input_tensor({ENCODER: features})
         else:

@@ -93,7 +93,8 @@ def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
     token = mimo.special_token_ids[ENCODER]
     positions = mrope_position_ids(ids[0], {token: layouts}).unsqueeze(1)
     logits = cross_grid_forward(mimo, module, session.topology, ids, inputs,
-                                sum(count for count, _ in layouts), positions)
+                                sum(count for count, _ in layouts), positions,
+                                plugin.deepstack_levels)
     return {"logits": logits, "pieces": whole_pieces(mimo, session),
             "special_token_ids": dict(mimo.special_token_ids)}
 

@@ -1,7 +1,7 @@
-"""A tiny whole Qwen3-VL with one language layer per DeepStack level and more
-(:func:`save_whole`), a sample of several images of different sizes, and transformers' logits on
-it: the whole-folder (``--hf-model``) tests compare our MiMo model with them
-(:func:`tests.qwen_vlm_models.forward` runs it over the grids)."""
+"""A tiny whole Qwen3-VL with more language layers than DeepStack levels (:func:`save_whole`),
+transformers' logits on a sample of several images of different sizes, and the same sample through
+our MiMo model built with ``--hf-model`` over the grids (:func:`forward_diff`; the sample and the
+run are :mod:`tests.qwen_vlm_models`', which serve any Qwen folder)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.qwen3_vlm_models import IMAGE_TOKEN, processor, save_tiny_qwen3_vl
+from tests.hf_models import rel_diff, safetensors_of
+from tests.qwen3_vlm_models import IMAGE_TOKEN, TEXT, processor, save_tiny_qwen3_vl
+from tests.qwen_vlm_models import forward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -23,16 +25,6 @@ def save_whole(folder: str | Path, seed: int = 0, **text: object) -> Path:
     """The tiny whole Qwen3-VL with :data:`LANGUAGE_LAYERS` language layers (``text``
     overrides text_config fields)."""
     return save_tiny_qwen3_vl(folder, seed, text={"num_hidden_layers": LANGUAGE_LAYERS, **text})
-
-
-def sample(folder: str | Path, pictures: list[np.ndarray]) -> torch.Tensor:
-    """``[1, S]`` ids: text with one ``<|image_pad|>`` run per image, as long as the folder's
-    processor makes that image's merged tokens."""
-    grids = processor(folder)(pictures, return_tensors="pt")["image_grid_thw"]
-    runs = [[IMAGE_TOKEN] * (int(grid.prod()) // 4) for grid in grids]
-    text = ([5, 17], [42, 8, 61], [23, 3], [9, 30, 12])
-    ids = [*text[0], *runs[0], *text[1], *runs[1], *text[2], *runs[2], *text[3]]
-    return torch.tensor([ids])
 
 
 def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[np.ndarray]) -> np.ndarray:
@@ -47,3 +39,24 @@ def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[np.ndarray])
         return model(input_ids=ids, pixel_values=inputs["pixel_values"],
                      image_grid_thw=inputs["image_grid_thw"],
                      mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits.numpy()
+
+
+def forward_diff(folder: Path, grids: tuple[str, ...], nproc: int, ids: torch.Tensor,
+                 pictures: list[np.ndarray], want: np.ndarray) -> float:
+    """Our logits' max relative difference from ``want`` over the grids, after checking what
+    every layout must give: zero padded-vocabulary rows, the checkpoint's image token, and every
+    tensor of the folder streamed back unchanged."""
+    from megatron_plugins.weights.streaming import assemble
+
+    vocab = TEXT["vocab_size"]
+    results = forward(nproc, folder, grids, ids, pictures)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert abs(logits[..., vocab:]).max() == 0  # padded vocabulary rows
+    for result in results:
+        assert result["special_token_ids"] == {"image": IMAGE_TOKEN}
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    assert sorted(streamed) == sorted(original)
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+    return rel_diff(logits[..., :vocab], want)

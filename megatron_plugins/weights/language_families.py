@@ -176,7 +176,8 @@ def _qwen2_5_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
     if params.get("rope_type", params.get("type")) == "mrope":
         params["rope_type"] = "default"
     return {**_qwen2_args({**text, "rope_parameters": params}),
-            "position_embedding_type": "mrope", "mrope_section": _mrope_section(text)}
+            "position_embedding_type": "mrope", "mrope_section": _mrope_section(text),
+            "mrope_interleaved": False}
 
 
 def _vlm_config(architecture: str, model_type: str, **rope: Any):

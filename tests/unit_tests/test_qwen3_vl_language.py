@@ -120,3 +120,24 @@ def test_interleaved_mrope_without_mrope_is_one_line() -> None:
                                         r"frequency pairs; it needs --position-embedding-type "
                                         r"mrope \(got rope\)$"):
         check_mrope(args)
+
+
+def test_received_rows_of_another_width_name_the_encoder_and_an_empty_payload_adds_nothing():
+    from types import SimpleNamespace
+
+    from megatron_plugins.deepstack import DeepStack
+    from megatron_plugins.encoders.base import EncoderPluginError
+
+    deepstack = DeepStack({"image": LEVELS}, HIDDEN)
+    mimo = SimpleNamespace(input_tensors={"image": torch.zeros(11, 2 * HIDDEN)},
+                           special_token_ids={"image": IMAGE_TOKEN})
+    with pytest.raises(EncoderPluginError) as error:
+        deepstack.split_received(mimo, TOKENS, None)
+    assert str(error.value) == (
+        "--encoder image: its rows are 48 wide, but its deepstack_levels 2 and the language "
+        "hidden size 24 make 72; the encoder must return [main, 2 levels]")
+    empty = torch.zeros(0, HIDDEN)
+    mimo.input_tensors = {"image": empty}
+    deepstack.split_received(mimo, TOKENS[:, :0], None)
+    assert mimo.input_tensors["image"] is empty and deepstack.additions == []
+    assert deepstack.add_after(0, ("hidden", None)) == ("hidden", None)

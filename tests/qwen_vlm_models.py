@@ -119,6 +119,28 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
     return results
 
 
+def forward_diff(folder: Path, grids: tuple[str, ...], nproc: int, ids: torch.Tensor,
+                 pictures: list[np.ndarray], want: np.ndarray) -> float:
+    """Our logits' max relative difference from transformers' ``want`` over the grids, after
+    checking what every layout must give: zero padded-vocabulary rows, the checkpoint's image
+    token marking the images (:data:`VOCAB`, :data:`IMAGE_TOKEN`: the tiny Qwen folders'), and
+    every tensor of the folder streamed back unchanged."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.hf_models import rel_diff, safetensors_of
+
+    results = forward(nproc, folder, grids, ids, pictures)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert abs(logits[..., VOCAB:]).max() == 0  # padded vocabulary rows
+    for result in results:  # the mock and the model mark images with the checkpoint's token
+        assert result["special_token_ids"] == {"image": IMAGE_TOKEN}
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    assert sorted(streamed) == sorted(original)
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+    return rel_diff(logits[..., :VOCAB], want)
+
+
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
                         items_per_sample: tuple[int, int], seed: int) -> float:
     """transformers' loss on the first ``samples`` mock samples of a run from the folder (the

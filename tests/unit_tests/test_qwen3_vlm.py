@@ -17,8 +17,8 @@ import torch
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import safetensors_of
 from tests.hf_vlm_models import bad_input, edited, train_and_export, vlm_flags
-from tests.qwen3_whole_models import forward_diff, hf_logits, save_whole
-from tests.qwen_vlm_models import images, sample
+from tests.qwen3_whole_models import hf_logits, save_whole
+from tests.qwen_vlm_models import forward_diff, images, sample
 
 TOLERANCE = 1e-5
 

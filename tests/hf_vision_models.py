@@ -225,26 +225,39 @@ def qwen_images(sizes: tuple[tuple[int, int], ...] = QWEN_IMAGES, seed: int = 0
     return [rng.integers(0, 256, (h, w, 3), np.uint8) for h, w in sizes]
 
 
-def qwen_hf_features(folder: str | Path, images: list[np.ndarray]) -> np.ndarray:
-    """transformers' merged image features (the vision model's ``pooler_output``, fp32) of the
-    images as the folder's ``AutoImageProcessor`` makes them."""
+def qwen_hf_output(folder: str | Path, images: list[np.ndarray]) -> Any:
+    """transformers' vision model (fp32; a whole model's ``model.visual``, or the vision model
+    a folder holds alone) on the images as the folder's ``AutoImageProcessor`` makes them."""
     import transformers
 
     inputs = qwen_processor(folder)(images, return_tensors="pt")
     config = transformers.AutoConfig.from_pretrained(folder)
-    if config.model_type == "qwen2_5_vl":
-        visual = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+    if hasattr(config, "vision_config"):
+        visual = transformers.AutoModelForImageTextToText.from_pretrained(
             folder, dtype=torch.float32).model.visual
     else:
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
-
-        visual = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(folder,
-                                                                          dtype=torch.float32)
+        visual = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        output = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-    return output.pooler_output.numpy()
+        return visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+
+
+def qwen_hf_features(folder: str | Path, images: list[np.ndarray]) -> np.ndarray:
+    """transformers' merged image features (the vision model's ``pooler_output``) of the
+    images, as :func:`qwen_hf_output`."""
+    return qwen_hf_output(folder, images).pooler_output.numpy()
+
+
+def preprocessed(provider: str, folder: Path, processor: Any, config: dict[str, Any],
+                 images: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Our ``provider``'s collated inputs for ``images`` and HF's processor output, the folder's
+    preprocessor_config.json replaced by ``processor(**config)``'s (``config`` empty: removed,
+    both sides on their defaults, HF's as ``processor()``)."""
+    (folder / "preprocessor_config.json").unlink()
+    if config:
+        processor(**config).save_pretrained(folder)
+    preprocessor = plugin(provider, folder).preprocessor()
+    got = preprocessor.collate([preprocessor(image) for image in images])
+    return got, processor(folder if config else None)(images, return_tensors="pt")
 
 
 def qwen_rank(folder: str, tp: int, images: list[np.ndarray],

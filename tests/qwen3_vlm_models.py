@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_vision_models import QWEN_PIXELS, redraw
+from tests.hf_vision_models import QWEN_PIXELS, qwen_hf_output, redraw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -67,15 +67,17 @@ def processor(folder: str | Path | None = None, **kwargs: Any) -> Any:
 def hf_features(folder: str | Path, images: list[np.ndarray]) -> list[np.ndarray]:
     """transformers' ``Qwen3VLVisionModel`` (fp32) on the images as the folder's processor makes
     them: the merged image features, then each DeepStack level's features."""
-    import transformers
-
-    inputs = processor(folder)(images, return_tensors="pt")
-    config = transformers.AutoConfig.from_pretrained(folder)
-    if config.model_type == "qwen3_vl":
-        visual = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
-            folder, dtype=torch.float32).model.visual
-    else:
-        visual = transformers.Qwen3VLVisionModel.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        output = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+    output = qwen_hf_output(folder, images)
     return [output.pooler_output.numpy(), *(level.numpy() for level in output.deepstack_features)]
+
+
+def vision_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The folder's vision model tensors under the vision model's own names (a whole model's
+    without its ``model.visual.`` prefix)."""
+    from tests.hf_models import safetensors_of
+
+    tensors = safetensors_of(folder)
+    if any(name.startswith("model.visual.") for name in tensors):
+        return {name.removeprefix("model.visual."): tensor for name, tensor in tensors.items()
+                if name.startswith("model.visual.")}
+    return tensors

@@ -20,7 +20,7 @@ language model adds to its hidden states after its first L layers
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -30,7 +30,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.encoders.base import encoder_config, mlp_projection_spec
 from megatron_plugins.encoders.hf_vision import HALF
 from megatron_plugins.encoders.packed_attention import packed_seq_params
 from megatron_plugins.encoders.qwen_vision import (
@@ -50,9 +49,6 @@ MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")
 DEFAULT_PIXELS = (65536, 16777216)
 """(min_pixels, max_pixels) of the released Qwen3-VL checkpoints' preprocessor_config.json,
 used when a folder's gives none."""
-
-NORM_EPS = 1e-6
-"""HF's LayerNorm eps in the blocks and mergers (fixed in the model code, not the config)."""
 
 
 def position_taps(grids: list[tuple[int, int, int]], merge: int, side: int
@@ -138,8 +134,9 @@ class PatchMerger(MegatronModule):
         super().__init__(config=config)
         self.units, self.postshuffle = units, postshuffle
         width = config.hidden_size * (units if postshuffle else 1)
+        # HF's merger eps is its blocks' (1e-6), the tower config's.
         self.norm = build_module(vision_norm(config), config=config, hidden_size=width,
-                                 eps=NORM_EPS)
+                                 eps=config.layernorm_epsilon)
         self.mlp = build_module(mlp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -190,10 +187,14 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
     config_class = "Qwen3VLVisionConfig"
     default_mean, default_std = HALF, HALF
     default_pixels: ClassVar[tuple[int, int]] = DEFAULT_PIXELS
+    gated = False
+    normalization = "LayerNorm"
 
     def _unsupported(self, hf: Any) -> list[str]:
+        """Also a position table that is not a square grid, DeepStack indexes out of order or
+        past the last block."""
         problems = super()._unsupported(hf)
-        side = int(hf.num_position_embeddings ** 0.5)
+        side = math.isqrt(hf.num_position_embeddings)
         if side * side != hf.num_position_embeddings:
             problems.append(f"num_position_embeddings {hf.num_position_embeddings} (not a "
                             "square grid)")
@@ -208,26 +209,13 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         """One level per ``deepstack_visual_indexes`` entry."""
         return len(self.hf_config.deepstack_visual_indexes)
 
-    def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
-        self._check_language(language.hidden_size)
-        hf = self.hf_config
-        config = encoder_config(
-            language, self.grid, num_layers=hf.depth, hidden_size=hf.hidden_size,
-            num_attention_heads=hf.num_heads, ffn_hidden_size=hf.intermediate_size,
-            activation_func=self.activations[hf.hidden_act], add_bias_linear=True,
-            add_qkv_bias=True, normalization="LayerNorm")
-        # HF's LayerNorm eps; Megatron's fused bias-activation is not HF's function, torch's
-        # LayerNorm does not persist.
-        return dataclasses.replace(config, layernorm_epsilon=NORM_EPS,
-                                   bias_activation_fusion=False, persist_layer_norm=False)
-
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
         hf = self.hf_config
         return ModuleSpec(module=Qwen3ViT, params={
             "config": config, "patch_size": hf.patch_size,
             "temporal_patch_size": hf.temporal_patch_size, "merge": hf.spatial_merge_size,
-            "position_side": int(hf.num_position_embeddings ** 0.5),
+            "position_side": math.isqrt(hf.num_position_embeddings),
             "deepstack_layers": tuple(hf.deepstack_visual_indexes),
             "rope_theta": float(hf.rope_parameters["rope_theta"]),
             "pg_collection": pg_collection})

@@ -260,6 +260,10 @@ class QwenVisionEncoder(HFVisionEncoder):
     default_pixels: ClassVar[tuple[int, int]] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
     """(min_pixels, max_pixels) when preprocessor_config.json gives none."""
     activations: ClassVar[dict[str, Any]] = TOWER_ACTIVATIONS
+    gated: ClassVar[bool] = True
+    """The blocks' MLP is gated (SwiGLU)."""
+    normalization: ClassVar[str] = "RMSNorm"
+    """The blocks' norm (eps 1e-6)."""
 
     def _read_config(self) -> Any:
         """The HF vision config of a whole model's folder (``vision_config``) or of a vision
@@ -368,10 +372,10 @@ class QwenVisionEncoder(HFVisionEncoder):
         config = encoder_config(
             language, self.grid, num_layers=hf.depth, hidden_size=hf.hidden_size,
             num_attention_heads=hf.num_heads, ffn_hidden_size=hf.intermediate_size,
-            activation_func=TOWER_ACTIVATIONS[hf.hidden_act], gated_linear_unit=True,
-            add_bias_linear=True, add_qkv_bias=True, normalization="RMSNorm")
-        # HF's RMSNorm eps; Megatron's fused bias-activation is not HF's function, torch's
-        # RMSNorm does not persist.
+            activation_func=self.activations[hf.hidden_act], gated_linear_unit=self.gated,
+            add_bias_linear=True, add_qkv_bias=True, normalization=self.normalization)
+        # HF's norm eps; Megatron's fused bias-activation is not HF's function, torch's norms
+        # do not persist.
         return dataclasses.replace(config, layernorm_epsilon=1e-6, bias_activation_fusion=False,
                                    persist_layer_norm=False)
 

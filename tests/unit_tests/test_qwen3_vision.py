@@ -17,6 +17,7 @@ from tests.hf_vision_models import (
     QWEN_PIXELS,
     language_config,
     plugin,
+    preprocessed,
     qwen_images,
     qwen_rank,
     rel_diff,
@@ -24,7 +25,13 @@ from tests.hf_vision_models import (
     train_and_export,
 )
 from tests.multiprocess import run_in_processes
-from tests.qwen3_vlm_models import TEXT, hf_features, processor, save_tiny_qwen3_vl
+from tests.qwen3_vlm_models import (
+    TEXT,
+    hf_features,
+    processor,
+    save_tiny_qwen3_vl,
+    vision_tensors,
+)
 
 TOLERANCE = 1e-5
 LEVELS = 2
@@ -46,6 +53,13 @@ def assert_matches(output: np.ndarray, want: list[np.ndarray]) -> list[float]:
                                                         want)]
     assert max(diffs) < TOLERANCE, diffs
     return diffs
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The same names and bit-identical tensors."""
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_one_rank_reproduces_merged_features_and_deepstack_levels(tmp_path):
@@ -78,12 +92,7 @@ def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_pat
     pieces = [piece for result in results for piece in pieces_from(result["pieces"])]
     assert sorted(p.offsets[0] for p in pieces
                   if p.hf_name == "deepstack_merger_list.1.linear_fc1.weight") == [0, 64]
-    assembled = assemble(pieces)
-    original = {n.removeprefix("model.visual."): t for n, t in safetensors_of(folder).items()
-                if n.startswith("model.visual.")}
-    assert sorted(assembled) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(assembled[name], tensor), name
+    assert_same_tensors(assemble(pieces), vision_tensors(folder))
 
 
 def test_vision_model_folder_without_deepstack(tmp_path):
@@ -104,14 +113,8 @@ def test_vision_model_folder_without_deepstack(tmp_path):
 def test_preprocessing_equals_hf_image_processor(config, tmp_path):
     """Bit-exact pixel values and grids; the folder's preprocessor_config.json or, without one,
     the released checkpoints' recipe."""
-    folder = save_tiny_qwen3_vl(tmp_path / "qwen3")
-    (folder / "preprocessor_config.json").unlink()
-    if config:
-        processor(**config).save_pretrained(folder)
-    images = qwen_images()
-    preprocessor = plugin("qwen3_vl", folder).preprocessor()
-    got = preprocessor.collate([preprocessor(image) for image in images])
-    want = processor(folder if config else None, **config)(images, return_tensors="pt")
+    got, want = preprocessed("qwen3_vl", save_tiny_qwen3_vl(tmp_path / "qwen3"), processor,
+                             config, qwen_images())
     torch.testing.assert_close(got["grid_thw"], want["image_grid_thw"], rtol=0, atol=0)
     assert got["pixel_values"].dtype == torch.float32
     torch.testing.assert_close(got["pixel_values"], want["pixel_values"], rtol=0, atol=0)
@@ -146,12 +149,9 @@ def test_trained_tower_and_mergers_export_to_a_vision_folder_transformers_reprod
     qwen = save_tiny_qwen3_vl(tmp_path / "qwen3", text={"hidden_size": SHAPE["hidden_size"]},
                               deepstack_visual_indexes=[])
     streamed, out = train_and_export(tmp_path, "qwen3_vl", qwen, seq_length=64)
-    exported = safetensors_of(out / "vision")
-    original = {n.removeprefix("model.visual."): t for n, t in safetensors_of(qwen).items()
-                if n.startswith("model.visual.")}
-    assert sorted(exported) == sorted(streamed) == sorted(original)
-    for name, tensor in streamed.items():
-        assert torch.equal(exported[name], tensor), name
+    exported, original = safetensors_of(out / "vision"), vision_tensors(qwen)
+    assert sorted(exported) == sorted(original)
+    assert_same_tensors(exported, streamed)
     for name in ("blocks.0.attn.qkv.weight", "pos_embed.weight", "merger.linear_fc1.weight"):
         assert not torch.equal(exported[name], original[name]), name  # it trained
     (out / "vision" / "preprocessor_config.json").write_text(

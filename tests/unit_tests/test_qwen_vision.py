@@ -17,6 +17,7 @@ from tests.hf_vision_models import (
     QWEN_IMAGES,
     QWEN_PIXELS,
     plugin,
+    preprocessed,
     qwen_hf_features,
     qwen_images,
     qwen_processor,
@@ -88,14 +89,8 @@ def test_vision_model_folder_loads_too(tmp_path):
          image_std=[0.9, 0.8, 0.7], resample=2, rescale_factor=1 / 127.5),
 ])
 def test_preprocessing_equals_hf_qwen2_vl_image_processor(config, tmp_path):
-    folder = save_tiny_qwen(tmp_path / "qwen")
-    (folder / "preprocessor_config.json").unlink()
-    if config:
-        qwen_processor(**config).save_pretrained(folder)
-    images = qwen_images()
-    preprocessor = plugin("qwen2_5_vl", folder).preprocessor()
-    got = preprocessor.collate([preprocessor(image) for image in images])
-    want = qwen_processor(folder if config else None)(images, return_tensors="pt")
+    got, want = preprocessed("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"), qwen_processor,
+                             config, qwen_images())
     torch.testing.assert_close(got["grid_thw"], want["image_grid_thw"], rtol=0, atol=0)
     assert got["pixel_values"].dtype == torch.float32
     torch.testing.assert_close(got["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)

@@ -170,25 +170,28 @@ def vlm_train_rank(argv: list[str]) -> dict[str, Any]:
 
 def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tuple[str, ...]
               ) -> list[list[Any]]:
-    """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces."""
+    """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces. The
+    vocabulary is not padded, so the logged loss is transformers' softmax over the same ids."""
     from tests.multiprocess import run_in_processes
 
-    argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2", *extra]
+    argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2",
+            "--make-vocab-size-divisible-by", "1", *extra]
     results = run_in_processes(vlm_train_rank, nproc, args=(argv,), timeout=240, simulated=True)
     return [pieces_from(result["pieces"]) for result in results]
 
 
 def train_and_export(folder: str | Path, root: Path) -> list[list[Any]]:
-    """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``;
-    the same weights re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0) under
-    ``root/second``; both exported to ``root/out_first``, ``root/out_second``. Returns the
-    first run's streamed pieces of the trained model."""
+    """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``
+    (its scalars in ``root/tensorboard``); the same weights re-saved at encoder TP 2 + language
+    PP 2 (loaded, one step at lr 0) under ``root/second``; both exported to ``root/out_first``,
+    ``root/out_second``. Returns the first run's streamed pieces of the trained model."""
     from tests.hf_models import export_rank
     from tests.multiprocess import run_in_processes
 
     first, second = root / "first", root / "second"
     pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+        "--train-iters", "2", "--save", str(first), "--save-interval", "2",
+        "--tensorboard-dir", str(root / "tensorboard")))
     vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
         "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
         "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))

@@ -142,22 +142,28 @@ def forward_diff(folder: Path, grids: tuple[str, ...], nproc: int, ids: torch.Te
 
 
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
-                        items_per_sample: tuple[int, int], seed: int) -> float:
+                        items_per_sample: tuple[int, int], seed: int,
+                        mock_positions: bool = False) -> float:
     """transformers' loss on the first ``samples`` mock samples of a run from the folder (the
     first global batch): the mock is a pure function of (seed, split, index), so the same
     source rebuilt here gives the run's tokens, labels, loss mask and images; the loss is the
-    masked token loss summed over the batch over its token count, as the run reports it."""
+    masked token loss summed over the batch over its token count, as the run reports it. Any
+    whole Qwen folder: its architecture names the transformers class and the encoder provider.
+    ``mock_positions``: transformers is given the mock's mrope positions (Qwen3-VL's
+    ``get_rope_index`` cannot lay out two image runs side by side, which the mock makes)."""
     import transformers
 
     from megatron_plugins.data.mock import MockSource
+    from megatron_plugins.weights.vlm_families import read_vlm
     from tests.hf_vision_models import plugin
 
+    vlm, _ = read_vlm(str(folder))
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB,
-                        plugins={ENCODER: plugin("qwen2_5_vl", folder)},
+                        plugins={ENCODER: plugin(vlm.encoder_provider, folder)},
                         items_per_sample=items_per_sample, mrope=True,
                         placeholder_ids={ENCODER: IMAGE_TOKEN})
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32)
+    model = getattr(transformers, vlm.architectures[0]).from_pretrained(folder,
+                                                                        dtype=torch.float32)
     processor = qwen_processor(folder)
     total, tokens = 0.0, 0.0
     for index in range(samples):
@@ -166,8 +172,9 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
         pictures = source.media(ENCODER, "train", index)
         inputs = processor(pictures, return_tensors="pt") if pictures else {}
         with torch.no_grad():
+            positions = text["position_ids"][:, None] if mock_positions else None
             logits = model(input_ids=ids, pixel_values=inputs.get("pixel_values"),
-                           image_grid_thw=inputs.get("image_grid_thw"),
+                           image_grid_thw=inputs.get("image_grid_thw"), position_ids=positions,
                            mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits[0]
         losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
                                                    reduction="none")

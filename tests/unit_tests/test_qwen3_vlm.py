@@ -80,6 +80,23 @@ def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_lo
         assert torch.equal(loaded[name], written[name]), name
 
 
+@pytest.mark.timeout(600)
+def test_training_starts_from_transformers_loss_on_the_first_batch(exported):
+    """Step 1 of the run (weights still the folder's; DeepStack in the forward step) is
+    transformers' loss on the same first global batch, which the deterministic mock source
+    regenerates here with its positions (the mock lays image runs side by side, which
+    transformers' Qwen3-VL positions cannot read; ``test_qwen3_vl_language.py`` checks the
+    positions against them where they can)."""
+    from tests.qwen_vlm_models import hf_first_batch_loss
+    from tests.tensorboard_scalars import read_scalars
+
+    root, folder, _ = exported
+    losses = read_scalars(root / "tensorboard", "lm loss")
+    # train_and_export's first run: global batch 4, seq-length 64, 1:2 images, seed 1234.
+    want = hf_first_batch_loss(folder, 4, 64, (1, 2), 1234, mock_positions=True)
+    assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
+
+
 def test_a_config_megatron_would_compute_differently_is_one_line(qwen3, tmp_path, monkeypatch):
     folder = qwen3[0]
     text = json.loads((folder / "config.json").read_text())["text_config"]

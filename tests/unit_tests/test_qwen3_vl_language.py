@@ -141,3 +141,20 @@ def test_received_rows_of_another_width_name_the_encoder_and_an_empty_payload_ad
     deepstack.split_received(mimo, TOKENS[:, :0], None)
     assert mimo.input_tensors["image"] is empty and deepstack.additions == []
     assert deepstack.add_after(0, ("hidden", None)) == ("hidden", None)
+
+
+def test_mimo_still_shards_its_merged_embeddings_the_way_deepstack_shards_the_levels():
+    """DeepStack shards its levels with MiMo's own ``_build_packed_seq_params`` and
+    ``_shard_language_inputs``, as MiMo shards the merged embeddings on the first language stage;
+    a release that shards them otherwise must be followed here."""
+    import inspect
+
+    from megatron.core.models.mimo import MimoModel
+
+    source = inspect.getsource(MimoModel._forward_language_module)
+    assert "packed_seq_params = self._build_packed_seq_params(packing_kwargs)" in source
+    assert "self.align_embeddings_by_token_positions(" in source
+    assert ("combined_embeddings, labels, loss_mask, packed_seq_params = "
+            "self._shard_language_inputs(") in source
+    assert list(inspect.signature(MimoModel._shard_language_inputs).parameters) == [
+        "self", "embeddings", "labels", "loss_mask", "packed_seq_params"]

@@ -31,6 +31,11 @@ PATCHES = (VISION["image_size"] // VISION["patch_size"]) ** 2
 ENCODER = "image"
 
 
+LAYOUTS = {"one-rank-per-module": (("image:dp=1", "language:dp=1"), 2),
+           "encoder-tp2-language-pp2": (("image:tp=2", "language:pp=2"), 4)}
+"""The whole-VLM acceptance layouts: (``--grid`` values, ranks), by test id."""
+
+
 def save_tiny_llava(folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """A tiny random ``LlavaForConditionalGeneration`` (CLIP tower of 2 layers, Llama of 2)."""
     import transformers

@@ -16,7 +16,7 @@ import torch
 
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import safetensors_of
-from tests.hf_vlm_models import bad_input, edited, train_and_export, vlm_flags
+from tests.hf_vlm_models import LAYOUTS, bad_input, edited, train_and_export, vlm_flags
 from tests.qwen3_whole_models import hf_logits, save_whole
 from tests.qwen_vlm_models import forward_diff, images, sample
 
@@ -32,13 +32,12 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("grids, nproc", [
-    (("image:dp=1", "language:dp=1"), 2),
-    (("image:tp=2", "language:pp=2"), 4),
-], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_whole_qwen3_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
-        qwen3, grids, nproc):
-    assert forward_diff(*qwen3[:1], grids, nproc, *qwen3[1:]) < TOLERANCE
+        qwen3, layout):
+    folder, ids, pictures, want = qwen3
+    grids, nproc = LAYOUTS[layout]
+    assert forward_diff(folder, grids, nproc, ids, pictures, want) < TOLERANCE
 
 
 @pytest.fixture(scope="module")

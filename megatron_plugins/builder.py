@@ -5,7 +5,8 @@
 encoder plugins ride along in underscore fields, which Megatron never writes to checkpoints.
 ``MimoModelBuilder`` seeds this rank's module, builds the rank-local ``MimoModel`` (only that
 module is instantiated), loads HF weights or Megatron checkpoints into it where asked
-(``megatron_plugins.weights``), runs the pre/post wrap hooks, applies the distributed lifecycle,
+(``megatron_plugins.weights``), hooks in DeepStack where an encoder has levels
+(:mod:`megatron_plugins.deepstack`), runs the pre/post wrap hooks, applies the distributed lifecycle,
 installs cross-grid gradient sync and sets what the stock loop reads from the model
 (``pg_collection``, ``rng_state_key_prefix``).
 """
@@ -26,6 +27,7 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
+from megatron_plugins import deepstack
 from megatron_plugins.compat import checkpointing, training_step
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.encoders import EncoderPlugin
@@ -116,9 +118,12 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             module_to_grid_map=dict(topology.grids),
         )
         language_pgc = module_pgs.get(LANGUAGE)
-        return MimoModel(mimo_config,
-                         cp_group=language_pgc.cp if language_pgc else None,
-                         tp_group=language_pgc.tp if language_pgc else None)
+        model = MimoModel(mimo_config,
+                          cp_group=language_pgc.cp if language_pgc else None,
+                          tp_group=language_pgc.tp if language_pgc else None)
+        deepstack.install(model, {name: plugin.deepstack_levels
+                                  for name, plugin in cfg._plugins.items()})
+        return model
 
     def build_distributed_models(
         self,

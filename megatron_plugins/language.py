@@ -7,6 +7,8 @@ stock model builder of that config, so the language model is what stock
 bridges of ``compat.model_build`` (Gaps 4-4c) applied. With ``--pack-sequences`` on the local
 implementation, the layers' core attention is :class:`PackedAttention` (Megatron's local
 ``DotProductAttention`` refuses THD inputs); Transformer Engine's attention reads THD itself.
+With ``--mrope-interleaved`` (Qwen3-VL) the multimodal RoPE lays its frequency pairs out
+interleaved (``compat.model_build`` Gap 17).
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ from megatron_plugins.encoders.packed_attention import PackedAttention
 from megatron_plugins.errors import UsageError
 
 __all__ = [
-    "LanguageModelError", "PACKED_SEQUENCES", "StockLanguageModel", "language_config_from_args",
-    "language_model_spec"
+    "LanguageModelError", "MROPE_INTERLEAVED", "PACKED_SEQUENCES", "StockLanguageModel",
+    "language_config_from_args", "language_model_spec"
 ]
 
 PACKED_SEQUENCES = "mimo_packed_sequences"
 """Attribute of a language ``ModelConfig`` saying its inputs come packed (``--pack-sequences``)."""
+
+MROPE_INTERLEAVED = "mimo_mrope_interleaved"
+"""Attribute of a language ``ModelConfig`` saying its multimodal RoPE interleaves the t, h, w
+frequency pairs (``--mrope-interleaved``, Qwen3-VL)."""
 
 
 class LanguageModelError(UsageError):
@@ -49,6 +55,7 @@ def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
         # Not a GPTModelConfig field: stored on the config object itself (its __setattr__ puts
         # names the TransformerConfig lacks there), and copied with it.
         setattr(config, PACKED_SEQUENCES, bool(getattr(args, "pack_sequences", False)))
+        setattr(config, MROPE_INTERLEAVED, bool(getattr(args, "mrope_interleaved", False)))
         return config
     if Symbols.MAMBA in pattern and importlib.util.find_spec("mamba_ssm") is None:
         raise LanguageModelError(
@@ -80,6 +87,8 @@ class StockLanguageModel:
         with model_build.distinct_cpu_init_experts():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
         model_build.direct_single_rank_expert_output(model)
+        if getattr(model_config, MROPE_INTERLEAVED, False):
+            model_build.interleave_mrope(model)
         return model
 
 

@@ -32,7 +32,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.arguments import validate_args
 
-from megatron_plugins import checkpoint_guards, cpu_simulation
+from megatron_plugins import checkpoint_guards, cpu_simulation, deepstack
 from megatron_plugins.command_line import given_flag, spellings_of
 from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.streams import DataSource
@@ -325,8 +325,13 @@ def check_packing(args: argparse.Namespace) -> None:
 
 def check_mrope(args: argparse.Namespace) -> None:
     """``--mrope-section`` splits a head's rotary frequency pairs over (t, h, w): three counts
-    summing to half the rotary dims, else Megatron fails deep in the first forward."""
+    summing to half the rotary dims, else Megatron fails deep in the first forward.
+    ``--mrope-interleaved`` lays those pairs out, so it needs mrope."""
     if args.position_embedding_type != "mrope":
+        if getattr(args, "mrope_interleaved", False):
+            raise FlagError(f"--mrope-interleaved lays out multimodal RoPE's frequency pairs; it "
+                            f"needs --position-embedding-type mrope (got "
+                            f"{args.position_embedding_type})")
         return
     pairs = int(args.kv_channels * args.rotary_percent) // 2
     section = list(args.mrope_section or [])
@@ -371,6 +376,8 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.apply(init_checkpoints(args, plugins, checked))
     record.apply(mimo_after_validation(args))
     language = language_config_from_args(args).transformer
+    deepstack.check_layers({name: plugin.deepstack_levels for name, plugin in plugins.items()},
+                           language)
     for plugin in plugins.values():
         record.notice(check_hooks(plugin, language))
     record.settled.plugins = plugins

@@ -31,6 +31,11 @@ PATCHES = (VISION["image_size"] // VISION["patch_size"]) ** 2
 ENCODER = "image"
 
 
+LAYOUTS = {"one-rank-per-module": (("image:dp=1", "language:dp=1"), 2),
+           "encoder-tp2-language-pp2": (("image:tp=2", "language:pp=2"), 4)}
+"""The whole-VLM acceptance layouts: (``--grid`` values, ranks), by test id."""
+
+
 def save_tiny_llava(folder: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """A tiny random ``LlavaForConditionalGeneration`` (CLIP tower of 2 layers, Llama of 2)."""
     import transformers
@@ -74,11 +79,13 @@ def vlm_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
 
 def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
                        inputs: dict[str, torch.Tensor], tokens: int,
-                       positions: torch.Tensor | None = None) -> np.ndarray | None:
+                       positions: torch.Tensor | None = None,
+                       levels: int = 0) -> np.ndarray | None:
     """One forward over the grids: the encoder's TP rank 0 sends its projected features (of
     ``tokens`` positions, from its forward ``inputs``) to the language's first stage, the stages
     pass hidden states on, the last returns full logits. ``positions``: consecutive unless
-    given (``[3, 1, S]`` under multimodal RoPE)."""
+    given (``[3, 1, S]`` under multimodal RoPE); ``levels``: the encoder's DeepStack levels
+    (its rows are ``1 + levels`` language hidden sizes wide)."""
     import torch.distributed as dist
 
     pgc = topology.module_pgs[module]
@@ -96,7 +103,7 @@ def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
         stage_ranks = dist.get_process_group_ranks(pgc.pp)
         hidden = mimo.language_model.config.hidden_size
         if stage == 0:
-            features = torch.empty(tokens, hidden)
+            features = torch.empty(tokens, (1 + levels) * hidden)
             dist.recv(features, src=topology.grids[ENCODER].rank_offset)
             mimo.set_input_tensor({ENCODER: features})
         else:
@@ -168,26 +175,30 @@ def vlm_train_rank(argv: list[str]) -> dict[str, Any]:
 
 def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tuple[str, ...]
               ) -> list[list[Any]]:
-    """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces."""
+    """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces. The
+    vocabulary is not padded, so the logged loss is transformers' softmax over the same ids."""
     from tests.multiprocess import run_in_processes
 
-    argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2", *extra]
+    argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2",
+            "--make-vocab-size-divisible-by", "1", *extra]
     results = run_in_processes(vlm_train_rank, nproc, args=(argv,), timeout=240, simulated=True)
     return [pieces_from(result["pieces"]) for result in results]
 
 
 def train_and_export(folder: str | Path, root: Path, extra: tuple[str, ...] = ()
                      ) -> list[list[Any]]:
-    """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``;
-    the same weights re-saved at encoder TP 2 + language PP 2 (loaded, one step at lr 0) under
-    ``root/second``; both exported to ``root/out_first``, ``root/out_second``. Returns the
-    first run's streamed pieces of the trained model. ``extra``: flags of both runs."""
+    """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``
+    (its scalars in ``root/tensorboard``); the same weights re-saved at encoder TP 2 + language
+    PP 2 (loaded, one step at lr 0) under ``root/second``; both exported to ``root/out_first``,
+    ``root/out_second``. Returns the first run's streamed pieces of the trained model.
+    ``extra``: flags of both runs."""
     from tests.hf_models import export_rank
     from tests.multiprocess import run_in_processes
 
     first, second = root / "first", root / "second"
     pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        *extra, "--train-iters", "2", "--save", str(first), "--save-interval", "2"))
+        *extra, "--train-iters", "2", "--save", str(first), "--save-interval", "2",
+        "--tensorboard-dir", str(root / "tensorboard")))
     vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
         *extra, "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
         "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))

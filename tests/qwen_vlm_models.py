@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,8 @@ def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
     token = mimo.special_token_ids[ENCODER]
     positions = mrope_position_ids(ids[0], {token: layouts}).unsqueeze(1)
     logits = cross_grid_forward(mimo, module, session.topology, ids, inputs,
-                                sum(count for count, _ in layouts), positions)
+                                sum(count for count, _ in layouts), positions,
+                                plugin.deepstack_levels)
     return {"logits": logits, "pieces": whole_pieces(mimo, session),
             "special_token_ids": dict(mimo.special_token_ids)}
 
@@ -175,27 +177,58 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
     return results
 
 
+def forward_diff(folder: Path, grids: tuple[str, ...], nproc: int, ids: torch.Tensor,
+                 pictures: list[np.ndarray], want: np.ndarray) -> float:
+    """Our logits' max relative difference from transformers' ``want`` over the grids, after
+    checking what every layout must give: zero padded-vocabulary rows, the checkpoint's image
+    token marking the images (:data:`VOCAB`, :data:`IMAGE_TOKEN`: the tiny Qwen folders'), and
+    every tensor of the folder streamed back unchanged."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.hf_models import rel_diff, safetensors_of
+
+    results = forward(nproc, folder, grids, ids, pictures)
+    [logits] = [r["logits"] for r in results if r["logits"] is not None]
+    assert abs(logits[..., VOCAB:]).max() == 0  # padded vocabulary rows
+    for result in results:  # the mock and the model mark images with the checkpoint's token
+        assert result["special_token_ids"] == {"image": IMAGE_TOKEN}
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    assert sorted(streamed) == sorted(original)
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+    return rel_diff(logits[..., :VOCAB], want)
+
+
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
                         items_per_sample: tuple[int, int], seed: int,
-                        video_frames: int = 0) -> float:
+                        video_frames: int = 0, mock_positions: bool = False) -> float:
     """transformers' loss on the first ``samples`` mock samples of a run from the folder (the
     first global batch): the mock is a pure function of (seed, split, index), so the same
     source rebuilt here gives the run's tokens, labels, loss mask and items (videos too, with
-    ``video_frames``; each run between the folder's vision start / end ids); the loss is the masked token loss summed over the batch over its token
-    count, as the run reports it."""
+    ``video_frames``; each run between the folder's vision start / end ids where its vocabulary
+    holds them, as the run does); the loss is the masked token loss summed over the batch over
+    its token count, as the run reports it. Any whole Qwen folder: its architecture names the
+    transformers class and the encoder provider. ``mock_positions``: transformers is given the
+    mock's mrope positions (Qwen3-VL's ``get_rope_index`` cannot lay out two image runs side by
+    side, which the mock makes)."""
     import transformers
 
     from megatron_plugins.data.media import Video
     from megatron_plugins.data.mock import MockSource
+    from megatron_plugins.weights.flags import checkpoint_item_wrapping
+    from megatron_plugins.weights.vlm_families import read_vlm
     from tests.hf_vision_models import plugin
 
+    vlm, _ = read_vlm(str(folder))
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB,
-                        plugins={ENCODER: plugin("qwen2_5_vl", folder)},
+                        plugins={ENCODER: plugin(vlm.encoder_provider, folder)},
                         items_per_sample=items_per_sample, mrope=True,
-                        placeholder_ids={ENCODER: IMAGE_TOKEN}, wrapping={ENCODER: WRAPPING},
+                        placeholder_ids={ENCODER: IMAGE_TOKEN},
+                        wrapping=checkpoint_item_wrapping(SimpleNamespace(
+                            hf_model=str(folder), encoder_hf_weights=[f"{ENCODER}={folder}"])),
                         video_frames=video_frames)
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32)
+    model = getattr(transformers, vlm.architectures[0]).from_pretrained(folder,
+                                                                        dtype=torch.float32)
     processor = qwen_processor(folder)
     total, tokens = 0.0, 0.0
     for index in range(samples):
@@ -207,8 +240,9 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
         hf_ids, types, videos = _hf_video_inputs(
             folder, ids, [item if isinstance(item, Video) else None for item in items])
         with torch.no_grad():
+            positions = text["position_ids"][:, None] if mock_positions else None
             logits = model(input_ids=hf_ids, pixel_values=inputs.get("pixel_values"),
-                           image_grid_thw=inputs.get("image_grid_thw"),
+                           image_grid_thw=inputs.get("image_grid_thw"), position_ids=positions,
                            mm_token_type_ids=types, **videos).logits[0]
         losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
                                                    reduction="none")

@@ -120,5 +120,8 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap16_canary_stock_saves_one_rng_state_replicated_over_"
                                  "data_parallel_ranks")),
+    Gap("17", "multimodal RoPE has only contiguous per-axis sections, not Qwen3-VL's interleaved",
+        "model_build", "language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap17_canary_stock_mrope_has_no_interleaved_layout")),
 )
 """Every gap in the order the bridges were added."""

@@ -1,4 +1,4 @@
-"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14).
+"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17).
 
 Shared context: on disjoint grids (every heterogeneous run, ``skip_model_parallel_init=True``)
 ``parallel_state`` is never initialized, so stock code that falls back to its globals instead of
@@ -19,8 +19,8 @@ import torch
 
 __all__ = [
     "bind_tp_group", "direct_single_rank_expert_output", "distinct_cpu_init_experts",
-    "ensure_global_memory_buffer", "exact_fp32_router_buffers", "with_explicit_moe_spec",
-    "with_local_hybrid_spec"
+    "ensure_global_memory_buffer", "exact_fp32_router_buffers", "interleave_mrope",
+    "with_explicit_moe_spec", "with_local_hybrid_spec"
 ]
 
 
@@ -260,3 +260,65 @@ def with_local_hybrid_spec(model_config: Any) -> Any:
     resolved.hybrid_stack_spec = ModuleSpec(module=_local_norm_hybrid_stack(),
                                             submodules=submodules)
     return resolved
+
+
+@functools.cache
+def _interleaved_mrope_class() -> type:
+    """``MultimodalRotaryEmbedding`` computing Qwen3-VL's interleaved frequency layout."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        MultimodalRotaryEmbedding,
+        get_pos_emb_on_this_cp_rank,
+    )
+
+    class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+        """Multimodal RoPE whose frequency pairs cycle t, h, w (Gap 17): pair ``j`` rotates by
+        the height position when ``j % 3 == 1`` and ``j < 3 * section[1]``, by the width
+        position when ``j % 3 == 2`` and ``j < 3 * section[2]``, else by the temporal one
+        (transformers' ``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``)."""
+
+        def forward(self, position_ids: torch.Tensor, mrope_section: list[int],
+                    cp_group: Any = None) -> torch.Tensor:
+            seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+            if self.seq_len_interpolation_factor is not None:
+                seq = seq / self.seq_len_interpolation_factor
+            freqs = seq[..., None].float() * self.inv_freq  # [3, B, S, pairs]
+            merged = freqs[0].clone()
+            for axis in (1, 2):
+                pairs = slice(axis, mrope_section[axis] * 3, 3)
+                merged[..., pairs] = freqs[axis, ..., pairs]
+            if self.rotary_interleaved:
+                emb = torch.stack((merged, merged), dim=-1).flatten(-2)
+            else:
+                emb = torch.cat((merged, merged), dim=-1)
+            emb = emb[..., None, :].transpose(0, 1).contiguous()  # [S, B, 1, 2 * pairs]
+            cp_group = self.cp_group if cp_group is None else cp_group
+            if cp_group is not None and cp_group.size() > 1:
+                emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+            return emb
+
+    return InterleavedMultimodalRotaryEmbedding
+
+
+def interleave_mrope(model: torch.nn.Module) -> None:
+    """Make a GPT model's multimodal RoPE lay its frequencies out interleaved (Gap 17).
+
+    Gap 17 (interleaved multimodal RoPE): Qwen3-VL's language model rotates frequency pair ``j``
+    by the temporal, height or width position in turn (``mrope_interleaved``); 0.19.2's
+    ``MultimodalRotaryEmbedding`` (models/common/embeddings/rotary_pos_embedding.py) only gives
+    each axis one contiguous block of ``mrope_section[axis]`` pairs, and ``TransformerConfig``
+    has no switch for another layout. The model's ``rotary_pos_emb`` keeps its state (inverse
+    frequencies, CP group) and computes the interleaved layout; ``GPTModel`` calls it as before.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        MultimodalRotaryEmbedding,
+    )
+
+    from megatron_plugins.compat import MegatronCompatError
+
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if type(rotary) is not MultimodalRotaryEmbedding:
+        raise MegatronCompatError(
+            f"interleaved multimodal RoPE expects the GPT model's rotary_pos_emb to be "
+            f"MultimodalRotaryEmbedding (--position-embedding-type mrope), found "
+            f"{type(rotary).__name__}")
+    rotary.__class__ = _interleaved_mrope_class()

@@ -162,6 +162,16 @@ class Qwen3Mergers(MegatronModule):
         self.deepstack = torch.nn.ModuleList(
             [PatchMerger(config, mlp, units, postshuffle=True) for _ in range(levels)])
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Each merger's own (tensor-parallel) sharded state: the stock default would save the
+        DeepStack mergers, held in a plain ``ModuleList``, as replicated whole tensors."""
+        state = self.merger.sharded_state_dict(f"{prefix}merger.", sharded_offsets, metadata)
+        for index, merger in enumerate(self.deepstack):
+            state.update(merger.sharded_state_dict(f"{prefix}deepstack.{index}.",
+                                                   sharded_offsets, metadata))
+        return state
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[patches, (1 + L) * hidden]`` -> ``[patches / units, (1 + L) * output]``."""
         parts = hidden.split(self.config.hidden_size, dim=-1)

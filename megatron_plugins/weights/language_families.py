@@ -1,6 +1,7 @@
 """Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts),
 dots.llm1 (DeepSeek-V3-style MoE: sigmoid router with an fp32 expert bias, shared experts, dense
-first layers), and Qwen2.5-VL's language model (Qwen2 with multimodal RoPE).
+first layers), Qwen2.5-VL's language model (Qwen2 with multimodal RoPE) and Qwen3-VL's (Qwen3
+with interleaved multimodal RoPE).
 
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
@@ -11,12 +12,13 @@ stock checkpoints save the local spec's norms under.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
-__all__ = ["DOTS1", "FAMILIES", "QWEN2_5_VL"]
+__all__ = ["DOTS1", "FAMILIES", "QWEN2_5_VL", "QWEN3_VL"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -147,11 +149,12 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**top, **(config.get("text_config") or {})}
 
 
-def _mrope_section(text: Mapping[str, Any]) -> list[int]:
+def _mrope_section(text: Mapping[str, Any], interleaved: bool = False) -> list[int]:
     """HF's ``mrope_section``, which Megatron's ``--mrope-section`` takes as is: both count
     rotary frequency pairs per axis (t, h, w) and lay the cos/sin halves out alike
     (``MultimodalRotaryEmbedding`` splits ``cat(freqs, freqs)`` by the sections twice, HF splits
-    the frequencies once and concatenates them twice), so their sum is half the head dim."""
+    the frequencies once and concatenates them twice), so their sum is half the head dim.
+    ``interleaved``: the family lays the pairs out interleaved (``--mrope-interleaved``)."""
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = params.get("mrope_section")
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
@@ -160,7 +163,7 @@ def _mrope_section(text: Mapping[str, Any]) -> list[int]:
         raise HFWeightsError(f"config.json rope_parameters.mrope_section = {section!r} is not "
                              f"supported (Megatron's multimodal RoPE needs three counts of "
                              f"frequency pairs summing to head_dim / 2 = {head_dim // 2})")
-    if params.get("mrope_interleaved", False):
+    if params.get("mrope_interleaved", False) and not interleaved:
         raise HFWeightsError("config.json rope_parameters.mrope_interleaved = True is not "
                              "supported (Megatron's multimodal RoPE gives each axis one block of "
                              "frequencies); only False can be imported")
@@ -175,16 +178,30 @@ def _qwen2_5_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
     if params.get("rope_type", params.get("type")) == "mrope":
         params["rope_type"] = "default"
     return {**_qwen2_args({**text, "rope_parameters": params}),
-            "position_embedding_type": "mrope", "mrope_section": _mrope_section(text)}
+            "position_embedding_type": "mrope", "mrope_section": _mrope_section(text),
+            "mrope_interleaved": False}
 
 
-def _qwen2_5_vl_config(args: Any, vocab_size: int) -> dict[str, Any]:
-    """``config.json`` of a Qwen2.5-VL folder's language side (the vision tower's
-    ``vision_config`` is its own family's)."""
-    text = _hf_config("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text")(args, vocab_size)
-    top = {key: text.pop(key) for key in ("architectures", "tie_word_embeddings", "dtype")}
-    text["rope_parameters"]["mrope_section"] = list(args.mrope_section)
-    return {**top, "model_type": "qwen2_5_vl", "text_config": text}
+def _vlm_config(architecture: str, model_type: str, **rope: Any):
+    """``config.json`` of a VLM folder's language side (the vision tower's ``vision_config`` is
+    its own family's), its mrope section and ``rope`` in ``rope_parameters``."""
+
+    def hf_config(args: Any, vocab_size: int) -> dict[str, Any]:
+        text = _hf_config(architecture, f"{model_type}_text")(args, vocab_size)
+        top = {key: text.pop(key) for key in ("architectures", "tie_word_embeddings", "dtype")}
+        text["rope_parameters"].update(mrope_section=list(args.mrope_section), **rope)
+        return {**top, "model_type": model_type, "text_config": text}
+
+    return hf_config
+
+
+def _qwen3_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen3-VL folder's language model: Qwen3 (q/k norm) with interleaved multimodal RoPE,
+    which transformers' ``Qwen3VLTextRotaryEmbedding`` applies whatever ``mrope_interleaved``
+    says."""
+    text = _text_config(config)
+    return {**_qwen3_args(text), "position_embedding_type": "mrope",
+            "mrope_section": _mrope_section(text, interleaved=True), "mrope_interleaved": True}
 
 
 def _qwen3_args(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -341,8 +358,28 @@ DOTS1 = _decoder(
 
 QWEN2_5_VL = Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "qwen2_5_vl",
                     (*ENDS, *_attention(True, False), *DENSE_MLP), _qwen2_5_vl_args,
-                    _qwen2_5_vl_config, unused=(r"visual\.",), tied=TIED)
+                    _vlm_config("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+                    unused=(r"visual\.",), tied=TIED)
 """The language model of a whole Qwen2.5-VL folder (Qwen2's tensor names); its vision tower
 (``visual.*``) is another model's."""
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1, QWEN2_5_VL)
+QWEN3_VL_TEXT = "model.language_model."
+"""Where a Qwen3-VL folder keeps its text model's ``model.*`` tensors (``lm_head`` stays)."""
+
+
+def _qwen3_vl_name(name: str) -> str:
+    return QWEN3_VL_TEXT + name[len("model."):] if name.startswith("model.") else name
+
+
+QWEN3_VL = Family(
+    "qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3_vl",
+    tuple(dataclasses.replace(rule, hf=tuple(map(_qwen3_vl_name, rule.hf)))
+          for rule in (*ENDS, *_attention(False, True), *DENSE_MLP)),
+    _qwen3_vl_args,
+    _vlm_config("Qwen3VLForConditionalGeneration", "qwen3_vl", mrope_interleaved=True),
+    unused=(r"model\.visual\.",),
+    tied=tuple((_qwen3_vl_name(a), _qwen3_vl_name(b)) for a, b in TIED))
+"""The language model of a whole Qwen3-VL folder (Qwen3's tensors under
+``model.language_model.``); its vision tower (``model.visual.*``) is another model's."""
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1, QWEN2_5_VL, QWEN3_VL)

@@ -24,7 +24,8 @@ from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
 
-__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_VL", "PartFamilies",
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_VL", "QWEN3_VL",
+           "PartFamilies",
            "VLMFamily",
            "find_vlm",
            "language_family", "part_families", "projector_prefix", "read_vlm"]
@@ -81,11 +82,16 @@ class VLMFamily:
     projection_extras: tuple[Rule, ...] = ()
     """Projection parameters saved outside the projector prefix, HF names in full (LLaVA-NeXT's
     trained ``image_newline``, which the projection appends after each row of tiles)."""
+    top_level_text_fields: tuple[str, ...] = ()
+    """Language fields transformers reads from the top level of config.json, over
+    ``text_config``'s (Qwen3-VL's ``tie_word_embeddings``)."""
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The language model's config inside the VLM's (an older save keeps its fields at the
         top level)."""
-        return config.get("text_config") or config
+        text = config.get("text_config") or config
+        return {**text, **{key: config[key] for key in self.top_level_text_fields
+                           if key in config}}
 
     def vision_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The tower's config inside the VLM's."""
@@ -141,6 +147,13 @@ LLAVA = VLMFamily(
     text_model_types=("llama", "mistral"),
 )
 
+
+def _merged_width(config: Mapping[str, Any]) -> int:
+    """A Qwen tower's merged width: its hidden size times the spatial merge's square."""
+    vision = config.get("vision_config") or {}
+    return vision.get("hidden_size", 0) * vision.get("spatial_merge_size", 2) ** 2
+
+
 QWEN2_5_VL = VLMFamily(
     name="qwen2_5_vl",
     architectures=("Qwen2_5_VLForConditionalGeneration",),
@@ -152,9 +165,7 @@ QWEN2_5_VL = VLMFamily(
     projector_rules=(),
     projector_input=("0.weight", 1),
     projector_output=("2.weight", 0),
-    tower_width=lambda config: ((config.get("vision_config") or {}).get("hidden_size", 0)
-                                * (config.get("vision_config") or {}).get("spatial_merge_size",
-                                                                          2) ** 2),
+    tower_width=_merged_width,
     language="qwen2_5_vl",
     language_renames=((("model.", "model."), ("lm_head.", "lm_head.")),),
     image_token_id=lambda config: int(config.get("image_token_id", 151655)),
@@ -183,7 +194,31 @@ LLAVA_NEXT = dataclasses.replace(
     projection_extras=(Rule("0.image_newline", ("image_newline",)),),
 )
 
-FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT)
+
+QWEN3_VL = VLMFamily(
+    name="qwen3_vl",
+    architectures=("Qwen3VLForConditionalGeneration",),
+    # The provider's family maps the merger and the DeepStack mergers as the projection.
+    encoder_provider="qwen3_vl",
+    encoder_name="image",
+    tower_prefixes=("model.visual.",),
+    projector_prefixes=("model.visual.merger.", "model.visual.deepstack_merger_list."),
+    projector_rules=(),
+    projector_input=("linear_fc1.weight", 1),
+    projector_output=("linear_fc2.weight", 0),
+    tower_width=_merged_width,
+    language="qwen3_vl",
+    language_renames=((("model.language_model.", "model.language_model."),
+                       ("lm_head.", "lm_head.")),),
+    image_token_id=lambda config: int(config.get("image_token_id", 151655)),
+    # The merger reads the last block's output: the whole tower, no class token.
+    tower_layers=lambda config: int((config.get("vision_config") or {}).get("depth", 27)),
+    drops_class_token=lambda config: False,
+    projector_activation=lambda config: "gelu",
+    top_level_text_fields=("tie_word_embeddings",),
+)
+
+FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL)
 """Supported whole-VLM architectures."""
 
 

@@ -40,7 +40,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
     assert str(error.value) == (
         "x/config.json: architecture GPT2LMHeadModel is not supported; supported: "
         "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
-        "Dots1ForCausalLM, Qwen2_5_VLForConditionalGeneration")
+        "Dots1ForCausalLM, Qwen2_5_VLForConditionalGeneration, "
+        "Qwen3VLForConditionalGeneration")
 
 
 def test_config_features_without_a_mapping_are_refused(tmp_path):

@@ -109,7 +109,8 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
     assert bad_input(vlm_flags(llama, grids), monkeypatch) == (
         f"{HF_MODEL_FLAG} {llama}/config.json: architecture LlamaForCausalLM is not a supported "
         "whole VLM; supported: LlavaForConditionalGeneration, "
-        "Qwen2_5_VLForConditionalGeneration, LlavaNextForConditionalGeneration")
+        "Qwen2_5_VLForConditionalGeneration, LlavaNextForConditionalGeneration, "
+        "Qwen3VLForConditionalGeneration")
     origin = f"{HF_MODEL_FLAG} {folder} (LlavaForConditionalGeneration)"
     flags = vlm_flags(folder, grids)
     assert bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (

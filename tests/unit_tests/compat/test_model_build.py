@@ -280,3 +280,65 @@ def test_gap14_bridge_puts_back_exactly_the_buffers_the_router_keeps_fp32():
         Float16Module(config, router)
     assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, exact)
     assert router.local_tokens_per_expert.dtype == torch.bfloat16  # stock keeps it in bf16
+
+
+def test_gap17_canary_stock_mrope_has_no_interleaved_layout():
+    """Gap 17: stock multimodal RoPE gives each axis one contiguous block of pairs, and no config
+    field or constructor argument asks for another layout."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        MultimodalRotaryEmbedding,
+    )
+
+    forward = inspect.getsource(MultimodalRotaryEmbedding.forward)
+    assert "m[i % 3] for i, m in enumerate(emb.split(mrope_section, dim=-1))" in forward
+    assert list(inspect.signature(MultimodalRotaryEmbedding.__init__).parameters) == [
+        "self", "kv_channels", "rotary_percent", "rotary_interleaved",
+        "seq_len_interpolation_factor", "rotary_base", "cp_group"]
+    assert [f.name for f in dataclasses.fields(TransformerConfig) if "mrope" in f.name] == [
+        "mrope_section"]
+
+
+def _stock_mrope(monkeypatch, rotary_interleaved: bool = False) -> torch.nn.Module:
+    """A module holding stock ``MultimodalRotaryEmbedding`` (head dim 24) as GPTModel does."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        MultimodalRotaryEmbedding,
+    )
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    model = torch.nn.Module()
+    model.rotary_pos_emb = MultimodalRotaryEmbedding(24, 1.0, rotary_interleaved,
+                                                     rotary_base=10000)
+    return model
+
+
+def test_gap17_bridge_gives_transformers_qwen3_vl_rotation_at_3d_positions(monkeypatch):
+    import transformers
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    section = [4, 4, 4]
+    model = _stock_mrope(monkeypatch)
+    positions = torch.randint(0, 50, (3, 2, 11), generator=torch.Generator().manual_seed(0))
+    contiguous = model.rotary_pos_emb(positions, section)
+    model_build.interleave_mrope(model)
+    got = model.rotary_pos_emb(positions, section)
+    config = transformers.Qwen3VLTextConfig(hidden_size=48, num_attention_heads=2, head_dim=24,
+                                            rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 10000.0,
+                                                             "mrope_section": section})
+    cos, sin = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1), positions)
+    assert got.shape == (11, 2, 1, 24)
+    assert torch.allclose(got.cos()[:, :, 0].transpose(0, 1), cos, atol=1e-6)
+    assert torch.allclose(got.sin()[:, :, 0].transpose(0, 1), sin, atol=1e-6)
+    assert not torch.allclose(got, contiguous)
+    same = positions[:1].expand(3, -1, -1)  # text: every axis at one position
+    assert torch.equal(model.rotary_pos_emb(same, section),
+                       _stock_mrope(monkeypatch).rotary_pos_emb(same, section))
+
+
+def test_gap17_bridge_refuses_a_model_without_stock_multimodal_rope():
+    from megatron_plugins.compat import MegatronCompatError
+
+    model = torch.nn.Module()
+    model.rotary_pos_emb = torch.nn.Identity()
+    with pytest.raises(MegatronCompatError, match="found Identity"):
+        model_build.interleave_mrope(model)

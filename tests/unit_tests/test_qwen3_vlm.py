@@ -1,0 +1,144 @@
+"""``--hf-model DIR`` with a whole Qwen3-VL folder: its vision tower on the encoder grid, its
+merger and DeepStack mergers as the encoder's projection, its Qwen3 language model with
+interleaved multimodal RoPE and DeepStack on the language grid give transformers' logits on a
+sample of several images of different sizes at one rank per module and at encoder TP 2 +
+language PP 2; every tensor streams back unchanged; a trained run exports one folder
+transformers loads as Qwen3-VL, the same bytes from two saving layouts; a config Megatron would
+compute differently, or a pipeline split putting DeepStack layers off the first stage, is one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_plugins.weights.streaming import assemble
+from tests.hf_models import safetensors_of
+from tests.hf_vlm_models import LAYOUTS, bad_input, edited, train_and_export, vlm_flags
+from tests.qwen3_whole_models import hf_logits, save_whole
+from tests.qwen_vlm_models import forward_diff, images, sample
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = save_whole(tmp_path_factory.mktemp("qwen3_vlm") / "qwen3")
+    pictures = images()
+    ids = sample(folder, pictures)
+    return folder, ids, pictures, hf_logits(folder, ids, pictures)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_whole_qwen3_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
+        qwen3, layout):
+    folder, ids, pictures, want = qwen3
+    grids, nproc = LAYOUTS[layout]
+    assert forward_diff(folder, grids, nproc, ids, pictures, want) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def exported(qwen3, tmp_path_factory):
+    """The folder trained, saved from two layouts and exported (:func:`train_and_export`)."""
+    folder = qwen3[0]
+    root = tmp_path_factory.mktemp("qwen3_export")
+    return root, folder, train_and_export(folder, root)
+
+
+@pytest.mark.timeout(600)
+def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_loads(exported):
+    import transformers
+
+    root, folder, pieces = exported
+    out = root / "out_first"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["config.json", "generation_config.json", "model.safetensors",
+                     "preprocessor_config.json"]
+    for file in files:
+        assert (out / file).read_bytes() == (root / "out_second" / file).read_bytes(), file
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(out,
+                                                                         dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (folder / "config.json").read_text())
+    written, original = safetensors_of(out), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    streamed = assemble(piece for rank in pieces for piece in rank)
+    for name, tensor in written.items():
+        assert torch.equal(tensor, streamed[name]), name
+    for name in ("model.visual.merger.linear_fc1.weight",
+                 "model.visual.deepstack_merger_list.1.linear_fc2.weight",
+                 "model.visual.blocks.0.attn.qkv.weight",
+                 "model.language_model.layers.1.self_attn.q_norm.weight", "lm_head.weight"):
+        assert not torch.equal(written[name], original[name]), name  # it trained
+    loaded = model.state_dict()
+    for name in ("lm_head.weight", "model.visual.deepstack_merger_list.0.norm.bias",
+                 "model.language_model.layers.3.mlp.up_proj.weight"):
+        assert torch.equal(loaded[name], written[name]), name
+
+
+@pytest.mark.timeout(600)
+def test_training_starts_from_transformers_loss_on_the_first_batch(exported):
+    """Step 1 of the run (weights still the folder's; DeepStack in the forward step) is
+    transformers' loss on the same first global batch, which the deterministic mock source
+    regenerates here with its positions (the mock lays image runs side by side, which
+    transformers' Qwen3-VL positions cannot read; ``test_qwen3_vl_language.py`` checks the
+    positions against them where they can)."""
+    from tests.qwen_vlm_models import hf_first_batch_loss
+    from tests.tensorboard_scalars import read_scalars
+
+    root, folder, _ = exported
+    losses = read_scalars(root / "tensorboard", "lm loss")
+    # train_and_export's first run: global batch 4, seq-length 64, 1:2 images, seed 1234.
+    want = hf_first_batch_loss(folder, 4, 64, (1, 2), 1234, mock_positions=True)
+    assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
+
+
+def test_a_config_megatron_would_compute_differently_is_one_line(qwen3, tmp_path, monkeypatch):
+    folder = qwen3[0]
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    other = edited(folder, tmp_path / "other", config={
+        "text_config": {**text, "attention_bias": True}})
+    assert bad_input(vlm_flags(other, ("image:dp=1", "language:dp=1")), monkeypatch) == (
+        "config.json attention_bias = True is not supported (o_proj bias needs "
+        "--add-bias-linear on every layer); only False can be imported")
+
+
+def test_deepstack_layers_off_the_first_language_stage_are_one_line(qwen3, tmp_path,
+                                                                    monkeypatch):
+    folder = save_whole(tmp_path / "three_layers", num_hidden_layers=3)
+    message = bad_input(vlm_flags(folder, ("image:dp=1", "language:pp=3")), monkeypatch,
+                        world_size=4)
+    assert message == (
+        "encoder image adds 2 DeepStack feature levels after language layers 0-1, but the "
+        "language pipeline (--pipeline-model-parallel-size 3) puts only 1 of its --num-layers 3 "
+        "on the first stage; give the first stage at least 2 layers "
+        "(--decoder-first-pipeline-num-layers 2) or fewer language stages")
+
+
+def test_the_folder_splits_into_tower_mergers_and_language_parts(qwen3):
+    from megatron_plugins.weights.vision_families import QWEN3_VL_VISION
+    from megatron_plugins.weights.vlm_families import QWEN3_VL, part_families
+
+    folder = qwen3[0]
+    config = json.loads((folder / "config.json").read_text())
+    names = set(safetensors_of(folder))
+    parts = part_families(QWEN3_VL, config, QWEN3_VL_VISION, names)
+    assert parts.tower.bind("pos_embed").hf == ("model.visual.pos_embed.weight",)
+    assert parts.projector.bind("0.deepstack.1.mlp.encoder.linear_fc2.weight").hf == (
+        "model.visual.deepstack_merger_list.1.linear_fc2.weight",)
+    assert parts.language.bind("output_layer.weight").hf == ("lm_head.weight",)
+    for name in names:
+        assert sum(not part.is_unused(name) for part in parts.__dict__.values()) == 1, name
+
+
+def test_tied_word_embeddings_at_the_top_level_tie_the_language_model(qwen3, tmp_path):
+    from megatron_plugins.weights.vlm_families import QWEN3_VL, language_family
+
+    config = json.loads((qwen3[0] / "config.json").read_text())
+    implied = language_family(QWEN3_VL).megatron_args(QWEN3_VL.text_config(
+        {**config, "tie_word_embeddings": True}))
+    assert implied["untie_embeddings_and_output_weights"] is False
+    assert implied["mrope_interleaved"] and implied["num_layers"] == 4

@@ -132,8 +132,8 @@ def _llama_args(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _dense_args(config: Mapping[str, Any]) -> dict[str, Any]:
     _refuse(config, "attention_bias", False, "o_proj bias needs --add-bias-linear on every layer")
-    # Mistral-based LLaVA text models: the same decoder when no window is set.
-    _refuse(config, "sliding_window", None, "Megatron attention here is full causal")
+    if config.get("model_type") == "mistral":  # a LLaVA's text model: Llama's without a window
+        _refuse(config, "sliding_window", None, "Megatron attention here is full causal")
     return _llama_args(config)
 
 

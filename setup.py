@@ -45,6 +45,8 @@ setup(
             "pytest==8.4.2",
             "pytest-timeout==2.4.0",
             "tensorboard==2.20.0",
+            # The reference for video preprocessing: HF's video processor resizes with it.
+            "torchvision==0.29.1",
         ],
     },
     entry_points={

@@ -208,12 +208,13 @@ def save_tiny_qwen(folder: str | Path, seed: int = 0, vision_only: bool = False,
 
 
 def qwen_processor(folder: str | Path | None = None, **kwargs: Any) -> Any:
-    """HF's Qwen2-VL image processor: ``AutoImageProcessor`` of a folder, or the PIL class
-    at the tiny model's patch sizes."""
-    from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
+    """HF's Qwen2-VL image processor (the PIL class, which our preprocessing equals; with
+    torchvision installed ``AutoImageProcessor`` picks the torchvision one): a folder's, or at
+    the tiny model's patch sizes."""
+    from transformers import Qwen2VLImageProcessorPil
 
     if folder is not None:
-        return AutoImageProcessor.from_pretrained(folder)
+        return Qwen2VLImageProcessorPil.from_pretrained(folder)
     return Qwen2VLImageProcessorPil(patch_size=QWEN_VISION["patch_size"], merge_size=2,
                                     temporal_patch_size=2, **kwargs)
 
@@ -227,7 +228,7 @@ def qwen_images(sizes: tuple[tuple[int, int], ...] = QWEN_IMAGES, seed: int = 0
 
 def qwen_hf_output(folder: str | Path, images: list[np.ndarray]) -> Any:
     """transformers' vision model (fp32; a whole model's ``model.visual``, or the vision model
-    a folder holds alone) on the images as the folder's ``AutoImageProcessor`` makes them."""
+    a folder holds alone) on the images as the folder's image processor makes them."""
     import transformers
 
     inputs = qwen_processor(folder)(images, return_tensors="pt")

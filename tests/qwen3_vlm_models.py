@@ -51,13 +51,13 @@ def save_tiny_qwen3_vl(folder: str | Path, seed: int = 0, vision_only: bool = Fa
 
 
 def processor(folder: str | Path | None = None, **kwargs: Any) -> Any:
-    """HF's image processor of a Qwen3-VL folder (``AutoImageProcessor``), or the PIL Qwen2-VL
+    """HF's (PIL) image processor of a Qwen3-VL folder, or the PIL Qwen2-VL
     processor at the tiny model's patch sizes with the released Qwen3-VL checkpoints' recipe
     (mean / std 0.5, 65536..16777216 pixels) unless ``kwargs`` say otherwise."""
-    from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
     if folder is not None:
-        return AutoImageProcessor.from_pretrained(folder)
+        return Qwen2VLImageProcessorPil.from_pretrained(folder)
     recipe = dict(size={"shortest_edge": 65536, "longest_edge": 16777216},
                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     return Qwen2VLImageProcessorPil(patch_size=VISION["patch_size"], merge_size=2,

@@ -93,7 +93,7 @@ def _hf_video_inputs(folder: str | Path, ids: torch.Tensor, videos: list[Any]
     """transformers' ids, token types and video inputs for a sample whose runs (in order)
     belong to ``videos`` where the item is a video (None: an image): a video's run holds its
     ``<|video_pad|>`` id; its pixel values are our preprocessor's (equal to HF's video
-    processor, which needs torchvision: tests/unit_tests/test_qwen_vision.py)."""
+    processor: tests/unit_tests/test_qwen_vision.py)."""
     import itertools
 
     from tests.hf_vision_models import plugin

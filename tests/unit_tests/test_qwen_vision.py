@@ -108,9 +108,8 @@ down and not at all."""
      "temporal_patch_size": 2, "merge_size": 2},  # video_preprocessor_config.json's
 ])
 def test_video_preprocessing_equals_hf_qwen2_vl_video_processor(config, tmp_path):
-    """HF's video processor (its uint8 bicubic resize needs torchvision, which the test extra
-    leaves out: skipped without it) on videos of several sizes and frame counts."""
-    pytest.importorskip("torchvision")
+    """HF's video processor (its uint8 bicubic resize is torchvision's, in the test extra) on
+    videos of several sizes and frame counts."""
     from transformers import AutoVideoProcessor
 
     from megatron_plugins.data.media import Video

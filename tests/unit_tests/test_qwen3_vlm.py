@@ -3,7 +3,8 @@ merger and DeepStack mergers as the encoder's projection, its Qwen3 language mod
 interleaved multimodal RoPE and DeepStack on the language grid give transformers' logits on a
 sample of several images of different sizes at one rank per module and at encoder TP 2 +
 language PP 2; every tensor streams back unchanged; a trained run exports one folder
-transformers loads as Qwen3-VL, the same bytes from two saving layouts; a config Megatron would
+transformers loads as Qwen3-VL, the same bytes from two saving layouts; DeepStack trains
+identically at language TP 2 and in packed rows as at one rank per module; a config Megatron would
 compute differently, or a pipeline split putting DeepStack layers off the first stage, is one
 line."""
 

@@ -3,7 +3,8 @@ merger and DeepStack mergers as the encoder's projection, its Qwen3 language mod
 interleaved multimodal RoPE and DeepStack on the language grid give transformers' logits on a
 sample of several images of different sizes at one rank per module and at encoder TP 2 +
 language PP 2; every tensor streams back unchanged; a trained run exports one folder
-transformers loads as Qwen3-VL, the same bytes from two saving layouts; a config Megatron would
+transformers loads as Qwen3-VL, the same bytes from two saving layouts; DeepStack trains
+identically at language TP 2 and in packed rows as at one rank per module; a config Megatron would
 compute differently, or a pipeline split putting DeepStack layers off the first stage, is one
 line."""
 
@@ -142,3 +143,38 @@ def test_tied_word_embeddings_at_the_top_level_tie_the_language_model(qwen3, tmp
         {**config, "tie_word_embeddings": True}))
     assert implied["untie_embeddings_and_output_weights"] is False
     assert implied["mrope_interleaved"] and implied["num_layers"] == 4
+
+
+TRAIN = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--train-iters", "3",
+         "--eval-iters", "0")
+"""Plain SGD (see test_mimo_layout_invariance: Adam would hide a wrongly scaled gradient)."""
+
+
+def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
+             extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Per-iteration ``lm loss`` and every trained tensor of a short run of ``folder``."""
+    from tests.hf_vlm_models import vlm_train
+    from tests.tensorboard_scalars import read_scalars
+
+    pieces = vlm_train(nproc, folder, grids, (*TRAIN, "--tensorboard-dir", str(root / name),
+                                              *extra))
+    return read_scalars(root / name, "lm loss"), assemble(p for rank in pieces for p in rank)
+
+
+@pytest.mark.timeout(400)
+def test_deepstack_trains_identically_at_language_tp2_and_packed(tmp_path):
+    """DeepStack's levels, scattered to several images of varied sizes per sample, shard as
+    MiMo shards the text embeddings: language TP 2 and packed rows train as one rank per module
+    does (the same losses, the same trained weights). (--sequence-parallel needs a GPU.)"""
+    folder = save_whole(tmp_path / "two_kv_heads", num_key_value_heads=2)  # TP 2 splits them
+    reference = _trained(folder, tmp_path, "reference", 2, ("image:dp=1", "language:dp=1"))
+    assert sorted(reference[0]) == [1, 2, 3]
+    for name, nproc, grid, extra in (
+            ("tp2", 3, "language:tp=2", ()),
+            ("packed", 2, "language:dp=1", ("--pack-sequences",))):
+        losses, weights = _trained(folder, tmp_path, name, nproc, ("image:dp=1", grid), extra)
+        assert losses == pytest.approx(reference[0], rel=1e-5), name
+        assert weights.keys() == reference[1].keys()
+        for key, value in reference[1].items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7,
+                                       msg=f"{name}: {key}")

@@ -253,6 +253,16 @@ def built_forward(after: Any, nproc: int, argv: list[str]) -> list[dict[str, Any
     return results
 
 
+def identical_exports(root: Path) -> list[str]:
+    """The files of ``root/out_first`` (sorted), each byte-identical in ``root/out_second``: the
+    two saving layouts of :func:`train_and_export` export one folder."""
+    out = root / "out_first"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    for file in files:
+        assert (out / file).read_bytes() == (root / "out_second" / file).read_bytes(), file
+    return files
+
+
 def check_export(out: Path, folder: Path, pieces: list[list[Any]], untrained: tuple[str, ...]
                  ) -> dict[str, torch.Tensor]:
     """The exported folder ``out`` has the source ``folder``'s config and tensor names, the

@@ -20,6 +20,7 @@ from tests.hf_vlm_models import (
     check_export,
     edited,
     hf_llava_logits,
+    identical_exports,
     sample,
     save_tiny_llava,
     train_and_export,
@@ -71,15 +72,9 @@ def exported(llava, tmp_path_factory):
 
 
 def test_two_saving_layouts_export_one_identical_llava_folder(exported):
-    root = exported[0]
-    files = sorted(p.relative_to(root / "out_first") for p in (root / "out_first").rglob("*")
-                   if p.is_file())
     # generation_config.json: the source folder's other files are copied unchanged
-    assert [str(f) for f in files] == ["config.json", "generation_config.json",
-                                       "model.safetensors"]
-    for file in files:
-        assert (root / "out_first" / file).read_bytes() == \
-            (root / "out_second" / file).read_bytes(), file
+    assert identical_exports(exported[0]) == ["config.json", "generation_config.json",
+                                              "model.safetensors"]
 
 
 def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exported):

@@ -17,6 +17,7 @@ from tests.hf_vlm_models import (
     bad_input,
     check_export,
     edited,
+    identical_exports,
     train_and_export,
     vlm_flags,
 )
@@ -110,11 +111,8 @@ def test_export_loads_as_llava_next_with_the_trained_newline_the_same_from_two_l
 
     root, folder, pieces = exported
     out = root / "out_first"
-    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert files == ["config.json", "generation_config.json", "model.safetensors",
-                     "preprocessor_config.json"]
-    for file in files:
-        assert (out / file).read_bytes() == (root / "out_second" / file).read_bytes(), file
+    assert identical_exports(root) == ["config.json", "generation_config.json",
+                                       "model.safetensors", "preprocessor_config.json"]
     model = transformers.LlavaNextForConditionalGeneration.from_pretrained(out,
                                                                            dtype=torch.float32)
     assert type(model) is transformers.LlavaNextForConditionalGeneration

@@ -17,7 +17,15 @@ import torch
 
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import safetensors_of
-from tests.hf_vlm_models import LAYOUTS, bad_input, edited, train_and_export, vlm_flags
+from tests.hf_vlm_models import (
+    LAYOUTS,
+    bad_input,
+    check_export,
+    edited,
+    identical_exports,
+    train_and_export,
+    vlm_flags,
+)
 from tests.qwen3_whole_models import hf_logits, save_whole
 from tests.qwen_vlm_models import forward_diff, images, sample
 
@@ -55,20 +63,11 @@ def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_lo
 
     root, folder, pieces = exported
     out = root / "out_first"
-    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert files == ["config.json", "generation_config.json", "model.safetensors",
-                     "preprocessor_config.json"]
-    for file in files:
-        assert (out / file).read_bytes() == (root / "out_second" / file).read_bytes(), file
+    assert identical_exports(root) == ["config.json", "generation_config.json",
+                                       "model.safetensors", "preprocessor_config.json"]
     model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(out,
                                                                          dtype=torch.float32)
-    assert json.loads((out / "config.json").read_text()) == json.loads(
-        (folder / "config.json").read_text())
-    written, original = safetensors_of(out), safetensors_of(folder)
-    assert sorted(written) == sorted(original)
-    streamed = assemble(piece for rank in pieces for piece in rank)
-    for name, tensor in written.items():
-        assert torch.equal(tensor, streamed[name]), name
+    written, original = check_export(out, folder, pieces, ()), safetensors_of(folder)
     for name in ("model.visual.merger.linear_fc1.weight",
                  "model.visual.deepstack_merger_list.1.linear_fc2.weight",
                  "model.visual.blocks.0.attn.qkv.weight",

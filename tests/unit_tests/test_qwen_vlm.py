@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from megatron_plugins.data.media import Video
-from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import check_export, train_and_export
+from tests.hf_vlm_models import check_export, identical_exports, train_and_export
 from tests.multiprocess import REPO_ROOT
 from tests.qwen_vlm_models import (
     IMAGE_TOKEN,
@@ -93,15 +92,9 @@ def exported(qwen, tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
-    root = exported[0]
-    files = sorted(str(p.relative_to(root / "out_first"))
-                   for p in (root / "out_first").rglob("*") if p.is_file())
     # the processor's and generation files are carried from the source folder
-    assert files == ["config.json", "generation_config.json", "model.safetensors",
-                     "preprocessor_config.json"]
-    for file in files:
-        assert (root / "out_first" / file).read_bytes() == \
-            (root / "out_second" / file).read_bytes(), file
+    assert identical_exports(exported[0]) == ["config.json", "generation_config.json",
+                                              "model.safetensors", "preprocessor_config.json"]
 
 
 @pytest.mark.timeout(600)

@@ -56,16 +56,11 @@ class AnyresGeometry:
     """Patches per crop side."""
 
     def best(self, height: int, width: int) -> tuple[int, int]:
-        """HF's ``select_best_resolution``: the pinpoint keeping most of the image's pixels,
-        ties to the one wasting least."""
-        best, kept, wasted = self.pinpoints[0], 0, float("inf")
-        for target_h, target_w in self.pinpoints:
-            scale = min(target_w / width, target_h / height)
-            effective = min(int(width * scale) * int(height * scale), width * height)
-            waste = target_w * target_h - effective
-            if effective > kept or (effective == kept and waste < wasted):
-                best, kept, wasted = (target_h, target_w), effective, waste
-        return best
+        """The pinpoint transformers' processor tiles the image at (its
+        ``select_best_resolution``: most of the image's pixels kept, ties to least waste)."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        return select_best_resolution((height, width), self.pinpoints)
 
     def tiles(self, height: int, width: int) -> tuple[int, int]:
         """Tile rows and columns of the image's pinpoint."""

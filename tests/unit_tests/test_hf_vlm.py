@@ -15,6 +15,7 @@ from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
 from tests.hf_vlm_models import (
     IMAGE_TOKEN,
+    LAYOUTS,
     PATCHES,
     bad_input,
     check_export,
@@ -40,10 +41,7 @@ def llava(tmp_path_factory):
     return folder, ids, pixels, hf_llava_logits(folder, ids, pixels)
 
 
-@pytest.mark.parametrize("grids, nproc", [
-    (("image:dp=1", "language:dp=1"), 2),
-    (("image:tp=2", "language:pp=2"), 4),
-], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+@pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_whole_llava_reproduces_transformers_logits_on_two_images_and_streams_back(
         llava, grids, nproc):
     folder, ids, pixels, want = llava

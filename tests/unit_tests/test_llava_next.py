@@ -14,6 +14,7 @@ from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import rel_diff, safetensors_of
 from tests.hf_vlm_models import (
     IMAGE_TOKEN,
+    LAYOUTS,
     bad_input,
     check_export,
     edited,
@@ -72,10 +73,7 @@ def test_crops_and_token_counts_equal_hf_for_sizes_and_aspect_ratios(llava_next)
     assert encoder.tokens_per_item == 16 + 8 * 9 and not encoder.fixed_item_tokens
 
 
-@pytest.mark.parametrize("grids, nproc", [
-    (GRIDS, 2),
-    (("image:tp=2", "language:pp=2"), 4),
-], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+@pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_whole_llava_next_reproduces_transformers_logits_on_three_images_and_streams_back(
         llava_next, grids, nproc):
     folder, pictures, ids, want, counts = llava_next

@@ -16,7 +16,7 @@ import torch
 
 from megatron_plugins.data.media import Video
 from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import check_export, identical_exports, train_and_export
+from tests.hf_vlm_models import LAYOUTS, check_export, identical_exports, train_and_export
 from tests.multiprocess import REPO_ROOT
 from tests.qwen_vlm_models import (
     IMAGE_TOKEN,
@@ -43,10 +43,7 @@ def qwen(tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("grids, nproc", [
-    (("image:dp=1", "language:dp=1"), 2),
-    (("image:tp=2", "language:pp=2"), 4),
-], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+@pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
         qwen, grids, nproc):
     folder, ids, pictures, want = qwen
@@ -65,10 +62,7 @@ def video(qwen):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("grids, nproc", [
-    (("image:dp=1", "language:dp=1"), 2),
-    (("image:tp=2", "language:pp=2"), 4),
-], ids=["one-rank-per-module", "encoder-tp2-language-pp2"])
+@pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_a_video_an_image_and_text(
         qwen, video, grids, nproc):
     """A 5-frame video at 3 fps (three temporal steps, the last frame repeated; time positions

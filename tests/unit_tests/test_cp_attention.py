@@ -1,10 +1,11 @@
-"""ContextParallelAttention at CP 2 (gloo) equals causal attention over the whole sequence on one
-rank: outputs and query / key / value gradients, one sequence per row and packed documents."""
+"""ContextParallelAttention at CP 2 (gloo) equals attention over the whole sequence on one rank:
+outputs and query / key / value gradients, one sequence per row and packed documents, GQA."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,10 +47,14 @@ def whole(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
             for h in heads]
 
 
+CASES = [("sbhd", AttnMaskType.causal), ("thd", AttnMaskType.causal),
+         ("thd", AttnMaskType.no_mask)]
+
+
 def plain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          documents: list[tuple[int, int]]) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(d)) v within each (start, length) document, in float64 with
-    an explicit mask; tokens outside every document come out zero."""
+          documents: list[tuple[int, int]], causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v within each (start, length) document, in float64 with an
+    explicit mask; tokens outside every document come out zero."""
     query, key, value = (t.double() for t in (query, key, value))
     key = key.repeat_interleave(HEADS // GROUPS, dim=-2)
     value = value.repeat_interleave(HEADS // GROUPS, dim=-2)
@@ -57,62 +62,84 @@ def plain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for start, length in documents:
         span = slice(start, start + length)
         scores = torch.einsum("qhd,khd->hqk", query[span], key[span]) / math.sqrt(DIM)
-        scores = scores.masked_fill(torch.ones(length, length).triu(1).bool(), float("-inf"))
+        if causal:
+            future = torch.ones(length, length).triu(1).bool()
+            scores = scores.masked_fill(future, float("-inf"))
         out[span] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), value[span])
     return out.flatten(-2)
 
 
-def _run_rank(case: str) -> dict[str, object]:
-    """One CP rank: its rows of the whole sequence through ContextParallelAttention, backward
-    of a fixed output gradient; returns its positions, output and local gradients."""
+def sequence(layout: str) -> tuple[PackedSeqParams | None, int, list[torch.Tensor]]:
+    """Packing parameters, length and (query, key, value, output gradient) of the whole row."""
+    packed = PACKED if layout == "thd" else None
+    total = int(PACKED.cu_seqlens_q_padded[-1]) if packed else SEQ
+    return packed, total, whole((total,) if packed else (total, BATCH), seed=1)
+
+
+def _run_rank() -> list[dict[str, object]]:
+    """One CP rank, every case of CASES: its rows of the whole sequence through
+    ContextParallelAttention, backward of a fixed output gradient; returns its positions,
+    output, local gradients and the element count saved for backward."""
     group = dist.group.WORLD
     cp, rank = dist.get_world_size(), dist.get_rank()
-    packed = PACKED if case == "thd" else None
-    total = int(PACKED.cu_seqlens_q_padded[-1]) if packed else SEQ
-    query, key, value, grad = whole((total,) if packed else (total, BATCH), seed=1)
-    positions = local_positions(total, cp, rank, packed)
-    local = [t[positions].clone().requires_grad_() for t in (query, key, value)]
-    attention = ContextParallelAttention(
-        config(cp), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-        pg_collection=ProcessGroupCollection(cp=group, tp=group))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
-                                                  lambda t: t):
-        out = attention(*local, attention_mask=None, packed_seq_params=packed)
-    out.backward(grad[positions])
-    result = {"positions": positions, "out": out.detach(), "saved": sum(saved),
-              "local": sum(t.numel() for t in local),
-              **{f"d{name}": t.grad for name, t in zip("qkv", local)}}
-    if case == "sbhd":
-        # MimoModel's own CP split (stock get_batch_on_this_cp_rank) holds the same rows.
-        adapter = PartitionAdapter(PartitionConfig(
-            seq_parallel=False, use_cp=True, tp_comm_overlap=False, max_seq_len=SEQ,
-            cp_group=group))
-        embeddings = torch.arange(SEQ * BATCH, dtype=torch.float32).view(SEQ, BATCH, 1)
-        labels = torch.arange(SEQ)[None].expand(BATCH, SEQ).contiguous()
-        sharded, labels, _, _ = adapter.shard(embeddings, labels, labels.clone())
-        result["stock_rows"] = (torch.equal(sharded, embeddings[positions])
+    results = []
+    for layout, mask in CASES:
+        packed, total, (query, key, value, grad) = sequence(layout)
+        positions = local_positions(total, cp, rank, packed)
+        local = [t[positions].clone().requires_grad_() for t in (query, key, value)]
+        attention = ContextParallelAttention(
+            config(cp), layer_number=1, attn_mask_type=mask, attention_type="self",
+            pg_collection=ProcessGroupCollection(cp=group, tp=group))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                      lambda t: t):
+            out = attention(*local, attention_mask=None, packed_seq_params=packed)
+        out.backward(grad[positions])
+        # numpy: tensors would cross as shared memory, gone once the rank exits.
+        results.append({"positions": positions.numpy(), "out": out.detach().numpy(),
+                        "saved": sum(saved), "local": sum(t.numel() for t in local),
+                        **{f"d{name}": t.grad.numpy() for name, t in zip("qkv", local)}})
+    # MimoModel's own CP split (stock get_batch_on_this_cp_rank) holds the same rows.
+    adapter = PartitionAdapter(PartitionConfig(
+        seq_parallel=False, use_cp=True, tp_comm_overlap=False, max_seq_len=SEQ,
+        cp_group=group))
+    embeddings = torch.arange(SEQ * BATCH, dtype=torch.float32).view(SEQ, BATCH, 1)
+    labels = torch.arange(SEQ)[None].expand(BATCH, SEQ).contiguous()
+    sharded, labels, _, _ = adapter.shard(embeddings, labels, labels.clone())
+    positions = torch.from_numpy(results[0]["positions"])
+    results[0]["stock_rows"] = (torch.equal(sharded, embeddings[positions])
                                 and torch.equal(labels[0], positions))
-    return result
+    return results
 
 
-@pytest.mark.parametrize("case", ["sbhd", "thd"])
-def test_cp2_equals_causal_attention_over_the_whole_sequence(case):
-    ranks = run_in_processes(_run_rank, 2, args=(case,), timeout=120)
-    packed = PACKED if case == "thd" else None
-    total = int(PACKED.cu_seqlens_q_padded[-1]) if packed else SEQ
-    query, key, value, grad = whole((total,) if packed else (total, BATCH), seed=1)
+@pytest.fixture(scope="module")
+def cp2_ranks() -> list[list[dict[str, object]]]:
+    """Every case on 2 gloo ranks, in one launch (CI time)."""
+    return run_in_processes(_run_rank, 2, timeout=120)
+
+
+def test_each_rank_holds_mimo_models_rows(cp2_ranks):
+    assert all(rank[0]["stock_rows"] for rank in cp2_ranks)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{l}-{m.name}" for l, m in CASES])
+def test_cp2_equals_attention_over_the_whole_sequence(cp2_ranks, case):
+    layout, mask = CASES[case]
+    ranks = [{key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+              for key, value in per_rank[case].items()} for per_rank in cp2_ranks]
+    packed, total, (query, key, value, grad) = sequence(layout)
     leaves = [t.clone().requires_grad_() for t in (query, key, value)]
-    reference = PackedAttention(config(1), layer_number=1, attn_mask_type=AttnMaskType.causal,
+    reference = PackedAttention(config(1), layer_number=1, attn_mask_type=mask,
                                 attention_type="self")
     expected = reference(*leaves, attention_mask=None, packed_seq_params=packed)
     expected.backward(grad)
+    causal = mask == AttnMaskType.causal
     if packed:
         documents = list(zip(PACKED.cu_seqlens_q_padded[:-1].tolist(),
                              torch.diff(PACKED.cu_seqlens_q).tolist()))
-        assert (plain(query, key, value, documents) - expected).abs().max() < 1e-6
+        assert (plain(query, key, value, documents, causal) - expected).abs().max() < 1e-6
     else:
-        by_row = torch.stack([plain(query[:, b], key[:, b], value[:, b], [(0, SEQ)])
+        by_row = torch.stack([plain(query[:, b], key[:, b], value[:, b], [(0, SEQ)], causal)
                               for b in range(BATCH)], dim=1)
         assert (by_row - expected).abs().max() < 1e-6
 
@@ -124,8 +151,6 @@ def test_cp2_equals_causal_attention_over_the_whole_sequence(case):
             grads[i][result["positions"]] = result[name]
         # Only local tensors are kept for backward (keys / values are re-gathered there).
         assert result["saved"] == result["local"]
-        if case == "sbhd":
-            assert result["stock_rows"]
     assert sorted(torch.cat([r["positions"] for r in ranks]).tolist()) == list(range(total))
     # fp32; differences are summation order only (gradients: the all-reduce of two partials).
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
@@ -133,8 +158,7 @@ def test_cp2_equals_causal_attention_over_the_whole_sequence(case):
         torch.testing.assert_close(mine, leaf.grad, rtol=1e-6, atol=1e-6)
     if packed:
         padding = torch.tensor([p for p in range(total) if not any(
-            s <= p < s + n for s, n in zip(PACKED.cu_seqlens_q_padded[:-1].tolist(),
-                                           torch.diff(PACKED.cu_seqlens_q).tolist()))])
+            s <= p < s + n for s, n in documents)])
         assert padding.numel() == total - 18
         assert out[padding].abs().max() == 0 and grads[0][padding].abs().max() == 0
 

@@ -112,8 +112,14 @@ class _GatheredAttention(torch.autograd.Function):
             key_all = _gather(key, group, layout).requires_grad_()
             value_all = _gather(value, group, layout).requires_grad_()
             output = _attention(query, key_all, value_all, layout, ctx.numerics)
+        # A rank may hold only padding (a short document's late chunks): its output depends on
+        # nothing and its gradients are zero, but it still joins the all-reduce below.
+        leaves = (query, key_all, value_all)
+        if output.requires_grad:
             grad_query, grad_key, grad_value = torch.autograd.grad(
-                output, (query, key_all, value_all), grad_output)
+                output, leaves, grad_output, allow_unused=True, materialize_grads=True)
+        else:
+            grad_query, grad_key, grad_value = (torch.zeros_like(t) for t in leaves)
         # Every rank's queries reach every rank's keys: sum the gradients over the group, then
         # keep the rows this rank holds (rank-major, as gathered).
         rank, local = dist.get_rank(group), key.shape[0]

@@ -11,6 +11,7 @@ Megatron's local ViT layer and keeps TE's layer (which handles THD itself) on th
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from megatron.core import tensor_parallel
@@ -21,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["PackedAttention", "packed_layer_spec", "packed_seq_params"]
+__all__ = ["PackedAttention", "attend", "packed_layer_spec", "packed_seq_params"]
 
 CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
@@ -113,27 +114,45 @@ class PackedAttention(MegatronModule):
                 causal: bool) -> torch.Tensor:
         """One segment: query ``[sq, heads, dim]``, key / value ``[sk, groups, dim]`` ->
         ``[sq, heads, dim]``."""
-        repeats = query.shape[1] // key.shape[1]
-        if repeats > 1:
-            key = key.repeat_interleave(repeats, dim=1)
-            value = value.repeat_interleave(repeats, dim=1)
-        scale = self.softmax_scale / (self.coeff or 1)
-        scores = torch.matmul(query.transpose(0, 1), key.permute(1, 2, 0)) * scale
-        if self.config.attention_softmax_in_fp32:
-            scores = scores.float()
-        if self.coeff is not None:
-            scores = scores * self.coeff
+        allowed = None
         if causal:
-            future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(query.dtype)
-        if self.training and self.attention_dropout.p > 0:
-            if self.config.sequence_parallel:
-                probs = self.attention_dropout(probs)
-            else:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    probs = self.attention_dropout(probs)
-        return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)
+            allowed = torch.ones(query.shape[0], key.shape[0], dtype=torch.bool,
+                                 device=query.device).tril()
+        return attend(query, key, value, allowed, softmax_scale=self.softmax_scale,
+                      coeff=self.coeff, softmax_in_fp32=self.config.attention_softmax_in_fp32,
+                      dropout=self._dropout if self.training and self.attention_dropout.p > 0
+                      else None)
+
+    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.config.sequence_parallel:
+            return self.attention_dropout(probs)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return self.attention_dropout(probs)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           allowed: torch.Tensor | None, *, softmax_scale: float, coeff: int | None,
+           softmax_in_fp32: bool,
+           dropout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """softmax(QK^T)V with ``DotProductAttention``'s numerics, shared by the reference
+    attentions: query ``[sq, heads, dim]``, key / value ``[sk, groups, dim]`` (GQA), ``allowed``
+    ``[sq, sk]`` (None: every key) -> ``[sq, heads, dim]``; every query needs an allowed key."""
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
+    scores = torch.matmul(query.transpose(0, 1), key.permute(1, 2, 0)) * (softmax_scale
+                                                                         / (coeff or 1))
+    if softmax_in_fp32:
+        scores = scores.float()
+    if coeff is not None:
+        scores = scores * coeff
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)
 
 
 def packed_layer_spec(config: TransformerConfig) -> ModuleSpec:

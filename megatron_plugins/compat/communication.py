@@ -281,7 +281,7 @@ def reduce_destination_cp_gradients(communicator: Any, cp_groups: Mapping[str, A
 
     Gap 18 (destination context parallelism): a bridge refuses a destination grid with CP > 1
     (``assert`` in ``BridgeCommunicator.__init__``, core/pipeline_parallel/
-    bridge_communicator.py:111-115), though forward already gives every tp x cp rank of the
+    bridge_communicator.py:112-116), though forward already gives every tp x cp rank of the
     first stage all rows (``get_boundary_pp_stage_ranks``, :248-284, broadcast at :436-446), and
     in backward ``send_backward`` (:481) and ``send_backward_recv_forward`` (:734) send only the
     replica leader's gradient, which under CP holds only the rows of its own sequence chunks.

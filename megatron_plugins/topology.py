@@ -205,16 +205,22 @@ def pipeline_communicator(topology: HeteroTopology, config: ModelParallelConfig,
     direction (compat Gap 13); bridges too when every sample fills the same positions
     (``static_shapes``, Gap 9), else on each transfer (one small message per peer), a fan-in
     splitting gradients as it received (Gap 15). A one-rank grid does not broadcast what it
-    received (Gap 12). Collective: call on every rank.
+    received (Gap 12). With language CP every CP rank receives all encoder rows, and their
+    gradients are summed before the send (Gap 18). Collective: call on every rank.
     """
     encoders = [module.name for module in topology.layout.encoders]
-    communicator = MultiModulePipelineCommunicator(
-        dict(topology.grids),
-        {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []},
-        config,
-        dim_mapping={"s": 0, "b": 1, "h": 2},
-        module_output_ndim={name: 2 for name in encoders},
-    )
+    with communication.fold_destination_cp():
+        communicator = MultiModulePipelineCommunicator(
+            dict(topology.grids),
+            {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []},
+            config,
+            dim_mapping={"s": 0, "b": 1, "h": 2},
+            module_output_ndim={name: 2 for name in encoders},
+        )
+    # Before the other wrappers: the CP ranks' gradients are summed once, ahead of the shape
+    # exchange and the fan-in split of what the leader sends.
+    communication.reduce_destination_cp_gradients(
+        communicator, {name: pgc.cp for name, pgc in topology.module_pgs.items()})
     # Stage links carry [seq, batch, hidden], and with static_shapes bridges carry fixed token
     # counts: one shape handshake per link and direction, not one per transfer.
     communication.exchange_shapes_once(communicator, bridges=static_shapes)

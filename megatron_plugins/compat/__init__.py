@@ -123,5 +123,9 @@ GAPS: tuple[Gap, ...] = (
     Gap("17", "multimodal RoPE has only contiguous per-axis sections, not Qwen3-VL's interleaved",
         "model_build", "language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap17_canary_stock_mrope_has_no_interleaved_layout")),
+    Gap("18", "bridges refuse a CP destination grid and send back only its leader's gradient",
+        "communication", "topology.pipeline_communicator",
+        _canary("communication", "test_gap18_canary_bridge_refuses_a_destination_grid_with_"
+                                 "context_parallelism")),
 )
 """Every gap in the order the bridges were added."""

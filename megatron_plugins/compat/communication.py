@@ -1,6 +1,7 @@
 """Bridges over MiMo's pipeline communication, applied by our pipeline communicator's builder in
-MiMo processes only: dropping needless handshakes and broadcasts (Gaps 9, 12 and 13) and
-splitting fan-in gradients of variable-size encoder outputs (Gap 15).
+MiMo processes only: dropping needless handshakes and broadcasts (Gaps 9, 12 and 13), splitting
+fan-in gradients of variable-size encoder outputs (Gap 15) and letting the language grid use
+context parallelism behind a bridge (Gap 18).
 
 Shared context of Gaps 9 and 13: the multi-module schedule refuses pipelines without
 ``variable_seq_lengths`` (schedules.py:2182), so every transfer is preceded by a shape handshake,
@@ -10,14 +11,19 @@ sample holds the same items, each encoder's ``tokens_per_item``.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from megatron_plugins.compat import MegatronCompatError
 
-__all__ = ["exchange_shapes_once", "skip_lone_broadcasts", "split_fan_in_gradients_as_received"]
+__all__ = [
+    "exchange_shapes_once", "fold_destination_cp", "reduce_destination_cp_gradients",
+    "skip_lone_broadcasts", "split_fan_in_gradients_as_received",
+]
 
 
 class _ShapeMemo:
@@ -212,3 +218,94 @@ def _split_as_received(bridge: Any, sources: int) -> None:
     bridge.recv_forward = noting_sizes(bridge.recv_forward)
     bridge.send_backward_recv_forward = noting_sizes(bridge.send_backward_recv_forward)
     bridge._split_tensor_at_batch_dim = split
+
+
+_FOLDABLE_DIMS = ["tp", "cp", "dp", "pp"]
+"""The grid dim order CP folding relies on: tp fastest, then cp."""
+
+
+def _cp_folded(grid: Any) -> Any:
+    """``grid``'s ranks as a grid without CP: ``[tp*cp, 1, dp, pp]``, same offset and backend.
+
+    A new ``HyperCommGrid`` creates no process group, and with tp varying fastest and cp next
+    every (dp, pp) block of ``tp*cp`` consecutive ranks stays one block, so DP replicas, their
+    first ranks and each PP stage's ranks are the same rank sets.
+    """
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    if list(grid.dim_names) != _FOLDABLE_DIMS:
+        raise MegatronCompatError(
+            f"cannot fold context parallelism out of a grid with dims {list(grid.dim_names)}; "
+            f"the cross-grid bridge needs them in the order {_FOLDABLE_DIMS}")
+    tp, cp, dp, pp = grid.shape
+    return HyperCommGrid([tp * cp, 1, dp, pp], list(_FOLDABLE_DIMS),
+                         rank_offset=grid.rank_offset, backend=grid.backend)
+
+
+def _has_cp(grid: Any) -> bool:
+    return "cp" in grid.dim_names and grid.shape[grid.dim_names.index("cp")] > 1
+
+
+@contextlib.contextmanager
+def fold_destination_cp() -> Iterator[None]:
+    """While active, the bridges ``MultiModulePipelineCommunicator`` builds accept a destination
+    grid with CP (Gap 18, construction half; :func:`reduce_destination_cp_gradients` is the
+    backward half, and must follow).
+
+    Each bridge is built on :func:`_cp_folded` of its destination grid, which passes the stock
+    assert with the routing the real grid gives (stock reads no CP coordinate but the assert),
+    and then holds the real grid again. Source grids are left as they are (their CP stays
+    refused). Restores the stock constructor on exit.
+    """
+    from megatron.core.pipeline_parallel import multimodule_communicator
+
+    stock = multimodule_communicator.BridgeCommunicator
+
+    def bridge(src_grid: Any, dest_grid: Any, **kwargs: Any) -> Any:
+        if not _has_cp(dest_grid):
+            return stock(src_grid=src_grid, dest_grid=dest_grid, **kwargs)
+        built = stock(src_grid=src_grid, dest_grid=_cp_folded(dest_grid), **kwargs)
+        built.dest_grid = dest_grid
+        return built
+
+    multimodule_communicator.BridgeCommunicator = bridge
+    try:
+        yield
+    finally:
+        multimodule_communicator.BridgeCommunicator = stock
+
+
+def reduce_destination_cp_gradients(communicator: Any, cp_groups: Mapping[str, Any]) -> None:
+    """Apply Gap 18 to each cross-grid bridge whose destination grid has CP, on the ranks of the
+    destination leader's CP group. ``cp_groups``: this rank's CP group per module it is in.
+
+    Gap 18 (destination context parallelism): a bridge refuses a destination grid with CP > 1
+    (``assert`` in ``BridgeCommunicator.__init__``, core/pipeline_parallel/
+    bridge_communicator.py:112-116), though forward already gives every tp x cp rank of the
+    first stage all rows (``get_boundary_pp_stage_ranks``, :248-284, broadcast at :436-446), and
+    in backward ``send_backward`` (:481) and ``send_backward_recv_forward`` (:734) send only the
+    replica leader's gradient, which under CP holds only the rows of its own sequence chunks.
+    Bridge (upstream commit 95271c1902): built on a CP-folded view (:func:`fold_destination_cp`),
+    and on the ranks of the leader's CP group (the tp-0 lane of the first stage; every TP rank of
+    a CP rank holds the same gradient) both methods first sum the gradient onto the leader with
+    one ``reduce`` over that group, also for empty tensors, so every rank issues it each time.
+    """
+    for bridge in communicator.bridge_comms:
+        group = cp_groups.get(bridge.dest_module_name)
+        leader = bridge.dest_local_leader_rank
+        if (group is None or not _has_cp(bridge.dest_grid)
+                or bridge.current_rank not in bridge.dest_grid_broadcast_ranks
+                or leader not in torch.distributed.get_process_group_ranks(group)):
+            continue
+        bridge.send_backward = _reducing_first(bridge.send_backward, leader, group)
+        bridge.send_backward_recv_forward = _reducing_first(bridge.send_backward_recv_forward,
+                                                            leader, group)
+
+
+def _reducing_first(send: Any, leader: int, group: Any) -> Any:
+    def wrapped(grad_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        grad_tensor = grad_tensor.contiguous()
+        torch.distributed.reduce(grad_tensor, dst=leader, op=torch.distributed.ReduceOp.SUM,
+                                 group=group)
+        return send(grad_tensor, *args, **kwargs)
+    return wrapped

@@ -1,5 +1,5 @@
-"""Communication bridges (Gaps 9, 12, 13): canaries that the stock wheel still has each gap, and
-the bridges' tests."""
+"""Communication bridges (Gaps 9, 12, 13, 15, 18): canaries that the stock wheel still has each
+gap, and the bridges' tests."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_plugins.compat import MegatronCompatError, communication
+from tests.multiprocess import run_in_processes
 from tests.unit_tests.compat.wheel_source import source_digest
 
 
@@ -192,3 +193,194 @@ def test_gap15_a_fan_in_gradient_is_split_as_its_activation_was_received() -> No
     with pytest.raises(MegatronCompatError, match="gradient of 5 rows split 2 ways matches no "
                                                   "received activation"):
         bridge._split_tensor_at_batch_dim(torch.zeros(5, 4), 2)
+
+
+DENSE = ["tp", "cp", "dp", "pp"]
+
+
+def test_gap18_canary_bridge_refuses_a_destination_grid_with_context_parallelism(monkeypatch):
+    """Gap 18: a bridge asserts destination CP 1 before any collective, and neither backward send
+    sums the CP ranks' gradients."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    encoder = HyperCommGrid([1, 1, 1, 1], DENSE, rank_offset=0)
+    language = HyperCommGrid([1, 2, 1, 1], DENSE, rank_offset=1)
+    with pytest.raises(AssertionError, match="Destination grid CP size must be 1, got 2"):
+        BridgeCommunicator(encoder, language)
+    for name in ("send_backward", "send_backward_recv_forward"):
+        assert "reduce" not in inspect.getsource(getattr(BridgeCommunicator, name)), name
+
+
+# (tp, cp, dp, pp, rank_offset) of language grids the bridge is built on.
+FOLDED_SHAPES = [(1, 2, 1, 1, 1), (2, 2, 1, 1, 4), (1, 2, 2, 1, 2), (2, 2, 2, 2, 0),
+                 (1, 4, 2, 3, 3), (3, 2, 1, 2, 1), (2, 3, 2, 1, 0)]
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp, offset", FOLDED_SHAPES)
+def test_gap18_a_cp_folded_grid_routes_as_the_real_one(monkeypatch, tp, cp, dp, pp, offset):
+    """Every rank sees the same replica leaders, own leader and first-stage broadcast rank sets
+    on the folded grid as on the real one (no process group exists here, so folding made none)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    monkeypatch.setenv("WORLD_SIZE", str(offset + tp * cp * dp * pp))
+    real = HyperCommGrid([tp, cp, dp, pp], DENSE, rank_offset=offset)
+    folded = communication._cp_folded(real)
+    assert (folded.shape, folded.rank_offset, folded.size) == (
+        [tp * cp, 1, dp, pp], offset, real.size)
+    for rank in range(offset, offset + real.size):
+        bridge = SimpleNamespace(current_rank=rank)
+        assert BridgeCommunicator.get_leader_rank(bridge, folded, is_src=False) == \
+            BridgeCommunicator.get_leader_rank(bridge, real, is_src=False)
+    def broadcast_sets(grid):
+        return {frozenset(ranks) for ranks in
+                BridgeCommunicator.get_boundary_pp_stage_ranks(None, grid, is_src=False)}
+    assert broadcast_sets(folded) == broadcast_sets(real)
+    assert len(broadcast_sets(real)) == dp
+
+
+def test_gap18_folding_refuses_a_grid_of_another_dim_order(monkeypatch):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    grid = HyperCommGrid([2, 2, 1, 1], ["cp", "tp", "dp", "pp"])
+    with pytest.raises(MegatronCompatError, match=r"dims \['cp', 'tp', 'dp', 'pp'\].*order "
+                                                  r"\['tp', 'cp', 'dp', 'pp'\]"):
+        communication._cp_folded(grid)
+
+
+def test_gap18_only_the_leaders_cp_lane_sums_gradients_before_sending(monkeypatch):
+    """Language grid tp=2, cp=2 on ranks 1-4 (leader 1): ranks 1 and 3 (tp 0) reduce onto rank 1
+    before the stock send, also an empty gradient; ranks 2 and 4 and encoder rank 0 send as
+    stock."""
+    lanes = {1: (1, 3), 3: (1, 3), 2: (2, 4), 4: (2, 4)}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: list(group))
+    calls = []
+    monkeypatch.setattr(torch.distributed, "reduce", lambda tensor, dst, op, group: calls.append(
+        ("reduce", dst, group, tensor.is_contiguous())))
+
+    def bridge_on(rank):
+        def stock(name):
+            return lambda grad, *args: calls.append((name, tuple(grad.shape), args))
+        language = rank in lanes
+        return SimpleNamespace(
+            current_rank=rank, dest_module_name="language", dest_local_leader_rank=1,
+            dest_grid=SimpleNamespace(dim_names=DENSE, shape=[2, 2, 1, 1]),
+            dest_grid_broadcast_ranks=[1, 3, 2, 4] if language else [],
+            send_backward=stock("send_backward"),
+            send_backward_recv_forward=stock("send_backward_recv_forward"))
+
+    for rank in range(5):
+        bridge = bridge_on(rank)
+        communication.reduce_destination_cp_gradients(
+            SimpleNamespace(bridge_comms=[bridge]), {"language": lanes[rank]} if rank else {})
+        calls.clear()
+        bridge.send_backward(torch.zeros(4, 3).t())
+        bridge.send_backward_recv_forward(torch.zeros(0, 3), (5, 3))
+        sends = [("send_backward", (3, 4), ()), ("send_backward_recv_forward", (0, 3), ((5, 3),))]
+        if rank in (1, 3):
+            assert calls == [("reduce", 1, (1, 3), True), sends[0],
+                             ("reduce", 1, (1, 3), True), sends[1]], rank
+        else:
+            assert calls == sends, rank
+
+
+def _destination_cp_rank(encoder_grids: list[tuple[int, int]], rows: dict) -> list[dict]:
+    """On every rank of a 4-rank world, for each (tp, dp) of a vision grid on ranks 0-1 feeding a
+    language grid with cp=2 on ranks 2-3, through our pipeline communicator: two microbatches
+    (1F1B order); language CP rank c takes the gradient of row chunks (c, 3-c) of 4. Returns what
+    each rank received."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from megatron_plugins.layout import ModulePlacement, ParallelLayout
+    from megatron_plugins.topology import build_topology, pipeline_communicator
+
+    rank = torch.distributed.get_rank()
+    reports = []
+    for tp, dp in encoder_grids:
+        layout = ParallelLayout((
+            ModulePlacement(name="vision", provider="vit", tp=tp, pp=1, cp=1, dp=dp,
+                            rank_offset=0),
+            ModulePlacement(name="language", tp=1, pp=1, cp=2, dp=1, rank_offset=2)))
+        topology = build_topology(layout)
+        try:
+            communicator = pipeline_communicator(
+                topology, ModelParallelConfig(pipeline_dtype=torch.float32), static_shapes=False)
+            sizes = rows[dp]
+            if rank < 2:
+                replica = rank if dp == 2 else 0
+                out = [_activation(m, replica, sizes[m][replica]) for m in range(2)]
+                communicator.send_forward({"vision": out[0]})
+                first = communicator.send_forward_recv_backward({"vision": out[1]})["vision"]
+                second = communicator.recv_backward()["vision"]
+                reports.append({"grads": [first.tolist(), second.tolist()]})
+            else:
+                cp_rank = topology.module_pgs["language"].cp.rank()
+                received = [communicator.recv_forward()["vision"]]
+                grads = [_cp_gradient(received[0], 0, cp_rank)]
+                received.append(communicator.send_backward_recv_forward(
+                    {"vision": grads[0]})["vision"])
+                grads.append(_cp_gradient(received[1], 1, cp_rank))
+                communicator.send_backward({"vision": grads[1]})
+                reports.append({"received": [x.tolist() for x in received]})
+        finally:
+            topology.destroy()
+    return reports
+
+
+HIDDEN = 3
+
+
+def _activation(microbatch: int, replica: int, rows: int) -> torch.Tensor:
+    """Distinct values per microbatch, encoder replica and element."""
+    return torch.arange(rows * HIDDEN, dtype=torch.float32).view(rows, HIDDEN) + (
+        100 * microbatch + 1000 * replica)
+
+
+def _row_weights(microbatch: int, rows: int) -> torch.Tensor:
+    """The full gradient of a microbatch's received rows: distinct, signed per chunk of 4."""
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0]).repeat_interleave(rows // 4)
+    return signs[:, None] * (torch.arange(rows * HIDDEN, dtype=torch.float32).view(
+        rows, HIDDEN) + 1 + 50 * microbatch)
+
+
+def _cp_gradient(received: torch.Tensor, microbatch: int, cp_rank: int) -> torch.Tensor:
+    """What CP rank ``cp_rank`` (of 2) backpropagates: the row weights of its chunks (cp_rank,
+    3 - cp_rank) of 4, zero elsewhere (the Gap 15 hooks on ``received`` fire as in a run)."""
+    rows = received.shape[0]
+    chunk = torch.arange(rows) // (rows // 4)
+    mine = ((chunk == cp_rank) | (chunk == 3 - cp_rank)).float()[:, None]
+    loss = (received * _row_weights(microbatch, rows) * mine).sum()
+    (grad,) = torch.autograd.grad(loss, received)
+    return grad
+
+
+def test_gap18_language_cp_ranks_receive_every_row_and_encoders_the_summed_gradient():
+    """Mirrors upstream's test_cp_gradient_reconstruction through topology.pipeline_communicator:
+    vision tp=2 (one replica) and vision dp=2 (fan-in of variable row counts, Gap 15 split) feed
+    language cp=2. Both CP ranks receive the same full rows; every encoder rank gets exactly the
+    sum of the complementary CP gradients for its own rows."""
+    rows = {1: [[8], [8]], 2: [[5, 3], [2, 6]]}
+    grids = [(2, 1), (1, 2)]
+    per_rank = run_in_processes(_destination_cp_rank, 4, args=(grids, rows), timeout=120,
+                                simulated=True)
+    for index, (tp, dp) in enumerate(grids):
+        for microbatch in range(2):
+            sizes = rows[dp][microbatch]
+            full = torch.cat([_activation(microbatch, replica, n)
+                              for replica, n in enumerate(sizes)])
+            for language_rank in (2, 3):
+                received = per_rank[language_rank][index]["received"][microbatch]
+                assert torch.equal(torch.tensor(received), full), (tp, dp, language_rank)
+            weights = _row_weights(microbatch, sum(sizes))
+            for encoder_rank in (0, 1):
+                replica = encoder_rank if dp == 2 else 0
+                start = sum(sizes[:replica])
+                expected = weights[start:start + sizes[replica]]
+                got = torch.tensor(per_rank[encoder_rank][index]["grads"][microbatch])
+                assert torch.equal(got, expected), (tp, dp, microbatch, encoder_rank)

@@ -123,5 +123,9 @@ GAPS: tuple[Gap, ...] = (
     Gap("17", "multimodal RoPE has only contiguous per-axis sections, not Qwen3-VL's interleaved",
         "model_build", "language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap17_canary_stock_mrope_has_no_interleaved_layout")),
+    Gap("22", "MiMo optimizer checkpoint objects are main replicas on every context-parallel rank",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap22_canary_stock_mimo_replica_id_ignores_context_"
+                                 "parallel_rank")),
 )
 """Every gap in the order the bridges were added."""

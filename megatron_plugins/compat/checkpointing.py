@@ -257,7 +257,7 @@ def _install_mimo_replica_ids_over_context_parallel() -> None:
     stock = mimo_optimizer._get_replica_id
 
     @functools.wraps(stock)
-    def get_replica_id(pg_collection) -> tuple:
+    def get_replica_id(pg_collection: Any) -> tuple:
         tp_rank, pp_rank, dp_rank = stock(pg_collection)
         dp_cp = getattr(pg_collection, "dp_cp", None)
         return (tp_rank, pp_rank, dp_rank if dp_cp is None else dp_cp.rank())

@@ -127,5 +127,9 @@ GAPS: tuple[Gap, ...] = (
         "communication", "topology.pipeline_communicator",
         _canary("communication", "test_gap18_canary_bridge_refuses_a_destination_grid_with_"
                                  "context_parallelism")),
+    Gap("22", "MiMo optimizer checkpoint objects are main replicas on every context-parallel rank",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap22_canary_stock_mimo_replica_id_ignores_context_"
+                                 "parallel_rank")),
 )
 """Every gap in the order the bridges were added."""

@@ -1,9 +1,10 @@
-"""Checkpoint bridges for MiMo processes (Gaps 5, 6, 10 and 16), applied together by
+"""Checkpoint bridges for MiMo processes (Gaps 5, 6, 10, 16 and 22), applied together by
 :func:`install_checkpoint_bridges`; stock callers keep stock checkpoint behaviour."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -235,8 +236,37 @@ def _install_rng_state_per_data_parallel_replica() -> None:
     checkpointing.get_rng_state = get_rng_state
 
 
+def _install_mimo_replica_ids_over_context_parallel() -> None:
+    """Gap 22 (MiMo optimizer checkpoints with context parallelism): one main copy per module
+    shard, not one per CP rank.
+
+    ``MimoOptimizer.sharded_state_dict`` saves ``param_groups`` (whenever the module dict has an
+    ``'optimizer'`` key: bf16/fp16, or the distributed optimizer's fully reshardable formats),
+    ``param_state_sharding_type`` (every ``--use-distributed-optimizer`` run) and ``grad_scaler``
+    as ``ShardedObject``s with ``replica_id=_get_replica_id(pg_collection)`` =
+    ``(tp, pp, dp)`` (core/models/mimo/optimizer.py:195-203, 233-273, 322-339). With language
+    cp > 1 every CP rank of tensor, pipeline and data rank 0 is a main replica, and the save's
+    validation rejects the duplicates (core/dist_checkpointing/validation.py:458-475: "Duplicate
+    ShardedObject keys"). Model tensors ``(0, tp, dp_cp)``, the distributed optimizer's own
+    objects and buffers (sharded over its dp x cp group) and Gaps 5/16 are already CP-aware.
+    Bridge: the replica id's last coordinate is the rank in the module's dp x cp group, so only
+    rank 0 of dp x cp (and of tp and pp) writes each object; with cp = 1 it equals stock's.
+    """
+    from megatron.core.models.mimo import optimizer as mimo_optimizer
+
+    stock = mimo_optimizer._get_replica_id
+
+    @functools.wraps(stock)
+    def get_replica_id(pg_collection: Any) -> tuple:
+        tp_rank, pp_rank, dp_rank = stock(pg_collection)
+        dp_cp = getattr(pg_collection, "dp_cp", None)
+        return (tp_rank, pp_rank, dp_rank if dp_cp is None else dp_cp.rank())
+
+    mimo_optimizer._get_replica_id = get_replica_id
+
+
 def install_checkpoint_bridges() -> None:
-    """Apply Gaps 5, 6, 10 and 16. Idempotent; the MiMo builder calls it before stock
+    """Apply Gaps 5, 6, 10, 16 and 22. Idempotent; the MiMo builder calls it before stock
     ``pretrain()`` builds the optimizer (MiMo processes only: stock callers keep stock checkpoint
     behaviour)."""
     global _checkpoint_bridges_installed
@@ -246,4 +276,5 @@ def install_checkpoint_bridges() -> None:
     _install_distributed_optimizer_resume()
     _install_module_data_state()
     _install_rng_state_per_data_parallel_replica()
+    _install_mimo_replica_ids_over_context_parallel()
     _checkpoint_bridges_installed = True

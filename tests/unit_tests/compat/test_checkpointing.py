@@ -1,9 +1,10 @@
-"""Checkpoint bridges (Gaps 5, 6, 10, 16): canaries that the stock wheel still has each gap, and the
+"""Checkpoint bridges (Gaps 5, 6, 10, 16, 22): canaries that the stock wheel still has each gap, and the
 bridges' tests."""
 
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from megatron_plugins.compat.checkpointing import (
     plain_values,
     put_plain_values,
 )
-from tests.multiprocess import REPO_ROOT
+from tests.multiprocess import REPO_ROOT, run_in_processes
 
 
 def test_gap5_canary_mimo_optimizer_keeps_plain_state_in_rank_zero_common_state():
@@ -185,3 +186,185 @@ def test_gap16_bridge_shards_the_rng_state_over_data_parallel_replicas(monkeypat
     alone = checkpointing.get_rng_state("torch_dist", None, None, dp_cp_group=group(1, 0),
                                         dp_group=group(1, 0), key_prefix="language.")
     assert (alone.global_shape, alone.global_offset) == ((1, 1), (0, 0))  # stock's, one replica
+
+
+def _groups(tp: int = 0, pp: int = 0, dp: int = 0, dp_cp: int = 0) -> SimpleNamespace:
+    """A process-group collection whose groups only know their rank."""
+    return SimpleNamespace(**{name: SimpleNamespace(rank=lambda rank=rank: rank)
+                              for name, rank in (("tp", tp), ("pp", pp), ("dp", dp),
+                                                 ("dp_cp", dp_cp))})
+
+
+def test_gap22_canary_stock_mimo_replica_id_ignores_context_parallel_rank():
+    """Data rank 0 at CP rank 1 is a main replica for stock, like CP rank 0."""
+    from megatron.core.models.mimo import optimizer as mimo_optimizer
+
+    stock = getattr(mimo_optimizer._get_replica_id, "__wrapped__", mimo_optimizer._get_replica_id)
+    assert stock(_groups(dp_cp=1)) == (0, 0, 0)
+    assert "replica_id = _get_replica_id(info.pg_collection)" in inspect.getsource(mimo_optimizer)
+
+
+def test_gap22_bridge_replica_id_counts_data_and_context_parallel_ranks():
+    from megatron.core.models.mimo import optimizer as mimo_optimizer
+
+    install_checkpoint_bridges()
+    assert mimo_optimizer._get_replica_id(_groups(dp_cp=1)) == (0, 0, 1)
+    assert mimo_optimizer._get_replica_id(_groups(tp=1, pp=2, dp=1, dp_cp=3)) == (1, 2, 3)
+    assert mimo_optimizer._get_replica_id(_groups(dp=1, dp_cp=0)) == (0, 0, 0)
+
+
+# (bf16, --use-distributed-optimizer, distrib_optim_sharding_type) of the runs that put a MiMo
+# optimizer ShardedObject in the checkpoint: every distributed-optimizer run, and bf16.
+# fully_reshardable is only saved: its load on torch Adam (no TE) misses the per-parameter step
+# whatever the CP size (distrib_optimizer.py:1223).
+CP2_CASES = {
+    "bf16 dist-opt dp_reshardable": (True, True, "dp_reshardable"),
+    "bf16 dist-opt fully_reshardable": (True, True, "fully_reshardable"),
+    "bf16": (True, False, None),
+    "fp32 dist-opt dp_reshardable": (False, True, "dp_reshardable"),
+}
+
+
+def _cp2_language(topology, bf16: bool, distributed: bool, steps: int):
+    """The language model of a cp=2 grid as our builder wraps it, and its MiMo optimizer after
+    ``steps`` Adam steps on fixed gradients."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_plugins.cp_attention import ContextParallelAttention
+
+    pgc = topology.module_pgs["language"]
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, context_parallel_size=2,
+        use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    model = GPTModel(config, spec, vocab_size=16, max_sequence_length=8, pg_collection=pgc)
+    model = Float16Module(config, model) if bf16 else model
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed), model, pg_collection=pgc)
+    mimo = SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=dict(topology.grids)),
+                           language_model=ddp, modality_submodules={})
+    optimizer = get_mimo_optimizer(mimo, OptimizerConfig(
+        optimizer="adam", lr=0.1, bf16=bf16, use_distributed_optimizer=distributed))
+    for step in range(steps):
+        ddp.zero_grad_buffer()
+        for param in ddp.parameters():
+            param.main_grad.copy_(torch.linspace(-1, 1, param.numel()).view(param.shape) + step)
+        ddp.finish_grad_sync()
+        optimizer.module_infos["language"].optimizer.step()
+    return ddp, optimizer
+
+
+def _adam_state(optimizer) -> list:
+    """Every Adam value of the language module: group settings, main params, moments and steps
+    (the distributed optimizer's load adds a ``step`` to the group dicts, which Adam ignores)."""
+    [inner] = optimizer.module_infos["language"].optimizer.chained_optimizers
+    adam = inner.optimizer
+    values = []
+    for group in adam.param_groups:
+        values.append({key: value for key, value in group.items() if key not in ("params", "step")})
+        for param in group["params"]:
+            values.append(param.detach().clone())
+            values.extend(adam.state[param][key].detach().clone().float()
+                          for key in ("exp_avg", "exp_avg_sq", "step"))
+    return values
+
+
+def _language_cp2_checkpoints(folder: str) -> dict:
+    """On both ranks of a language-only cp=2 grid: stock's save validation, then with the bridges
+    a save and a resume from a fresh optimizer, per case."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+    from megatron.core.dist_checkpointing.validation import (
+        determine_global_metadata,
+        validate_sharding_integrity,
+    )
+
+    from megatron_plugins.layout import ModulePlacement, ParallelLayout
+    from megatron_plugins.topology import build_topology
+
+    # Built directly: the layout flags refuse language cp > 1 until the bridge CP work lands.
+    topology = build_topology(ParallelLayout((ModulePlacement(
+        name="language", tp=1, pp=1, cp=2, dp=1, rank_offset=0),)))
+    dp_cp = topology.module_pgs["language"].dp_cp
+
+    def sharded(ddp, optimizer, sharding, is_loading=False):
+        metadata = {"dp_cp_group": dp_cp, "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True}
+        if sharding:
+            metadata["distrib_optim_sharding_type"] = sharding
+        model = ddp.sharded_state_dict(metadata=metadata)
+        return model, optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                   metadata=metadata)
+
+    report = {}
+    for case, (bf16, distributed, sharding) in CP2_CASES.items():
+        ddp, optimizer = _cp2_language(topology, bf16, distributed, steps=2)
+        _, state = sharded(ddp, optimizer, sharding)
+        try:
+            validate_sharding_integrity(determine_global_metadata(extract_sharded_base(state)[0])[1])
+            report[case] = {"stock": "ok"}
+        except CheckpointingException as error:
+            report[case] = {"stock": str(error).splitlines()[0]}
+
+    install_checkpoint_bridges()
+    for index, (case, (bf16, distributed, sharding)) in enumerate(CP2_CASES.items()):
+        ddp, optimizer = _cp2_language(topology, bf16, distributed, steps=2)
+        saved = _adam_state(optimizer)
+        model, state = sharded(ddp, optimizer, sharding)
+        path = os.path.join(folder, str(index))
+        os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model, "optimizer": state}, path)
+        report[case]["saved"] = sorted(os.listdir(path)) != []
+        if sharding == "fully_reshardable":
+            continue
+        ddp, template = _cp2_language(topology, bf16, distributed, steps=0)
+        _, state = sharded(ddp, template, sharding, is_loading=True)
+        template.load_state_dict(dist_checkpointing.load({"optimizer": state}, path)["optimizer"])
+        resumed = _adam_state(template)
+        report[case]["resumed"] = all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(saved, resumed, strict=True))
+        report[case]["digest"] = [float(v.sum()) if isinstance(v, torch.Tensor) else v
+                                  for v in resumed]
+    topology.destroy()
+    return report
+
+
+def test_gap22_bridge_saves_and_resumes_language_optimizer_state_at_cp2(tmp_path):
+    """Stock save validation rejects every case's MiMo optimizer objects as duplicated over CP;
+    with the bridges each CP rank resumes exactly the Adam state it saved, and CP ranks of a
+    non-distributed optimizer hold the same state."""
+    ranks = run_in_processes(_language_cp2_checkpoints, 2, timeout=240, simulated=True,
+                             args=(str(tmp_path),))
+    stock = {case: ranks[0][case]["stock"] for case in CP2_CASES}
+    duplicated = "Invalid sharding pattern validation. Errors: Duplicate ShardedObject keys: "
+    assert stock == {
+        "bf16 dist-opt dp_reshardable":
+            f"{duplicated}['mimo.language.optimizer.mimo.language.param_state_sharding_type/shard_0_1']",
+        "bf16 dist-opt fully_reshardable":
+            f"{duplicated}['mimo.language.optimizer.mimo.language.param_groups/shard_0_1']",
+        "bf16": f"{duplicated}['mimo.language.optimizer.mimo.language.param_groups/shard_0_1']",
+        "fp32 dist-opt dp_reshardable":
+            f"{duplicated}['mimo.language.optimizer.mimo.language.param_state_sharding_type/shard_0_1']",
+    }
+    assert [rank[case]["saved"] for rank in ranks for case in CP2_CASES] == [True] * 8
+    resumed = [case for case in CP2_CASES if "fully_reshardable" not in case]
+    assert [rank[case]["resumed"] for rank in ranks for case in resumed] == [True] * 6
+    assert ranks[0]["bf16"]["digest"] == ranks[1]["bf16"]["digest"]

@@ -21,8 +21,8 @@ from megatron_plugins.errors import UsageError
 
 __all__ = [
     "DENSE_DIMS", "EXPERT_DIMS", "GRID_EXAMPLE", "GRID_KEYS", "LANGUAGE", "LayoutError",
-    "MODULE_NAME", "ModulePlacement", "ParallelLayout", "check_layout", "check_module_name",
-    "encoder_micro_batch_size"
+    "MODULE_NAME", "ModulePlacement", "ParallelLayout", "check_context_parallel", "check_layout",
+    "check_module_name", "encoder_micro_batch_size"
 ]
 
 LANGUAGE = "language"
@@ -221,14 +221,9 @@ class ParallelLayout:
 
 
 def _check_supported(module: ModulePlacement) -> None:
-    """Reject splits that build but cannot train correctly on disjoint grids yet."""
+    """Reject encoder splits that build but cannot train correctly on disjoint grids yet (the
+    language model takes every split; its CP limits are :func:`_check_context_parallel_flags`)."""
     if module.name == LANGUAGE:
-        if module.cp > 1:
-            raise LayoutError(
-                f"{module.source}: cp={module.cp}: context parallelism for the language model is "
-                "not supported yet (the encoder bridge cannot shard its activations over CP); "
-                "use cp=1"
-            )
         return
     unsupported = (("pp", "pipeline"), ("cp", "context"))
     for key, what in unsupported:
@@ -295,6 +290,54 @@ def _check_language_model(layout: ParallelLayout, args: Any) -> None:
             )
 
 
+def check_context_parallel(language: ModulePlacement, seq_length: int | None, *,
+                           sequence_parallel: bool = False, packed: bool = False) -> None:
+    """Refuse a ``--seq-length`` the language grid's context parallelism cannot cut evenly.
+
+    CP cuts every row (with ``packed``: every packed sample, padded to fit) into ``2 x cp``
+    chunks, and ``--sequence-parallel`` then scatters each CP rank's share over ``tp``; stock
+    asserts the first deep in argument validation, MimoModel the second in the first forward.
+    """
+    if language.cp == 1 or seq_length is None:
+        return
+    chunks = 2 * language.cp
+    divisor = chunks * (language.tp if sequence_parallel else 1)
+    if seq_length % divisor == 0:
+        return
+    why = (f"{language.source}: cp={language.cp} cuts every row into 2 x cp = {chunks} equal "
+           "context-parallel chunks")
+    if packed:
+        why += f" (--pack-sequences pads each packed sample to a multiple of {chunks} too)"
+    if sequence_parallel:
+        why += f" and --sequence-parallel splits each CP rank's share over tp={language.tp}"
+    lower = seq_length // divisor * divisor
+    nearest = f"{lower} or {lower + divisor}" if lower else str(divisor)
+    raise LayoutError(f"--seq-length {seq_length} is not a multiple of {divisor}: {why}; choose "
+                      f"--seq-length {nearest}")
+
+
+def _check_context_parallel_flags(language: ModulePlacement, args: Any) -> None:
+    """Stock CP flags that need process groups only Megatron's global ``parallel_state``
+    creates, and the row length CP cuts (:func:`check_context_parallel`)."""
+    if language.cp == 1:
+        return
+    if "a2a+p2p" in (getattr(args, "cp_comm_type", None) or []):
+        raise LayoutError(
+            f"--cp-comm-type a2a+p2p with {language.source}: cp={language.cp} needs Megatron's "
+            "global hierarchical CP groups, which disjoint grids do not create; use p2p, "
+            "all_gather or a2a"
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        raise LayoutError(
+            f"--hybrid-context-parallel with {language.source}: cp={language.cp} needs "
+            "Megatron's global hybrid DP x CP groups and schedule, which disjoint grids do not "
+            "create; drop it (the language grid's cp splits every row over its CP ranks)"
+        )
+    check_context_parallel(language, getattr(args, "seq_length", None),
+                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                           packed=bool(getattr(args, "pack_sequences", False)))
+
+
 def _check_encoder(encoder: ModulePlacement, language: ModulePlacement, heads: int | None) -> None:
     if heads is not None:
         _check_heads(encoder, heads, f"the {encoder.name} encoder's attention heads")
@@ -314,13 +357,16 @@ def check_layout(
 
     ``args`` holds the stock model flags the checks read when present (``num_attention_heads``,
     ``num_query_groups`` with ``group_query_attention``, ``num_experts``,
-    ``tensor_parallel_num_weight_shards``, ``expert_tensor_parallel_num_weight_shards``).
+    ``tensor_parallel_num_weight_shards``, ``expert_tensor_parallel_num_weight_shards``; with a
+    language ``cp > 1`` also ``seq_length``, ``sequence_parallel``, ``pack_sequences``,
+    ``cp_comm_type`` and ``hybrid_context_parallel``).
     ``encoder_heads`` maps encoder names to attention-head counts known from the encoder plugins.
     """
     for module in layout.modules:
         _check_supported(module)
     layout.check_world_size(world_size)
     _check_language_model(layout, args)
+    _check_context_parallel_flags(layout.language, args)
     heads = encoder_heads or {}
     for encoder in layout.encoders:
         _check_encoder(encoder, layout.language, heads.get(encoder.name))

@@ -107,13 +107,16 @@ def check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_layout_args(parser)
     add_mimo_args(parser)
-    stock = parser.add_argument_group("stock Megatron flags the layout checks read")
+    stock = parser.add_argument_group("stock Megatron (and data) flags the layout checks read")
     for flag in ("--num-attention-heads", "--num-query-groups", "--num-experts",
                  "--tensor-parallel-num-weight-shards",
-                 "--expert-tensor-parallel-num-weight-shards", "--micro-batch-size"):
+                 "--expert-tensor-parallel-num-weight-shards", "--micro-batch-size",
+                 "--seq-length"):
         stock.add_argument(flag, type=int)
-    stock.add_argument("--group-query-attention", action="store_true")
-    stock.add_argument("--overlap-grad-reduce", action="store_true")
+    for flag in ("--group-query-attention", "--overlap-grad-reduce", "--sequence-parallel",
+                 "--hybrid-context-parallel", "--pack-sequences"):
+        stock.add_argument(flag, action="store_true")
+    stock.add_argument("--cp-comm-type", nargs="+")
     stock.add_argument("--language-hf-weights")
     # An HF encoder (clip, siglip, whisper) reads its head count from this folder's config.json.
     stock.add_argument("--encoder-hf-weights", action="append", default=[])

@@ -317,10 +317,6 @@ def check_packing(args: argparse.Namespace) -> None:
                         "which --attention-backend local's DotProductAttention does not; drop "
                         "--attention-backend local (with --transformer-impl local the reference "
                         "packed attention is used)")
-    if args.context_parallel_size > 1:
-        raise FlagError(f"--pack-sequences does not split packed rows over context parallel "
-                        f"ranks; give the language cp=1 (--llm-cp or the layout; got "
-                        f"cp={args.context_parallel_size})")
 
 
 def check_mrope(args: argparse.Namespace) -> None:

@@ -10,11 +10,12 @@ an encoder replica embeds are by construction those of the language positions it
 positions by work instead (:mod:`.balance`), and :meth:`RankSlice.held_positions` says which.
 
 :class:`AlignmentGuard` checks it anyway, at no extra collective: each step, every module's
-witness rank (tensor rank 0 of the first pipeline stage) turns the keys of the samples it held,
-with the token count of each of the sample's items, into per-position hashes, encoders adding and
-the language model subtracting them per (encoder, language replica); the sums ride in the global
-token-count all-reduce and must be zero. A sample whose items an encoder counts otherwise than its
-language replica lays them out (a wrong size, a lost item) fails it as a wrong key does.
+witness rank (tensor and context-parallel rank 0 of the first pipeline stage) turns the keys of
+the samples it held, with the token count of each of the sample's items, into per-position hashes,
+encoders adding and the language model subtracting them per (encoder, language replica); the sums
+ride in the global token-count all-reduce and must be zero. A sample whose items an encoder
+counts otherwise than its language replica lays them out (a wrong size, a lost item) fails it as
+a wrong key does.
 """
 
 from __future__ import annotations

@@ -111,6 +111,8 @@ class Packing:
 
     placeholder_ids: Collection[int]
     """The encoders' placeholder token ids: text may be cut, never their runs."""
+    multiple: int = 1
+    """Each packed sample is padded to a multiple of this: 2 x the language cp."""
 
 
 class _PaddingTally:
@@ -145,18 +147,21 @@ class _PaddingTally:
 class MicrobatchStream(Iterator[dict[str, Any]]):
     """One split's batches on this rank, as stock ``pretrain()`` iterates them; with
     ``packing`` a language microbatch's samples become one row (:func:`.packing.pack_row`);
-    ``balanced`` (language ranks) names each balanced encoder's fan-in replicas."""
+    ``balanced`` (language ranks) names each balanced encoder's fan-in replicas; without
+    ``dense_mask`` the collated causal mask is dropped (language cp > 1: MimoModel refuses a
+    dense mask under CP, and the causal mask type needs none)."""
 
     def __init__(self, source: Iterator[Microbatch], rank_slice: RankSlice,
                  guard: AlignmentGuard | None, writes_state: bool,
                  packing: Packing | None = None, tally: _PaddingTally | None = None,
-                 balanced: Mapping[str, int] | None = None) -> None:
+                 balanced: Mapping[str, int] | None = None, dense_mask: bool = True) -> None:
         self._source = source
         self._slice = rank_slice
         self._guard = guard
         self._balanced = dict(balanced or {})
         self._writes_state = writes_state
         self._packing = packing
+        self._dense_mask = dense_mask
         self._tally = tally
         self._noticed_truncation = False
         self._noticed_cut = False
@@ -164,6 +169,8 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
     def __next__(self) -> dict[str, Any]:
         keys, batch = next(self._source)
         positions = batch.pop(POSITIONS)
+        if not self._dense_mask:
+            batch.pop("attention_mask", None)
         if self._guard is not None:
             self._guard.record(keys, positions, batch[ITEM_TOKENS])
         if self._balanced:
@@ -184,7 +191,8 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
         lengths = lengths.tolist()
         packed = min(sum(lengths), batch["tokens"].shape[-1])
         if self._packing is not None:
-            row = pack_row(batch, lengths, keys, self._packing.placeholder_ids)
+            row = pack_row(batch, lengths, keys, self._packing.placeholder_ids,
+                           self._packing.multiple)
             batch = {**{key: value for key, value in batch.items() if key != "attention_mask"},
                      **row.fields, "packing_kwargs": row.packing_kwargs()}
             packed = sum(row.kept)
@@ -219,10 +227,11 @@ def rank_slice(topology: HeteroTopology, micro_batch_size: int,
 
 
 def is_witness(topology: HeteroTopology) -> bool:
-    """Tensor rank 0 of the first pipeline stage: the one rank per replica that speaks for it."""
+    """Tensor and context-parallel rank 0 of the first pipeline stage: the one rank per replica
+    that speaks for it (the CP ranks of a replica all hold its whole microbatch)."""
     [module] = topology.active_modules
     pgc = topology.module_pgs[module]
-    return pgc.tp.rank() == 0 and pgc.pp.rank() == 0
+    return pgc.tp.rank() == 0 and pgc.cp.rank() == 0 and pgc.pp.rank() == 0
 
 
 def alignment_guard(topology: HeteroTopology, micro_batch_size: int) -> AlignmentGuard:
@@ -263,7 +272,9 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
         language = this.module == LANGUAGE
         balanced = (balanced_encoders(topology.layout)
                     if language and args.balance_encoder_work else {})
-        packing = (Packing(frozenset(source.special_token_ids.values()))
+        cp = topology.layout.language.cp
+        multiple = 2 * cp if cp > 1 else 1  # CP cuts each packed sample into 2 x cp chunks
+        packing = (Packing(frozenset(source.special_token_ids.values()), multiple)
                    if language and args.pack_sequences else None)
         streams = []
         for split, start in zip(SPLITS, starts):
@@ -273,7 +284,7 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
                 writes_state=is_witness(topology), packing=packing,
                 tally=_training_tally(args, this) if split == "train" and language
                 and this.dp_rank == 0 and is_witness(topology) else None,
-                balanced=balanced))
+                balanced=balanced, dense_mask=not (language and cp > 1)))
         return tuple(streams)
 
     provider.is_distributed = True

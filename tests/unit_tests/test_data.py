@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_plugins.data.addressing import AlignmentGuard, RankSlice, _first_difference
 from megatron_plugins.data.mock import MockSource
-from megatron_plugins.data.streams import ITEM_TOKENS
+from megatron_plugins.data.streams import ITEM_TOKENS, alignment_guard, data_provider
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.layout import (
@@ -30,14 +31,14 @@ def _layout(encoder_dp: int, language_dp: int) -> ParallelLayout:
     ))
 
 
-def _source(layout: ParallelLayout) -> MockSource:
+def _source(layout: ParallelLayout, seq_length: int = 32) -> MockSource:
     parser = argparse.ArgumentParser()
     ViTEncoder.add_arguments(parser)
     AudioFrameEncoder.add_arguments(parser)
     args = parser.parse_args([])
     plugins = {"vision": ViTEncoder("vision", args, layout.module("vision")),
                "audio": AudioFrameEncoder("audio", args, layout.module("audio"))}
-    return MockSource(seed=1234, seq_length=32, vocab_size=128, plugins=plugins)
+    return MockSource(seed=1234, seq_length=seq_length, vocab_size=128, plugins=plugins)
 
 
 def _streams(layout: ParallelLayout, module: str, start: int = 0) -> list:
@@ -212,3 +213,87 @@ def test_the_guard_fires_when_an_encoder_counts_a_samples_items_otherwise():
     message = _first_difference(witnesses, total, ["vision", "audio"], 1)
     assert message.endswith("embedded sample 'train/1' as items of [4] tokens, but language "
                             "global rank 2 laid out runs of [4, 4]")
+
+
+class _Group:
+    """A process group as the data path reads it: only this rank's index."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _rank_topology(layout: ParallelLayout, rank: int) -> SimpleNamespace:
+    """What the data path reads of a live topology, for one global rank of ``layout``."""
+    module = layout.module_of_rank(rank)
+    coordinates = module.coordinates(rank)
+    groups = SimpleNamespace(**{dim: _Group(coordinates[dim]) for dim in ("tp", "cp", "dp", "pp")})
+    return SimpleNamespace(layout=layout, active_modules=(module.name,),
+                           module_pgs={module.name: groups})
+
+
+def _cp_layout(language_cp: int) -> ParallelLayout:
+    return ParallelLayout((
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
+        ModulePlacement(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=2, provider="audio"),
+        ModulePlacement(name=LANGUAGE, tp=2, pp=2, cp=language_cp, dp=2, rank_offset=3),
+    ))
+
+
+def _first_train_batches(layout: ParallelLayout, source: MockSource, pack: bool = False):
+    """Per global rank: (module, dp rank, its guard after one microbatch, that batch)."""
+    args = SimpleNamespace(micro_batch_size=2, balance_encoder_work=False, load=None, iteration=0,
+                           consumed_train_samples=0, consumed_valid_samples=0,
+                           pack_sequences=pack, train_iters=None)
+    ranks = []
+    for rank in range(layout.world_size):
+        topology = _rank_topology(layout, rank)
+        guard = alignment_guard(topology, args.micro_batch_size)
+        train, _, _ = data_provider(source, topology, guard, lambda: args)(None)
+        [module] = topology.active_modules
+        ranks.append((module, topology.module_pgs[module].dp.rank(), guard, next(train)))
+    return ranks
+
+
+@pytest.mark.parametrize("language_cp", [1, 2])
+def test_each_replica_has_one_witness_and_the_guard_balances_under_context_parallelism(
+        language_cp):
+    """Every CP rank of a language replica holds the replica's whole microbatch; only CP rank 0
+    (of tp rank 0, first stage) speaks for it, else the guard subtracts its keys cp times."""
+    layout = _cp_layout(language_cp)
+    witnesses: dict[tuple[str, int], int] = {}
+    total = None
+    for module, dp_rank, guard, _ in _first_train_batches(layout, _source(layout)):
+        part = guard.contribution()
+        witnesses[module, dp_rank] = witnesses.get((module, dp_rank), 0) + int(part.any())
+        total = part if total is None else total + part
+    assert witnesses == {("vision", 0): 1, ("vision", 1): 1, ("audio", 0): 1,
+                         (LANGUAGE, 0): 1, (LANGUAGE, 1): 1}
+    assert not total.any()
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_language_batches_under_context_parallelism_have_no_dense_mask(pack):
+    layout = _cp_layout(2)
+    batches = [batch for module, _, _, batch in
+               _first_train_batches(layout, _source(layout, seq_length=64), pack)
+               if module == LANGUAGE]
+    assert len(batches) == 16
+    for batch in batches:
+        assert "attention_mask" not in batch  # MimoModel refuses a dense mask under CP
+        assert batch["tokens"].shape == ((1, 64) if pack else (2, 64))
+    if pack:
+        kwargs = batches[0]["packing_kwargs"]
+        padded = kwargs["cu_seqlens_q_padded"]
+        assert padded[-1] == 64 and not (padded % 4).any()  # every sample padded to 2 x cp
+        assert torch.equal(kwargs["cu_seqlens_kv_padded"], padded)
+        real, room = torch.diff(kwargs["cu_seqlens_q"]), torch.diff(padded)
+        assert real[-1] == 0 and room[-1] > 0  # the trailing padding: a segment of no tokens
+        assert ((0 <= room - real) & (room - real < 4))[:-1].all()
+        assert kwargs["max_seqlen_q"] == int(torch.diff(padded).max())
+    unsplit = _cp_layout(1)
+    [kept] = [batch for module, dp, _, batch in _first_train_batches(unsplit, _source(unsplit))
+              if module == LANGUAGE][:1]
+    assert kept["attention_mask"].shape == (2, 1, 32, 32)

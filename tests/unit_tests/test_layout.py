@@ -78,8 +78,29 @@ BAD_LAYOUTS = [
      "--grid v: pp=2: encoder pipeline parallelism is not supported yet"),
     ("encoder-cp", "--encoder v=vit --grid v:cp=2 --grid language:", 3, {}, None,
      "--grid v: cp=2: encoder context parallelism is not supported yet"),
-    ("language-cp", "--grid language:cp=2", 2, {}, None,
-     "--grid language: cp=2: context parallelism for the language model is not supported yet"),
+    ("cp-seq-length", "--grid language:cp=2", 2, {"seq_length": 30}, None,
+     "--seq-length 30 is not a multiple of 4: --grid language: cp=2 cuts every row into 2 x cp "
+     "= 4 equal context-parallel chunks; choose --seq-length 28 or 32"),
+    ("cp-seq-length-short", "--grid language:cp=4", 4, {"seq_length": 6}, None,
+     "--seq-length 6 is not a multiple of 8: --grid language: cp=4 cuts every row into 2 x cp "
+     "= 8 equal context-parallel chunks; choose --seq-length 8"),
+    ("cp-sequence-parallel", "--grid language:tp=2,cp=2", 4,
+     {"seq_length": 36, "sequence_parallel": True}, None,
+     "--seq-length 36 is not a multiple of 8: --grid language: cp=2 cuts every row into 2 x cp "
+     "= 4 equal context-parallel chunks and --sequence-parallel splits each CP rank's share "
+     "over tp=2; choose --seq-length 32 or 40"),
+    ("cp-packed", "--grid language:cp=2", 2, {"seq_length": 66, "pack_sequences": True}, None,
+     "--seq-length 66 is not a multiple of 4: --grid language: cp=2 cuts every row into 2 x cp "
+     "= 4 equal context-parallel chunks (--pack-sequences pads each packed sample to a multiple "
+     "of 4 too); choose --seq-length 64 or 68"),
+    ("cp-a2a+p2p", "--grid language:cp=2", 2, {"cp_comm_type": ["p2p", "a2a+p2p"]}, None,
+     "--cp-comm-type a2a+p2p with --grid language: cp=2 needs Megatron's global hierarchical CP "
+     "groups, which disjoint grids do not create; use p2p, all_gather or a2a"),
+    ("cp-hybrid", "--grid language:cp=2", 2, {"hybrid_context_parallel": True}, None,
+     "--hybrid-context-parallel with --grid language: cp=2 needs Megatron's global hybrid DP x "
+     "CP groups"),
+    ("cp-alias-seq-length", "--llm-cp 2", 3, {"seq_length": 10}, None,
+     "--seq-length 10 is not a multiple of 4: --grid language (from --llm-"),
     ("encoder-ep", "--encoder v=vit --grid v:dp=2,ep=2 --grid language:", 3, {}, None,
      "--grid v: ep=2: expert parallelism is only supported for the language model"),
     ("bridge-dp", "--encoder v=vit --grid v:dp=3 --grid language:dp=2", 5, {}, None,
@@ -114,6 +135,21 @@ def test_bad_layout_names_the_flag(flags, world_size, model, encoder_heads, expe
     with pytest.raises(LayoutError) as second:
         layout_from_args(parse(flags, **model), world_size, encoder_heads)
     assert str(second.value) == message
+
+
+@pytest.mark.parametrize("flags, world_size, model, cp", [
+    ("--grid language:cp=2", 2, {"seq_length": 32}, 2),
+    ("--encoder v=vit --grid v:dp=2 --grid language:cp=2,dp=2", 6,
+     {"seq_length": 64, "pack_sequences": True, "cp_comm_type": ["p2p"]}, 2),
+    ("--grid language:tp=2,cp=2,pp=2", 8, {"seq_length": 24, "sequence_parallel": True}, 2),
+    ("--grid language:cp=4", 4, {"cp_comm_type": ["a2a", "all_gather", "p2p"]}, 4),
+    # Without CP the CP flags and row lengths are stock's business.
+    ("--grid language:tp=2", 2, {"seq_length": 31, "cp_comm_type": ["a2a+p2p"],
+                                 "hybrid_context_parallel": True}, 1),
+], ids=["cp2", "cp2-packed-dp2", "cp2-tp2-sp-pp2", "cp4-comm-types", "cp1"])
+def test_language_context_parallelism_is_accepted(flags, world_size, model, cp):
+    layout = layout_from_args(parse(flags, **model), world_size)
+    assert layout.language.cp == cp and layout.world_size == world_size
 
 
 def test_layout_error_is_a_value_error():

@@ -99,6 +99,31 @@ def test_groups_inside_nodes_get_no_warning_and_misaligned_ones_do(capsys):
     )
 
 
+def test_language_context_parallel_groups_across_nodes_are_warned_and_shown_per_rank(capsys):
+    command = ["--encoder", "vision=vit", "--grid", "vision:dp=2", "--grid", "language:cp=2,dp=2",
+               "--seq-length", "64", "--nproc-per-node", "3", "--nnodes", "2"]
+    assert main(command) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == ("module language ranks=2-5 nodes=0-1 group sizes: tp=1 cp=2 dp=2 pp=1 | "
+                        "expt_tp=1 ep=1 expt_dp=4 pp=1")
+    # Ranks 2 and 3 (cp 0 and 1 of dp replica 0) sit on nodes 0 and 1; replica 1 on node 1.
+    assert lines[3].startswith("WARNING: module language: 1 of 2 cp groups (2 ranks each) span "
+                               "nodes (3 ranks per node); cp traffic then crosses the network")
+    assert lines[-4:] == [
+        "rank 2 node 0 language: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
+        "rank 3 node 1 language: tp=0 cp=1 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=1 pp=0",
+        "rank 4 node 1 language: tp=0 cp=0 dp=1 pp=0 | expt_tp=0 ep=0 expt_dp=2 pp=0",
+        "rank 5 node 1 language: tp=0 cp=1 dp=1 pp=0 | expt_tp=0 ep=0 expt_dp=3 pp=0",
+    ]
+    layout = command[:8]
+    assert main([*layout, "--nproc-per-node", "2", "--nnodes", "3"]) == 0
+    assert "WARNING" not in capsys.readouterr().out  # each replica's cp pair on a node of its own
+    assert main([*layout[:7], "62", "--nproc-per-node", "6"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mimo-plan: error: --seq-length 62 is not a multiple of 4: --grid language: cp=2 cuts "
+        "every row into 2 x cp = 4 equal context-parallel chunks; choose --seq-length 60 or 64"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--grid", "vision:tp=3", "--grid", "language:dp=2", "--nproc-per-node", "5"],
      "--grid vision: tp=3 does not divide the vision encoder's attention heads 4"),

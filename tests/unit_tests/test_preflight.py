@@ -82,6 +82,37 @@ def test_other_flags_of_a_full_command_line_are_ignored():
         check_run(["--llm-dp", "2", "--num-attention-heads", "four"], 3)
 
 
+CP2 = ["torchrun", "--nproc-per-node", "3", "train.py", "--encoder", "vision=vit",
+       "--grid", "vision:", "--grid", "language:cp=2", "--num-layers", "2"]
+
+
+@pytest.mark.parametrize("flags, world_size, message", [
+    ([*CP2, "--seq-length", "30"], 3,
+     "^--seq-length 30 is not a multiple of 4: --grid language: cp=2"),
+    (["--llm-tp", "2", "--llm-cp", "2", "--seq-length", "36", "--pack-sequences",
+      "--sequence-parallel"], 5,
+     "^--seq-length 36 is not a multiple of 8: .*--pack-sequences pads .* and "
+     "--sequence-parallel splits"),
+    ([*CP2, "--seq-length", "32", "--cp-comm-type", "p2p", "a2a+p2p"], 3,
+     "^--cp-comm-type a2a\\+p2p with --grid language: cp=2 needs Megatron's global "
+     "hierarchical CP groups"),
+    ([*CP2, "--seq-length", "32", "--hybrid-context-parallel"], 3,
+     "^--hybrid-context-parallel with --grid language: cp=2"),
+], ids=["seq-length", "alias-packed-sp", "a2a+p2p", "hybrid-cp"])
+def test_language_context_parallel_flags_are_checked_from_the_raw_command_line(
+        flags, world_size, message):
+    with pytest.raises(LayoutError, match=message):
+        check_run(flags, world_size)
+
+
+def test_language_context_parallelism_passes_the_preflight():
+    layout = check_run([*CP2, "--seq-length", "64", "--pack-sequences", "--sequence-parallel",
+                        "--cp-comm-type", "all_gather", "--micro-batch-size", "2"], 3).layout
+    assert layout.language.cp == 2 and layout.language.size == 2
+    args, _ = check_parser().parse_known_args([*CP2, "--cp-comm-type", "p2p", "a2a"])
+    assert args.cp_comm_type == ["p2p", "a2a"]  # one per layer, as stock parses it
+
+
 def test_a_refused_layout_exits_2_before_torch_is_imported():
     code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', '--grid', "
             "'language:dp=4']; sys.modules['torch'] = None\n"

@@ -123,5 +123,17 @@ GAPS: tuple[Gap, ...] = (
     Gap("17", "multimodal RoPE has only contiguous per-axis sections, not Qwen3-VL's interleaved",
         "model_build", "language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap17_canary_stock_mrope_has_no_interleaved_layout")),
+    Gap("19", "MiMo's context-parallel split of packed (THD) rows needs Transformer Engine",
+        "context_parallel", "builder.MimoModelBuilder.build_model",
+        _canary("context_parallel", "test_gap19_canary_stock_thd_split_asserts_without_"
+                                    "transformer_engine")),
+    Gap("20", "GPT builds its multimodal RoPE without the model's context parallel group",
+        "context_parallel", "language.StockLanguageModel.__new__",
+        _canary("context_parallel", "test_gap20_canary_gpt_mrope_falls_back_to_parallel_"
+                                    "state_cp_group")),
+    Gap("21", "multimodal RoPE splits a packed row over CP ranks as one sequence",
+        "context_parallel", "language.StockLanguageModel.__new__",
+        _canary("context_parallel", "test_gap21_canary_stock_mrope_splits_every_row_it_has_a_"
+                                    "cp_group_for")),
 )
 """Every gap in the order the bridges were added."""

@@ -2,7 +2,9 @@
 per-token logits and losses, and parameter gradients summed over the CP ranks (as DDP's dp x cp
 reduction does), for RoPE, multimodal RoPE and interleaved multimodal RoPE, one sequence per row
 and packed documents. Each model is built by the MiMo builder (``MimoModelBuilder.build_model``:
-our language spec, MimoModel's own split of the whole sequence, compat Gaps 19-21)."""
+our language spec, MimoModel's own split of the whole sequence, compat Gaps 19-21). Weights are
+drawn large (std 0.3) so that a wrong rotation moves the logits by ~0.5, not 1e-5. Also: what
+language CP does not cover is refused in one line."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--hidden-dropout", "0", "--no-gradient-accumulation-fusion",
          "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
          "--no-persist-layer-norm", "--no-bias-swiglu-fusion", "--distributed-backend", "gloo",
-         "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+         "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--init-method-std", "0.3"]
 ROPES = {"rope": ["--position-embedding-type", "rope"],
          "mrope": ["--position-embedding-type", "mrope", "--mrope-section", *SECTION],
          "imrope": ["--position-embedding-type", "mrope", "--mrope-section", *SECTION]}
@@ -199,3 +201,27 @@ def test_cp2_language_model_equals_cp1(cp2_ranks, case):
         # Gradients summed over CP: every rank holds the cp=1 gradient.
         assert mine["grad_diff"] < 1e-5 * max(1.0, mine["grad_scale"]), mine["grad_diff"]
     assert sorted(seen) == list(range(length))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(hybrid_layer_pattern="*-"), r"--hybrid-layer-pattern \*- with language context"),
+    (dict(mtp_num_layers=1), r"--mtp-num-layers 1 with language context"),
+    (dict(attention_dropout=0.1), r"--attention-dropout 0.1: .* pass --attention-dropout 0"),
+], ids=["hybrid", "mtp", "dropout"])
+def test_what_cp_does_not_cover_is_refused_in_one_line(flags, message):
+    from megatron_plugins.language import LanguageModelError, language_config_from_args
+
+    args = SimpleNamespace(**{"context_parallel_size": 2, "transformer_impl": "local",
+                              "attention_dropout": 0.0, **flags})
+    with pytest.raises(LanguageModelError, match=message) as error:
+        language_config_from_args(args)
+    assert "\n" not in str(error.value)
+
+
+def test_attention_dropout_stays_with_transformer_engine_or_cp1():
+    from megatron_plugins.language import language_config_from_args
+
+    for cp, impl in ((2, "transformer_engine"), (1, "local")):
+        args = _args("rope", 1, packed=False)
+        args.context_parallel_size, args.transformer_impl, args.attention_dropout = cp, impl, 0.1
+        assert language_config_from_args(args).transformer.attention_dropout == 0.1

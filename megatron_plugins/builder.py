@@ -8,7 +8,8 @@ module is instantiated), loads HF weights or Megatron checkpoints into it where 
 (``megatron_plugins.weights``), hooks in DeepStack where an encoder has levels
 (:mod:`megatron_plugins.deepstack`), runs the pre/post wrap hooks, applies the distributed lifecycle,
 installs cross-grid gradient sync and sets what the stock loop reads from the model
-(``pg_collection``, ``rng_state_key_prefix``).
+(``pg_collection``, ``rng_state_key_prefix``). Under language context parallelism MimoModel
+splits packed rows without Transformer Engine too (``compat.context_parallel`` Gap 19).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
 from megatron_plugins import deepstack
-from megatron_plugins.compat import checkpointing, training_step
+from megatron_plugins.compat import checkpointing, context_parallel, training_step
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
@@ -121,6 +122,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         model = MimoModel(mimo_config,
                           cp_group=language_pgc.cp if language_pgc else None,
                           tp_group=language_pgc.tp if language_pgc else None)
+        context_parallel.split_packed_rows_without_te(model)
         deepstack.install(model, {name: plugin.deepstack_levels
                                   for name, plugin in cfg._plugins.items()})
         return model

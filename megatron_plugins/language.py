@@ -4,11 +4,13 @@ Dense and MoE GPT come from ``gpt_config_from_args``; ``--hybrid-layer-pattern``
 Megatron's hybrid (Mamba) model through ``hybrid_config_from_args``. Building goes through the
 stock model builder of that config, so the language model is what stock
 ``pretrain_gpt``/``pretrain_hybrid`` would build on the same groups, with the MoE and hybrid
-bridges of ``compat.model_build`` (Gaps 4-4c) applied. With ``--pack-sequences`` on the local
-implementation, the layers' core attention is :class:`PackedAttention` (Megatron's local
-``DotProductAttention`` refuses THD inputs); Transformer Engine's attention reads THD itself.
-With ``--mrope-interleaved`` (Qwen3-VL) the multimodal RoPE lays its frequency pairs out
-interleaved (``compat.model_build`` Gap 17).
+bridges of ``compat.model_build`` (Gaps 4-4c) applied. On the local implementation the layers'
+core attention is :class:`ContextParallelAttention` under context parallelism (Megatron's local
+``DotProductAttention`` refuses cp > 1), else :class:`PackedAttention` with ``--pack-sequences``
+(it refuses THD inputs); Transformer Engine's attention does both itself. With
+``--mrope-interleaved`` (Qwen3-VL) the multimodal RoPE lays its frequency pairs out interleaved
+(``compat.model_build`` Gap 17); under CP it splits as the model's CP group says
+(``compat.context_parallel`` Gaps 20, 21).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from megatron.training.argument_utils import gpt_config_from_args, hybrid_config
 from megatron.training.models.base import ModelConfig
 from megatron.training.models.gpt import default_layer_spec
 
-from megatron_plugins.compat import model_build
+from megatron_plugins.compat import context_parallel, model_build
+from megatron_plugins.cp_attention import ContextParallelAttention
 from megatron_plugins.encoders.packed_attention import PackedAttention
 from megatron_plugins.errors import UsageError
 
@@ -47,8 +50,32 @@ class LanguageModelError(UsageError):
     """A language model that cannot be built here; the message names the flag."""
 
 
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    """Refuse, at language cp > 1, what neither the reference CP attention nor a test covers."""
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp <= 1:
+        return
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        raise LanguageModelError(
+            f"--hybrid-layer-pattern {pattern} with language context parallelism (cp={cp}) is "
+            "not supported (Mamba layers do not split the sequence here); give the language cp=1 "
+            "or drop --hybrid-layer-pattern")
+    if getattr(args, "mtp_num_layers", None):
+        raise LanguageModelError(
+            f"--mtp-num-layers {args.mtp_num_layers} with language context parallelism (cp={cp}) "
+            "is not supported; drop --mtp-num-layers or give the language cp=1")
+    dropout = getattr(args, "attention_dropout", 0.0)
+    if getattr(args, "transformer_impl", None) == "local" and dropout > 0:
+        raise LanguageModelError(
+            f"--attention-dropout {dropout}: the reference context parallel attention of "
+            f"--transformer-impl local (language cp={cp}) has no dropout; pass "
+            "--attention-dropout 0 or use --transformer-impl transformer_engine")
+
+
 def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
     """The stock model config for the language flags; hybrid needs ``mamba-ssm`` for Mamba layers."""
+    _check_context_parallel(args)
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is None:
         config = gpt_config_from_args(args)
@@ -83,26 +110,40 @@ class StockLanguageModel:
         # ``config`` and ``max_sequence_length`` are read from the spec by MimoModel itself.
         model_config = model_build.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
         model_config = model_build.with_local_hybrid_spec(model_config)
-        model_config = _with_packed_attention(model_config)
+        model_config = _with_local_core_attention(model_config)
         with model_build.distinct_cpu_init_experts():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
         model_build.direct_single_rank_expert_output(model)
         if getattr(model_config, MROPE_INTERLEAVED, False):
             model_build.interleave_mrope(model)
+        if model_config.transformer.context_parallel_size > 1:
+            context_parallel.bind_mrope_cp_group(model, pg_collection.cp)
+            context_parallel.whole_packed_mrope_rows(model)
         return model
 
 
-def _swap_core_attention(spec: Any) -> None:
-    """Put :class:`PackedAttention` into a layer spec, or each layer of a block spec (MoE)."""
+def _swap_core_attention(spec: Any, core_attention: type) -> None:
+    """Put ``core_attention`` into a layer spec, or each layer of a block spec (MoE)."""
     for layer in getattr(spec, "layer_specs", None) or [spec]:
-        layer.submodules.self_attention.submodules.core_attention = PackedAttention
+        layer.submodules.self_attention.submodules.core_attention = core_attention
 
 
-def _with_packed_attention(model_config: ModelConfig) -> ModelConfig:
-    """``model_config`` itself, or for packed inputs on the local implementation a copy whose
-    layer spec (given, or the stock default) has :class:`PackedAttention` as core attention."""
-    if (not getattr(model_config, PACKED_SEQUENCES, False)
-            or model_config.transformer.transformer_impl != "local"):
+def _local_core_attention(model_config: ModelConfig) -> type | None:
+    """The reference core attention the local implementation needs, or None for stock's."""
+    transformer = model_config.transformer
+    if transformer.transformer_impl != "local":
+        return None
+    if transformer.context_parallel_size > 1:
+        return ContextParallelAttention
+    return PackedAttention if getattr(model_config, PACKED_SEQUENCES, False) else None
+
+
+def _with_local_core_attention(model_config: ModelConfig) -> ModelConfig:
+    """``model_config`` itself, or on the local implementation under CP or with packed inputs a
+    copy whose layer spec (given, or the stock default) has :class:`ContextParallelAttention`
+    or :class:`PackedAttention` as core attention."""
+    core_attention = _local_core_attention(model_config)
+    if core_attention is None:
         return model_config
     spec = model_config.transformer_layer_spec
     if spec is None:
@@ -110,10 +151,10 @@ def _with_packed_attention(model_config: ModelConfig) -> ModelConfig:
     elif not isinstance(spec, ModuleSpec) and callable(spec):
         spec = spec(model_config)
     spec = copy.deepcopy(spec)
-    _swap_core_attention(spec)
-    packed = copy.copy(model_config)
-    packed.transformer_layer_spec = spec
-    return packed
+    _swap_core_attention(spec, core_attention)
+    swapped = copy.copy(model_config)
+    swapped.transformer_layer_spec = spec
+    return swapped
 
 
 def language_model_spec(model_config: ModelConfig,

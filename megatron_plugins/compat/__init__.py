@@ -127,6 +127,18 @@ GAPS: tuple[Gap, ...] = (
         "communication", "topology.pipeline_communicator",
         _canary("communication", "test_gap18_canary_bridge_refuses_a_destination_grid_with_"
                                  "context_parallelism")),
+    Gap("19", "MiMo's context-parallel split of packed (THD) rows needs Transformer Engine",
+        "context_parallel", "builder.MimoModelBuilder.build_model",
+        _canary("context_parallel", "test_gap19_canary_stock_thd_split_asserts_without_"
+                                    "transformer_engine")),
+    Gap("20", "GPT builds its multimodal RoPE without the model's context parallel group",
+        "context_parallel", "language.StockLanguageModel.__new__",
+        _canary("context_parallel", "test_gap20_canary_gpt_mrope_falls_back_to_parallel_"
+                                    "state_cp_group")),
+    Gap("21", "multimodal RoPE splits a packed row over CP ranks as one sequence",
+        "context_parallel", "language.StockLanguageModel.__new__",
+        _canary("context_parallel", "test_gap21_canary_stock_mrope_splits_every_row_it_has_a_"
+                                    "cp_group_for")),
     Gap("22", "MiMo optimizer checkpoint objects are main replicas on every context-parallel rank",
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap22_canary_stock_mimo_replica_id_ignores_context_"

@@ -66,7 +66,8 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
     def observe(session: Any) -> None:
         [module] = session.topology.active_modules
         pgc = session.topology.module_pgs[module]
-        result.update(module=module, tp_rank=pgc.tp.rank(), dp_rank=pgc.dp.rank())
+        result.update(module=module, tp_rank=pgc.tp.rank(), cp_rank=pgc.cp.rank(),
+                      dp_rank=pgc.dp.rank())
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
         if misalign and module != "language":
             _misalign_encoder_batches()
@@ -127,19 +128,21 @@ def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[str, dict[
 
 def consumed_keys(results: list[dict[str, Any]], module: str) -> list[str]:
     """The sample keys ``module`` trained on, in the global stream's order: each global
-    microbatch's DP replicas in DP order (one rank per replica speaks: tensor rank 0, first to
-    report), so layouts of any micro-batch split compare equal."""
+    microbatch's DP replicas in DP order (one rank per replica speaks: tensor and context-parallel
+    rank 0, first to report), so layouts of any micro-batch split compare equal."""
     replicas: dict[int, list[list[str]]] = {}
     for result in results:
-        if result["module"] == module and result["tp_rank"] == 0:
+        if result["module"] == module and result["tp_rank"] == 0 and result["cp_rank"] == 0:
             replicas.setdefault(result["dp_rank"], result["keys"])
     return [key for microbatch in zip(*(replicas[r] for r in sorted(replicas)))
             for keys in microbatch for key in keys]
 
 
 def module_params(results: list[dict[str, Any]], module: str) -> dict[str, np.ndarray]:
-    """The trained, unsharded parameters of ``module``: its first DP replica's TP shards joined."""
-    shards = sorted((r for r in results if r["module"] == module and r["dp_rank"] == 0),
+    """The trained, unsharded parameters of ``module``: its first DP replica's TP shards joined
+    (of context-parallel rank 0: CP ranks hold whole copies)."""
+    shards = sorted((r for r in results
+                     if r["module"] == module and r["dp_rank"] == 0 and r["cp_rank"] == 0),
                     key=lambda r: r["tp_rank"])
     return {name: value if shards[0]["partition_dims"][name] is None else
             np.concatenate([s["params"][name] for s in shards],

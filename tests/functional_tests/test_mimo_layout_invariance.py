@@ -24,6 +24,12 @@ ONE_ENCODER = {  # name: (processes, layout flags)
     "encoder-dp2-language-dp1": (3, (*VISION, "vision:dp=2", "--grid", "language:")),
     "encoder1-language-tp2": (3, (*VISION, "vision:", "--grid", "language:tp=2")),
     "upstream-alias-flags": (3, (*SGD, "--encoder-dp", "1", "--llm-dp", "2")),
+    # Language CP: every CP rank gets the whole microbatch and keeps its zigzag chunks; the
+    # bridge sums the CP ranks' encoder-row gradients (Gap 18), so the encoder trains as at cp=1.
+    "encoder1-language-cp2": (3, (*VISION, "vision:", "--grid", "language:cp=2")),
+    "encoder1-language-cp2-tp2": (5, (*VISION, "vision:", "--grid", "language:cp=2,tp=2")),
+    "encoder-dp2-language-cp2": (4, (*VISION, "vision:dp=2", "--grid", "language:cp=2")),
+    "encoder1-language-cp2-dp2": (5, (*VISION, "vision:", "--grid", "language:cp=2,dp=2")),
 }
 TWO = (*SGD, "--encoder", "vision=vit", "--encoder", "audio=audio", "--grid")
 TWO_ENCODERS = {
@@ -31,6 +37,7 @@ TWO_ENCODERS = {
     "dp2+tp2+language1": (5, (*TWO, "vision:dp=2", "--grid", "audio:tp=2", "--grid",
                               "language:")),
     "1+1+language-dp2": (4, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:dp=2")),
+    "1+1+language-cp2": (4, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:cp=2")),
 }
 
 
@@ -129,18 +136,31 @@ def test_one_gradient_reduction_per_module_per_step(overlap: bool) -> None:
     assert [r["reductions"] for r in results] == [3, 3, 3, 3]
 
 
-def test_language_pipeline_parallel_trains_identically_from_the_same_weights(tmp_path) -> None:
+UNTIED = ("--untie-embeddings-and-output-weights",)
+
+
+@pytest.fixture(scope="module")
+def from_saved_weights(tmp_path_factory) -> tuple[tuple[str, ...], tuple]:
     """Megatron seeds each pipeline stage's init stream on its own, so PP changes the random
-    init; both layouts therefore start from one checkpoint's weights (saved by the
-    one-rank-per-module layout, resharded by the load) and must then train identically."""
-    untied = ("--untie-embeddings-and-output-weights",)
-    one = (*VISION, "vision:", "--grid", "language:", *untied)
-    checkpoint = str(tmp_path / "checkpoints")
+    init; the pipelined layouts therefore start from one checkpoint's weights (saved by the
+    one-rank-per-module layout, resharded by the load). Returns the load flags and the
+    one-rank-per-module run from that checkpoint."""
+    one = (*VISION, "vision:", "--grid", "language:", *UNTIED)
+    checkpoint = str(tmp_path_factory.mktemp("pipeline") / "checkpoints")
     train_mimo(2, one, extra=("--train-iters", "2", "--eval-iters", "0", "--save", checkpoint,
                               "--save-interval", "2"))
     load = ("--load", checkpoint, "--finetune", "--no-load-optim", "--no-load-rng")
-    reference = train_mimo(2, one, extra=load, observe_params=True, observe_keys=True)
-    pipelined = train_mimo(3, (*VISION, "vision:", "--grid", "language:pp=2", *untied),
+    return load, train_mimo(2, one, extra=load, observe_params=True, observe_keys=True)
+
+
+@pytest.mark.parametrize("nproc, grid", [(3, "language:pp=2"), (5, "language:pp=2,cp=2")],
+                         ids=["pp2", "pp2-cp2"])
+def test_language_pipeline_parallel_trains_identically_from_the_same_weights(
+        from_saved_weights: tuple, nproc: int, grid: str) -> None:
+    """From the same weights, pipelined language layouts train as the one-rank-per-module run
+    (pp2-cp2: both stages split their rows over CP, the last one's loss too)."""
+    load, reference = from_saved_weights
+    pipelined = train_mimo(nproc, (*VISION, "vision:", "--grid", grid, *UNTIED),
                            extra=load, observe_params=True, observe_keys=True)
     _assert_same_training(reference, pipelined, ("vision",))
 

@@ -30,8 +30,6 @@ LAYOUTS = {  # name: (processes, layout flags)
 PP2 = (*BASE, "vision:", "--grid", "language:pp=2")
 """Its stages initialize from their own seeds, so it is compared with itself unpacked."""
 ITERATIONS = ("--train-iters", "4", "--eval-iters", "0")
-
-
 MROPE = (*SGD, *ROW, "--encoder", "vision=vit", "--vit-native-resolution",
          "--vit-max-pixels", "1024", "--position-embedding-type", "mrope",
          "--mrope-section", "2", "3", "3", "--grid", "vision:", "--grid")

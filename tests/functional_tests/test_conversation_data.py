@@ -4,7 +4,7 @@ missing), rendered with ``--chat-template``, trains through the entry point with
 gives the same losses with the vision encoder at dp2, and is refused in one line without a template.
 A folder with 0..3 images per record (text-only ones included) at varied resolutions trains with a
 native-resolution vit by the README's commands, and identically (loss and item keys) whatever the
-encoder and language DP sizes.
+encoder and language DP sizes and at language context parallelism 2.
 """
 
 from __future__ import annotations
@@ -168,6 +168,7 @@ MULTI_LAYOUTS = {  # name: (processes, layout flags)
     "encoder1-language1": (2, ("--grid", "vision:", "--grid", "language:")),
     "encoder-dp2-language-dp1": (3, ("--grid", "vision:dp=2", "--grid", "language:")),
     "encoder-dp1-language-dp2": (3, ("--grid", "vision:", "--grid", "language:dp=2")),
+    "encoder1-language-cp2": (3, ("--grid", "vision:", "--grid", "language:cp=2")),
 }
 
 
@@ -177,8 +178,10 @@ def _multi_run(name: str) -> tuple[dict[int, float], list[str]]:
     nproc, layout = MULTI_LAYOUTS[name]
     scalars, results = train_mimo(nproc, (*SGD, *NATIVE, *layout), extra=_multi_flags(),
                                   observe_keys=True, timeout=400)
-    keys = {module: [key for result in results if result["module"] == module
-                     for batch in result["keys"] for key in batch]
+    # One rank per replica: a replica's context-parallel ranks hold the same samples.
+    replicas = {(r["module"], r["dp_rank"]): r["keys"] for r in results}
+    keys = {module: [key for (name, _), held in replicas.items() if name == module
+                     for batch in held for key in batch]
             for module in ("vision", "language")}
     assert sorted(keys["vision"]) == sorted(keys["language"])  # every item keyed and consumed
     return scalars["lm loss"], sorted(keys["language"])

@@ -3,8 +3,9 @@ misaligned encoder is caught.
 
 The dataset is the README's generated image + audio + caption set, made once per test process.
 Layout invariance here is the acceptance of the real-data path: the same samples, in the same
-order, reach the same positions whatever the encoder and language DP sizes, because every rank
-reads one global stream (one Energon batch per step) and keeps its positions of it.
+order, reach the same positions whatever the encoder and language DP (and language CP) sizes,
+because every rank reads one global stream (one Energon batch per step) and keeps its positions of
+it; the context-parallel ranks of a language replica hold the same samples and split the rows.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from tests.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
-from tests.mimo_runs import TINY_MIMO, train_mimo
+from tests.mimo_runs import TINY_MIMO, module_params, train_mimo
 from tests.multiprocess import REPO_ROOT, WorkerFailure, run_script
 from tests.tensorboard_scalars import read_scalars
 
@@ -36,9 +38,13 @@ LAYOUTS = {  # name: (processes, layout flags)
     "vision1-language-dp2": (3, (*VISION, "vision:", "--grid", "language:dp=2")),
     "1+1+language1": (3, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:")),
     "1+1+language-dp2": (4, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:dp=2")),
+    "vision1-language-cp2": (3, (*VISION, "vision:", "--grid", "language:cp=2")),
+    "vision-dp2-language-cp2": (4, (*VISION, "vision:dp=2", "--grid", "language:cp=2")),
 }
 REFERENCE = {"vision-dp2-language1": "vision1-language1",
              "vision1-language-dp2": "vision1-language1",
+             "vision1-language-cp2": "vision1-language1",
+             "vision-dp2-language-cp2": "vision1-language1",
              "1+1+language-dp2": "1+1+language1"}
 
 _runs: dict[str, tuple] = {}
@@ -49,15 +55,16 @@ def _run(name: str) -> tuple:
         nproc, layout = LAYOUTS[name]
         _runs[name] = train_mimo(nproc, (*SGD, *layout),
                                  extra=energon_flags(synthetic_dataset()), observe_keys=True,
-                                 timeout=240)
+                                 observe_params=True, timeout=240)
     return _runs[name]
 
 
 def _global_microbatch_keys(results: list[dict]) -> list[list[str]]:
-    """Keys of each global microbatch, as the language replicas held them, in DP order."""
-    language = sorted((r for r in results if r["module"] == "language" and r.get("keys")),
-                      key=lambda r: r["dp_rank"])
-    return [sum(batch, []) for batch in zip(*(r["keys"] for r in language))]
+    """Keys of each global microbatch, as the language replicas held them, in DP order (one rank
+    per replica: its tensor and context-parallel ranks hold the same samples)."""
+    replicas = {r["dp_rank"]: r["keys"] for r in results
+                if r["module"] == "language" and r.get("keys")}
+    return [sum(batch, []) for batch in zip(*(replicas[dp] for dp in sorted(replicas)))]
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
@@ -65,8 +72,16 @@ def test_real_data_trains_identically_on_every_layout(name: str) -> None:
     reference_scalars, reference = _run(REFERENCE[name])
     scalars, results = _run(name)
     assert sorted(scalars["lm loss"]) == list(range(1, 11))
+    losses = scalars["lm loss"]
+    worst = max(abs(losses[i] - value) / abs(value)
+                for i, value in reference_scalars["lm loss"].items())
+    print(f"{name}: max relative lm loss difference {worst:.2e}")
     for iteration, value in reference_scalars["lm loss"].items():
-        assert scalars["lm loss"][iteration] == pytest.approx(value, rel=1e-5), iteration
+        assert losses[iteration] == pytest.approx(value, rel=1e-5), iteration
+    trained, expected = module_params(results, "vision"), module_params(reference, "vision")
+    assert trained.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(trained[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
     # The same samples, in the same order: 10 steps x 4 microbatches of the global batch of 8.
     ref_keys, keys = _global_microbatch_keys(reference), _global_microbatch_keys(results)
     assert sum(ref_keys, []) == sum(keys, []) and len(sum(keys, [])) == 80
@@ -79,11 +94,15 @@ def test_real_data_loss_falls() -> None:
     assert losses[10] < 0.8 * losses[1], losses
 
 
-def test_a_misaligned_encoder_is_stopped_at_the_first_step_naming_both_ranks() -> None:
+@pytest.mark.parametrize("nproc,language", [(2, "language:"), (3, "language:cp=2")],
+                         ids=["language-cp1", "language-cp2"])
+def test_a_misaligned_encoder_is_stopped_at_the_first_step_naming_both_ranks(
+        nproc: int, language: str) -> None:
+    """At cp=2 only the replica's first context-parallel rank witnesses its samples, once."""
     with pytest.raises(WorkerFailure, match=r"data misalignment at microbatch 0 of this step: "
                        r"encoder 'vision' dp rank 0 \(global rank 0\) embedded sample "
                        r"'train/1' at position 0, but language global rank 1 holds 'train/0'"):
-        train_mimo(2, (*VISION, "vision:", "--grid", "language:"), misalign=True, timeout=120)
+        train_mimo(nproc, (*VISION, "vision:", "--grid", language), misalign=True, timeout=120)
 
 
 def test_a_folder_prepared_by_stock_energon_prepare_trains(tmp_path: Path) -> None:

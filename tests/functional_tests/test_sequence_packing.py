@@ -4,13 +4,20 @@ fp32 on the CPU simulation, plain SGD (see test_mimo_layout_invariance). Mock sa
 most half a 64-position row, so a microbatch of two always fits in one packed row and nothing is
 cut: packed and unpacked runs see the same tokens, positions and loss mask, and each sample
 attends only to itself in both.
+
+Language context parallelism (cp=2) pads each packed sample to a multiple of 2 x cp with
+loss-masked positions and splits every sample into its own zigzag chunks: the loss and the
+trained encoder must still equal the cp=1 runs'.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import numpy as np
 import pytest
 
-from tests.mimo_runs import train_mimo
+from tests.mimo_runs import module_params, train_mimo
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 ROW = ("--seq-length", "64", "--max-position-embeddings", "64")
@@ -23,12 +30,36 @@ LAYOUTS = {  # name: (processes, layout flags)
 PP2 = (*BASE, "vision:", "--grid", "language:pp=2")
 """Its stages initialize from their own seeds, so it is compared with itself unpacked."""
 ITERATIONS = ("--train-iters", "4", "--eval-iters", "0")
+MROPE = (*SGD, *ROW, "--encoder", "vision=vit", "--vit-native-resolution",
+         "--vit-max-pixels", "1024", "--position-embedding-type", "mrope",
+         "--mrope-section", "2", "3", "3", "--grid", "vision:", "--grid")
+"""Native-resolution images at their grids' 3D positions; the language grid comes last."""
+
+
+@lru_cache(maxsize=None)
+def _trained(nproc: int, flags: tuple[str, ...]) -> tuple[dict[int, float],
+                                                        dict[str, np.ndarray]]:
+    """lm loss per iteration and the trained vision encoder, once per layout and test process."""
+    scalars, results = train_mimo(nproc, flags, extra=ITERATIONS, observe_params=True)
+    assert sorted(scalars["lm loss"]) == [1, 2, 3, 4]
+    return scalars["lm loss"], module_params(results, "vision")
 
 
 def _losses(nproc: int, flags: tuple[str, ...]) -> dict[int, float]:
-    scalars, _ = train_mimo(nproc, flags, extra=ITERATIONS)
-    assert sorted(scalars["lm loss"]) == [1, 2, 3, 4]
-    return scalars["lm loss"]
+    return _trained(nproc, flags)[0]
+
+
+def _assert_same_training(reference: tuple[int, tuple[str, ...]],
+                          other: tuple[int, tuple[str, ...]]) -> None:
+    """Per-iteration loss within 1e-5 relative and the same trained encoder."""
+    ref_losses, ref_encoder = _trained(*reference)
+    losses, encoder = _trained(*other)
+    worst = max(abs(losses[i] - value) / abs(value) for i, value in ref_losses.items())
+    print(f"max relative lm loss difference {worst:.2e} over {len(ref_losses)} iterations")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert encoder.keys() == ref_encoder.keys()
+    for name, value in ref_encoder.items():
+        np.testing.assert_allclose(encoder[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +79,7 @@ def test_packing_with_rotary_positions_matches_unpacked() -> None:
 
 def test_packing_with_mrope_grid_positions_matches_unpacked() -> None:
     """Native-resolution images at their grids' 3D positions, restarting per packed sample."""
-    mrope = (*SGD, *ROW, "--encoder", "vision=vit", "--vit-native-resolution",
-             "--vit-max-pixels", "1024", "--position-embedding-type", "mrope",
-             "--mrope-section", "2", "3", "3", "--grid", "vision:", "--grid", "language:")
+    mrope = (*MROPE, "language:")
     assert _losses(2, (*mrope, *PACK)) == pytest.approx(_losses(2, mrope), rel=1e-5)
 
 
@@ -63,3 +92,18 @@ def test_packed_layouts_train_identically(name: str,
                                           packed_reference: dict[int, float]) -> None:
     nproc, flags = LAYOUTS[name]
     assert _losses(nproc, (*flags, *PACK)) == pytest.approx(packed_reference, rel=1e-5)
+
+
+def test_packed_rows_at_language_cp2_train_as_at_cp1() -> None:
+    """Each sample padded to a multiple of 4 (loss mask 0) and split into its zigzag chunks."""
+    _assert_same_training((2, (*BASE, "vision:", "--grid", "language:", *PACK)),
+                          (3, (*BASE, "vision:", "--grid", "language:cp=2", *PACK)))
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+def test_mrope_grid_positions_at_language_cp2_train_as_at_cp1(pack: bool) -> None:
+    """Packed: the [3, S] positions of whole packed rows, cut per sample like the tokens;
+    unpacked: the row's zigzag chunks."""
+    packing = PACK if pack else ()
+    _assert_same_training((2, (*MROPE, "language:", *packing)),
+                          (3, (*MROPE, "language:cp=2", *packing)))

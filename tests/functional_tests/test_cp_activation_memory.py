@@ -1,9 +1,9 @@
 """Language context parallelism splits the activations each language rank keeps for backward.
 
 A user turns on ``--grid language:cp=2`` to fit longer sequences: on a 1024-token row each CP
-rank must keep well under the cp=1 rank's saved-for-backward bytes, in the layers' attention and
-in the rest of the language model. A regression that hands every CP rank the whole sequence
-(or saves the gathered keys / values, or the ``[S/cp, S]`` attention probabilities) fails here.
+rank must keep well under the cp=1 rank's saved-for-backward bytes, in total, in the layers'
+attention and in the rest of the language model. The last check is the sharp one (attention
+dominates the total): a CP split that leaves every rank the whole row keeps it at 1.0 x cp=1.
 """
 
 from __future__ import annotations

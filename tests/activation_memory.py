@@ -7,7 +7,7 @@ they were saved: the layers' core attention, the rest of the language model, and
 around it (text embeddings, combining encoder rows, the CP split). The process's peak RSS over
 the training steps is read from ``/proc/self/status`` (VmHWM, reset before the first forward).
 
-    PYTHONPATH=$PWD .venv/bin/python -m tests.activation_memory --seq-length 4096 --cp 1 2 | grep '^|'
+    PYTHONPATH=. .venv/bin/python -m tests.activation_memory --seq-length 4096 --cp 1 2 | grep '^|'
 """
 
 from __future__ import annotations

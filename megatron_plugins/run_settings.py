@@ -162,9 +162,12 @@ def resume(args: argparse.Namespace, checked: Preflight) -> list[Adjustment]:
                        tell=point.notice is not None)]
 
 
-def defaults(args: argparse.Namespace, given: Callable[[str], str | None]) -> list[Adjustment]:
+def defaults(args: argparse.Namespace, given: Callable[[str], str | None],
+             language_cp: int = 1) -> list[Adjustment]:
     """What 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run. A
-    GPU-only value the user gave explicitly is a :class:`FlagError` naming the flag."""
+    GPU-only value the user gave explicitly is a :class:`FlagError` naming the flag. At language
+    cp > 1 the reference CP attention of ``--transformer-impl local`` has no dropout, so stock's
+    default attention dropout gives way (an explicit one is refused by the language config)."""
     chosen = []
     if args.tokenizer_type is None:
         if args.vocab_size is None:
@@ -187,6 +190,12 @@ def defaults(args: argparse.Namespace, given: Callable[[str], str | None]) -> li
                 raise FlagError(f"{spelled} cannot run on the CPU simulation ({reason}); "
                                 f"{'use ' + flag if flag.startswith('--') else flag}")
             chosen.append(Adjustment(attr, value, flag, reason, tell=True))
+    impl = next((a.value for a in chosen if a.attr == "transformer_impl"), args.transformer_impl)
+    if (language_cp > 1 and impl == "local" and args.attention_dropout > 0
+            and given("attention_dropout") is None):
+        chosen.append(Adjustment("attention_dropout", 0.0, "--attention-dropout 0",
+                                 "the reference context-parallel attention has no dropout",
+                                 tell=True))
     return chosen
 
 
@@ -355,8 +364,8 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.apply(encoder_weights(args, plugins))
     for adjustment in record.apply(resume(args, checked)):
         record.notice(adjustment.why if adjustment.tell else None)
-    told = [adjustment.flag for adjustment in record.apply(defaults(args, given))
-            if adjustment.tell]
+    chosen = defaults(args, given, checked.layout.language.cp)
+    told = [adjustment.flag for adjustment in record.apply(chosen) if adjustment.tell]
     record.notice(DEFAULTS_NOTICE + ", ".join(told) if told else None)
     check_mock_tokenizer(args)
     source = build_source(args, plugins)

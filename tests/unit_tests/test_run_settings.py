@@ -38,3 +38,23 @@ def test_a_stock_check_without_a_message_names_its_source_line(monkeypatch):
     message = _error(monkeypatch, [*TINY_MIMO, "--min-lr", "1", "--lr", "0.5"])
     assert message.startswith("stock Megatron argument check failed: assert args.min_lr <= "
                               "args.lr (arguments.py:")
+
+
+def test_language_cp_on_the_simulation_defaults_attention_dropout_to_zero(monkeypatch, capsys):
+    """Stock's default attention dropout (0.1) would stop every CPU CP launch; unless given, it
+    becomes 0 with a notice, while an explicit dropout is refused naming the flag."""
+    from megatron_plugins.cpu_simulation import patches
+    from megatron_plugins.launch import parse_mimo_args
+
+    patches.activate()  # stock validate_args reads the device's architecture at cp > 1
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    at = TINY_MIMO.index("--attention-dropout")
+    stock_dropout = TINY_MIMO[:at] + TINY_MIMO[at + 2:]
+    cp2 = ["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:cp=2"]
+    assert parse_mimo_args([*stock_dropout, *cp2]).args.attention_dropout == 0.0
+    assert "--attention-dropout 0" in capsys.readouterr().err.split("defaults set")[1]
+    at_cp1 = parse_mimo_args([*stock_dropout, *LAYOUT]).args
+    assert at_cp1.attention_dropout == 0.1
+    with pytest.raises(UsageError, match=r"^--attention-dropout 0.1: the reference context "
+                                         r"parallel attention .* pass --attention-dropout 0"):
+        parse_mimo_args([*stock_dropout, *cp2, "--attention-dropout", "0.1"])

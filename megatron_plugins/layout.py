@@ -111,6 +111,12 @@ class ModulePlacement:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def cp_chunks(self) -> int:
+        """Equal pieces CP cuts each row (or packed sample) into: 2 x cp, so every CP rank gets
+        an early and a late piece of a causal sequence; 1 without CP."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
     def ranks(self) -> range:
         """Global ranks the module owns."""
         return range(self.rank_offset, self.rank_offset + self.size)
@@ -300,7 +306,7 @@ def check_context_parallel(language: ModulePlacement, seq_length: int | None, *,
     """
     if language.cp == 1 or seq_length is None:
         return
-    chunks = 2 * language.cp
+    chunks = language.cp_chunks
     divisor = chunks * (language.tp if sequence_parallel else 1)
     if seq_length % divisor == 0:
         return

@@ -1,8 +1,9 @@
 """Run test code under N gloo processes with a hard deadline; a stuck collective fails, never hangs.
 
-Two ways in: :func:`run_in_processes` runs a picklable function on every rank of a fresh gloo world
-and returns the per-rank results; :func:`run_script` launches a script through ``torchrun`` in its
-own process group. Both kill every child on failure or timeout.
+Three ways in: :func:`run_in_processes` runs a picklable function on every rank of a fresh gloo
+world and returns the per-rank results; :func:`run_script` launches a script through ``torchrun``
+in its own process group; :func:`launch_preforked` runs a CPU-simulation script's ranks as forks of
+a server that has already imported torch and Megatron. All kill every child on failure or timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import queue
+import runpy
 import signal
 import subprocess
 import sys
@@ -208,3 +210,88 @@ def run_script(script: str | Path, argv: Sequence[str], nproc: int, *, timeout: 
     finally:
         kill_session(process, started)
     return ScriptRun(process.returncode, output, time.monotonic() - start)
+
+
+def _run_script_rank(script: str, argv: Sequence[str], rank: int, world_size: int, port: int,
+                     env: dict[str, str], log: str) -> None:
+    """One rank of :func:`launch_preforked`: torchrun's environment, output appended to ``log``
+    line by line, then the script as ``python script argv`` would run it."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+
+    # The server's OpenMP pool was sized when it started; size it as torchrun's rank would be.
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+PRELOADED_ENVIRONMENT = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "MKL_NUM_THREADS")
+"""Variables torch's libraries read once, when they load: a preforked rank keeps the server's."""
+
+
+def _kill_trees(processes: Sequence[mp.Process]) -> None:
+    """Kill ranks and whatever they started (a spawned Manager, loader workers)."""
+    for process in processes:
+        if process.pid is None:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+    _kill(processes)
+
+
+def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env: dict[str, str],
+                     log: Path, timeout: float) -> int:
+    """Run ``script argv`` on ``nproc`` ranks as torchrun would (its rank variables, every rank's
+    output to ``log``, the first failure ending the others); the exit code, 0 when every rank
+    succeeded. Each rank is a fork of the simulation's preloaded server, so it skips the ~10 s
+    of CPU that importing torch and Megatron costs; only for ``--cpu-simulation`` runs whose
+    environment leaves :data:`PRELOADED_ENVIRONMENT` as this process has it."""
+    changed = [name for name in PRELOADED_ENVIRONMENT if env.get(name) != os.environ.get(name)]
+    if changed or "--cpu-simulation" not in argv:
+        raise ValueError(f"launch_preforked runs --cpu-simulation scripts whose environment keeps "
+                         f"{', '.join(PRELOADED_ENVIRONMENT)}; changed: {changed}; use torchrun")
+    context = _context(simulated=True)
+    port = free_port()
+    log.write_text("")
+    processes = [
+        context.Process(target=_run_script_rank,
+                        args=(str(script), tuple(argv), rank, nproc, port, env, str(log)))
+        for rank in range(nproc)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [process.exitcode for process in processes]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                with log.open("a") as out:
+                    out.write(f"launch_preforked: rank {rank} exited with code {code}; the other "
+                              "ranks are killed\n")
+                return code if code > 0 else 1
+            if all(code == 0 for code in codes):
+                return 0
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{script} with {nproc} ranks ran past {timeout:.0f} s")
+            time.sleep(0.1)
+    finally:
+        _kill_trees(processes)

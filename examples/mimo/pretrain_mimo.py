@@ -7,30 +7,33 @@ Each encoder trains on its own ranks (``--grid NAME:tp=..,dp=..``), the language
 last ranks (``--grid language:tp=..,pp=..,dp=..,ep=..``). ``--cpu-simulation`` runs the stock loop
 on CPU over gloo. A bad flag ends every rank at once with one line naming it (exit code 2); a bad
 layout does so before torch or Megatron is imported.
+
+Nothing heavy is imported at module level: a process that ``multiprocessing`` spawns re-imports
+this file as ``__mp_main__`` (stock dist-checkpoint saving starts a spawned Manager on each rank
+at the first save), and it must start in a moment, not import torch and Megatron again.
 """
 
 import sys
 
 from megatron_plugins import cpu_simulation, preflight
 
-# The layout is checked before torch and Megatron are imported, so a refused one exits at once.
-_checked = preflight.run(sys.argv[1:], "pretrain_mimo.py") if __name__ == "__main__" else None
-if isinstance(_checked, int):
-    sys.exit(_checked)
-
-if cpu_simulation.FLAG in sys.argv:
-    from megatron_plugins.cpu_simulation import patches
-
-    patches.activate()
-
-from megatron_plugins.errors import UsageError, report  # noqa: E402
-from megatron_plugins.launch import parse_mimo_args, train  # noqa: E402
-
 
 def main() -> int:
-    """Parse and check, bring up the grids, run stock pretrain(), tear down."""
+    """Check the layout before torch or Megatron is imported, then parse, bring up the grids, run
+    stock pretrain(), tear down."""
+    checked = preflight.run(sys.argv[1:], "pretrain_mimo.py")
+    if isinstance(checked, int):
+        return checked
+    if cpu_simulation.FLAG in sys.argv:
+        from megatron_plugins.cpu_simulation import patches
+
+        patches.activate()
+
+    from megatron_plugins.errors import UsageError, report
+    from megatron_plugins.launch import parse_mimo_args, train
+
     try:
-        run = parse_mimo_args(checked=_checked)
+        run = parse_mimo_args(checked=checked)
     except UsageError as error:
         return report("pretrain_mimo.py", error)
     try:

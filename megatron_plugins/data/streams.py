@@ -112,7 +112,7 @@ class Packing:
     placeholder_ids: Collection[int]
     """The encoders' placeholder token ids: text may be cut, never their runs."""
     multiple: int = 1
-    """Each packed sample is padded to a multiple of this: 2 x the language cp."""
+    """Each packed sample is padded to a multiple of this: the language grid's ``cp_chunks``."""
 
 
 class _PaddingTally:
@@ -272,9 +272,8 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
         language = this.module == LANGUAGE
         balanced = (balanced_encoders(topology.layout)
                     if language and args.balance_encoder_work else {})
-        cp = topology.layout.language.cp
-        multiple = 2 * cp if cp > 1 else 1  # CP cuts each packed sample into 2 x cp chunks
-        packing = (Packing(frozenset(source.special_token_ids.values()), multiple)
+        packing = (Packing(frozenset(source.special_token_ids.values()),
+                           topology.layout.language.cp_chunks)
                    if language and args.pack_sequences else None)
         streams = []
         for split, start in zip(SPLITS, starts):
@@ -284,7 +283,7 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: Alignment
                 writes_state=is_witness(topology), packing=packing,
                 tally=_training_tally(args, this) if split == "train" and language
                 and this.dp_rank == 0 and is_witness(topology) else None,
-                balanced=balanced, dense_mask=not (language and cp > 1)))
+                balanced=balanced, dense_mask=not (language and topology.layout.language.cp > 1)))
         return tuple(streams)
 
     provider.is_distributed = True

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiprocess import launch_preforked
 from tools.functional_tests.comparison import compare
 from tools.functional_tests.runner import (
+    ENTRY_POINT,
+    CaseError,
     all_cases,
     check_case,
     free_port,
@@ -27,9 +30,21 @@ DISPATCH_VARIANT = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
 another CPU, whose low bits drift the same way (tests/functional_tests/data/cross_host)."""
 
 
+def preforked(nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float,
+              what: str) -> None:
+    """The runner's launcher with each rank forked ready instead of importing torch and Megatron
+    under torchrun (most of a small case's time); the two tests below keep torchrun's launch."""
+    try:
+        code = launch_preforked(ENTRY_POINT, argv, nproc, env=env, log=log, timeout=timeout)
+    except TimeoutError as error:
+        raise CaseError(f"{what}: {error} (killed); log: {log}") from None
+    if code != 0:
+        raise CaseError(f"{what}: exited with {code}; log {log} ends:\n{log.read_text()[-3000:]}")
+
+
 @pytest.mark.parametrize("name", all_cases())
 def test_case_matches_its_goldens(name: str, tmp_path) -> None:
-    failures = check_case(name, workdir=tmp_path)
+    failures = check_case(name, workdir=tmp_path, launch=preforked)
     assert failures == [], "\n".join(failures)
 
 

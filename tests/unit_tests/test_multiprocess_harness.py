@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.multiprocess import WorkerFailure, run_in_processes
+from tests.multiprocess import WorkerFailure, launch_preforked, run_in_processes
 
 
 def _rank_one_dies() -> None:
@@ -47,3 +49,48 @@ def test_a_hung_run_is_killed_at_its_deadline() -> None:
     with pytest.raises(WorkerFailure, match=r"ranks \[0, 1\] did not finish within 8 s"):
         run_in_processes(_everyone_hangs, 2, timeout=8)
     assert time.monotonic() - start < 20
+
+
+RANK_SCRIPT = """
+import os, sys, time, torch
+print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
+      f"threads {torch.get_num_threads()} argv {sys.argv[1:]} pid {os.getpid()}")
+if os.environ["RANK"] == sys.argv[2]:
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def _launch(tmp_path: Path, failing_rank: str, **kwargs) -> tuple[int, str]:
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    log = tmp_path / "launch.log"
+    code = launch_preforked(script, ["--cpu-simulation", failing_rank], 2, log=log,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+    return code, log.read_text()
+
+
+def test_a_preforked_launch_sets_torchruns_variables_and_a_failing_rank_ends_the_others(
+        tmp_path: Path) -> None:
+    start = time.monotonic()
+    code, log = _launch(tmp_path, "1", timeout=60)
+    assert code == 3 and time.monotonic() - start < 30
+    assert "rank 0/2 local 0 threads 1 argv ['--cpu-simulation', '1']" in log
+    assert "rank 1/2 local 1 threads 1 argv ['--cpu-simulation', '1']" in log
+    assert "launch_preforked: rank 1 exited with code 3; the other ranks are killed" in log
+    waiting = int(log.split("rank 0/2")[1].split(" pid ")[1].split()[0])
+    assert not psutil.pid_exists(waiting) or psutil.Process(waiting).status() == "zombie"
+
+
+def test_a_hung_preforked_launch_is_killed_at_its_deadline(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="with 2 ranks ran past 5 s"):
+        _launch(tmp_path, "none", timeout=5)
+    assert time.monotonic() - start < 20
+
+
+def test_a_preforked_launch_refuses_what_the_preloaded_libraries_already_read(
+        tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="changed: \\['ATEN_CPU_CAPABILITY'\\]; use torchrun"):
+        launch_preforked(tmp_path / "x.py", ["--cpu-simulation"], 2, log=tmp_path / "log",
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, timeout=5)

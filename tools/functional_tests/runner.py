@@ -21,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -183,11 +183,18 @@ def run_command(command: list[str], env: dict[str, str], log: Path, timeout: flo
         raise CaseError(f"{what}: exited with {code}; log {log} ends:\n{tail}")
 
 
-def _launch(case: Case, argv: list[str], env: dict[str, str], log: Path, timeout: float) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(case.nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+Launcher = Callable[[int, list[str], dict[str, str], Path, float, str], None]
+"""``launch(nproc, argv, env, log, timeout, what)``: run the entry point on ``nproc`` ranks with
+``argv`` and ``env``, output to ``log``; raise :class:`CaseError` on a failure or timeout."""
+
+
+def torchrun(nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float,
+             what: str) -> None:
+    """The cases' launcher: ``torchrun --nproc-per-node nproc`` on the entry point, as upstream."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                str(ENTRY_POINT), *argv]
-    run_command(command, env, log, timeout, case.name)
+    run_command(command, env, log, timeout, what)
 
 
 def read_metrics(logdir: Path, metrics: list[str]) -> dict[str, dict[int, float]]:
@@ -220,7 +227,7 @@ def make_case_data(root: Path) -> None:
 
 
 def run_case(case: Case, workdir: Path, extra_env: dict[str, str] | None = None,
-             timeout: float = 240.0) -> dict[str, dict[int, float]]:
+             timeout: float = 240.0, launch: Launcher = torchrun) -> dict[str, dict[int, float]]:
     """Run ``case`` in ``workdir``; returns run 1's metrics (checked against run 2 on resume)."""
     env = run_environment(case, extra_env)
     checkpoints = workdir / "checkpoints"
@@ -235,7 +242,8 @@ def run_case(case: Case, workdir: Path, extra_env: dict[str, str] | None = None,
         tensorboard = workdir / "tensorboard" / f"run_{run}"
         run_paths = {**paths, "TENSORBOARD_PATH": str(tensorboard),
                      "CHECKPOINT_LOAD_PATH": str(checkpoints)}
-        _launch(case, case.argv(run_paths, run), env, workdir / f"run_{run}.log", timeout)
+        launch(case.nproc, case.argv(run_paths, run), env, workdir / f"run_{run}.log", timeout,
+               case.name)
         return read_metrics(tensorboard, case.metrics)
 
     metrics = train(1)
@@ -258,7 +266,7 @@ def _write_json(path: Path, value: Any) -> None:
 
 def check_case(name: str, *, platform: str = DEFAULT_PLATFORM, record: bool = False,
                workdir: Path | None = None, extra_env: dict[str, str] | None = None,
-               report: list[str] | None = None) -> list[str]:
+               report: list[str] | None = None, launch: Launcher = torchrun) -> list[str]:
     """Run a case and compare it with its goldens (or write goldens and signature with
     ``record``); ``report`` receives one line saying which rule was used."""
     case = load_case(name)
@@ -266,7 +274,7 @@ def check_case(name: str, *, platform: str = DEFAULT_PLATFORM, record: bool = Fa
     workdir = Path(tempfile.mkdtemp(prefix=f"{case.path.name}-")) if own_dir else workdir
     try:
         signature = platform_signature(run_environment(case, extra_env))
-        actual = run_case(case, workdir, extra_env)
+        actual = run_case(case, workdir, extra_env, launch=launch)
         if record:
             _write_json(case.golden_path(platform), golden_values(actual, case.metrics))
             _write_json(case.signature_path(platform), signature)

@@ -76,7 +76,7 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap5_canary_mimo_optimizer_keeps_plain_state_in_rank_"
                                  "zero_common_state")),
-    Gap("6", "distributed-optimizer resume on torch Adam asserts, shares and resets the step",
+    Gap("6", "distributed-optimizer resume on torch Adam asserts, shares, resets or lacks the step",
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap6_canary_stock_distributed_optimizer_resume_without_"
                                  "te_or_apex")),

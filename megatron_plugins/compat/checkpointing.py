@@ -133,10 +133,13 @@ def _install_distributed_optimizer_resume() -> None:
     counts once per parameter. Independently of TE, fp32 main params are views of the model
     params and the ``dp_reshardable`` param-state load ``copy_``s into them outside
     ``torch.no_grad`` ("a view of a leaf Variable that requires grad is being used in an in-place
-    operation").
-    Bridge: load under ``torch.no_grad()``; without TE/Apex a fresh optimizer reports step 0 and
-    after loading each parameter gets its own step tensor holding the step saved in
-    ``param_groups``.
+    operation"). The ``fully_reshardable`` format (``--dist-ckpt-optim-fully-reshardable``) saves
+    no per-parameter step (:1785) and its load drops any (:2390-2392), but
+    ``_set_main_param_and_optimizer_states`` copies into every tensor of the parameter's torch
+    Adam state, the step included (:1219-1225): ``KeyError: 'step'``.
+    Bridge: load under ``torch.no_grad()``; without TE/Apex a fresh optimizer reports step 0, a
+    parameter-state load that brings no step leaves the parameter's step as it is, and after
+    loading each parameter gets its own step tensor holding the step saved in ``param_groups``.
     """
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -144,6 +147,7 @@ def _install_distributed_optimizer_resume() -> None:
     torch_adam = not distrib_optimizer.HAVE_APEX_OR_TE
     stock_state_dict = DistributedOptimizer.state_dict
     stock_load_state_dict = DistributedOptimizer.load_state_dict
+    stock_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def state_dict(self):
         inner = self.optimizer
@@ -170,10 +174,21 @@ def _install_distributed_optimizer_resume() -> None:
             for param_state in self.optimizer.state.values():
                 param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
+    @functools.wraps(stock_set_states)
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if torch_adam and "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}  # copied onto itself: the step is kept
+        return stock_set_states(self, model_param, tensors)
+
     state_dict.__doc__ = stock_state_dict.__doc__
     load_state_dict.__doc__ = stock_load_state_dict.__doc__
     DistributedOptimizer.state_dict = state_dict
     DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 
 def _install_module_data_state() -> None:

@@ -62,6 +62,7 @@ torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore()
 parallel_state.initialize_model_parallel()
 config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def build(steps):
@@ -80,24 +81,24 @@ def build(steps):
     return optimizer, ddp.sharded_state_dict()
 
 
-def loaded(folder, template_steps):
+def loaded(folder, template_steps, metadata=METADATA):
     optimizer, model = build(template_steps)
     state = dist_checkpointing.load(optimizer.sharded_state_dict(
-        model, is_loading=True, metadata=METADATA), folder)
+        model, is_loading=True, metadata=metadata), folder)
     return optimizer, state
 
 
 def outcome(action):
     try:
         action()
-    except (AssertionError, RuntimeError) as error:
+    except (AssertionError, KeyError, RuntimeError) as error:
         return f"{type(error).__name__}: {error}"
     return "ok"
 
 
 folder = tempfile.mkdtemp()
-saved, model = build(steps=2)
-dist_checkpointing.save(saved.sharded_state_dict(model, metadata=METADATA), folder)
+saved, saved_model = build(steps=2)
+dist_checkpointing.save(saved.sharded_state_dict(saved_model, metadata=METADATA), folder)
 fresh, model = build(steps=0)
 print("fresh template:", outcome(lambda: fresh.sharded_state_dict(model, is_loading=True,
                                                                    metadata=METADATA)))
@@ -110,6 +111,11 @@ steps = [param_state["step"] for param_state in optimizer.optimizer.state.values
 saved_steps = {group["step"] for group in saved.state_dict()["optimizer"]["param_groups"]}
 print("params", len(steps), "step tensors", len({id(step) for step in steps}),
       "step", float(steps[0]), "saved", saved_steps)
+folder = tempfile.mkdtemp()
+dist_checkpointing.save(saved.sharded_state_dict(saved_model, metadata=FULLY_RESHARDABLE), folder)
+optimizer, state = loaded(folder, template_steps=1, metadata=FULLY_RESHARDABLE)
+with torch.no_grad():
+    print("fully_reshardable load:", outcome(lambda: optimizer.load_state_dict(state)))
 """
 
 
@@ -117,17 +123,20 @@ def test_gap6_canary_stock_distributed_optimizer_resume_without_te_or_apex():
     """Gap 6, every part, on torch Adam in a one-rank world under the CPU simulation: a fresh
     optimizer cannot make a load template; the dp_reshardable param-state load copies into
     views of leaves outside no_grad; under no_grad every parameter gets one shared step tensor
-    holding the template's step (1), not the saved one (2)."""
+    holding the template's step (1), not the saved one (2); a fully_reshardable param-state load
+    brings no step for torch Adam's per-parameter one."""
     result = subprocess.run([sys.executable, "-c", STOCK_DISTRIBUTED_OPTIMIZER_RESUME],
                             cwd=REPO_ROOT, text=True, capture_output=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     reported = [line for line in result.stdout.splitlines()
-                if line.startswith(("fresh template:", "load:", "params "))]
+                if line.startswith(("fresh template:", "load:", "params ",
+                                    "fully_reshardable load:"))]
     assert reported == [
         "fresh template: AssertionError: ",
         "load: RuntimeError: a view of a leaf Variable that requires grad is being used in an "
         "in-place operation.",
-        "params 4 step tensors 1 step 1.0 saved {2.0}"]
+        "params 4 step tensors 1 step 1.0 saved {2.0}",
+        "fully_reshardable load: KeyError: 'step'"]
 
 
 def test_gap10_canary_stock_names_dataloader_state_by_dp_rank_only():
@@ -215,8 +224,8 @@ def test_gap22_bridge_replica_id_counts_data_and_context_parallel_ranks():
 
 # (bf16, --use-distributed-optimizer, distrib_optim_sharding_type) of the runs that put a MiMo
 # optimizer ShardedObject in the checkpoint: every distributed-optimizer run, and bf16.
-# fully_reshardable is only saved: its load on torch Adam (no TE) misses the per-parameter step
-# whatever the CP size (distrib_optimizer.py:1223).
+# fully_reshardable also checks Gap 6's step on torch Adam: its param-state load brings no step
+# (distrib_optimizer.py:2390-2392, stock then fails with KeyError: 'step' at :1223).
 CP2_CASES = {
     "bf16 dist-opt dp_reshardable": (True, True, "dp_reshardable"),
     "bf16 dist-opt fully_reshardable": (True, True, "fully_reshardable"),
@@ -332,8 +341,6 @@ def _language_cp2_checkpoints(folder: str) -> dict:
         dist.barrier()
         dist_checkpointing.save({"model": model, "optimizer": state}, path)
         report[case]["saved"] = sorted(os.listdir(path)) != []
-        if sharding == "fully_reshardable":
-            continue
         ddp, template = _cp2_language(topology, bf16, distributed, steps=0)
         _, state = sharded(ddp, template, sharding, is_loading=True)
         template.load_state_dict(dist_checkpointing.load({"optimizer": state}, path)["optimizer"])
@@ -365,6 +372,5 @@ def test_gap22_bridge_saves_and_resumes_language_optimizer_state_at_cp2(tmp_path
             f"{duplicated}['mimo.language.optimizer.mimo.language.param_state_sharding_type/shard_0_1']",
     }
     assert [rank[case]["saved"] for rank in ranks for case in CP2_CASES] == [True] * 8
-    resumed = [case for case in CP2_CASES if "fully_reshardable" not in case]
-    assert [rank[case]["resumed"] for rank in ranks for case in resumed] == [True] * 6
+    assert [rank[case]["resumed"] for rank in ranks for case in CP2_CASES] == [True] * 8
     assert ranks[0]["bf16"]["digest"] == ranks[1]["bf16"]["digest"]

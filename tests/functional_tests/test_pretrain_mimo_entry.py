@@ -101,7 +101,7 @@ def _parse_on_rank(flags: list[str]) -> str:
 
 def test_every_rank_reaches_the_same_verdict() -> None:
     flags, message = BAD_FLAGS[1]
-    verdicts = run_in_processes(_parse_on_rank, 3, args=(flags,), timeout=90)
+    verdicts = run_in_processes(_parse_on_rank, 3, args=(flags,), timeout=90, simulated=True)
     assert len(set(verdicts)) == 1 and message in verdicts[0]
 
 
@@ -203,7 +203,7 @@ def _verdicts(cases: list[list[str]]) -> list[str]:
 
 def test_cpu_simulation_defaults_and_explicit_gpu_flags() -> None:
     [verdicts] = run_in_processes(_verdicts, 1, args=([flags for flags, _ in CPU_DEFAULT_CASES],),
-                                  timeout=150)
+                                  timeout=150, simulated=True)
     assert verdicts[0] == "NullTokenizer 5"  # tokenizer defaulted; TINY_MIMO's interval kept
     for verdict, (_, message) in zip(verdicts[1:], CPU_DEFAULT_CASES):
         assert verdict.startswith(message), verdict

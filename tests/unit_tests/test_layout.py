@@ -316,7 +316,8 @@ def test_layout_flags_work_with_stock_parser_and_validation():
         "--micro-batch-size 1 --global-batch-size 4 --train-iters 2 "
         "--tensor-model-parallel-size 2"
     )
-    [result] = run_in_processes(_with_stock_parser, 1, args=(command,), timeout=120)
+    [result] = run_in_processes(_with_stock_parser, 1, args=(command,), timeout=120,
+                                simulated=True)
     assert result["clashes"] == []
     assert result["unvalidated_dp"] == 5  # what stock would derive from the whole world
     assert result["parallel"] == (10, 2, 2, 2, 1)

@@ -116,7 +116,8 @@ def _seed_and_draw(command: str) -> dict:
 
 def test_streams_equal_exactly_where_stock_makes_them_equal():
     world_size = len(COORDS)
-    results = run_in_processes(_seed_and_draw, world_size, args=(FLAGS,), timeout=150)
+    results = run_in_processes(_seed_and_draw, world_size, args=(FLAGS,), timeout=150,
+                               simulated=True)
     assert [r["module"] for r in results] == [COORDS[rank][0] for rank in range(world_size)]
     for dp_random_init, stream in itertools.product((False, True), STREAMS):
         for a, b in itertools.combinations(range(world_size), 2):

@@ -94,6 +94,9 @@ def _parse(command: str) -> argparse.Namespace:
 
 def _build_and_inspect(commands: list[str]) -> dict:
     """On every rank: build each layout's topology, record what Megatron's readers see, destroy."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()  # as every CPU run is; the groups are the same on GPUs
     import torch.distributed as dist
     from megatron.core.models.mimo.config.role import ModuleLayout, RankRole
     from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer
@@ -197,7 +200,8 @@ def _plan(command: str, world_size: int, capsys) -> tuple[dict[int, dict], dict[
 def test_groups_match_independent_arithmetic(world_size, capsys):
     layouts = LAYOUTS[world_size]
     per_rank = run_in_processes(_build_and_inspect, world_size,
-                                args=([flags for flags, _, _ in layouts],), timeout=150)
+                                args=([flags for flags, _, _ in layouts],), timeout=150,
+                                simulated=True)
     for rank, result in enumerate(per_rank):
         message, groups = result["wrong_world"]
         assert f"WORLD_SIZE / --nproc-per-node is {world_size} but" in message

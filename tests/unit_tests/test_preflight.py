@@ -113,6 +113,19 @@ def test_language_context_parallelism_passes_the_preflight():
     assert args.cp_comm_type == ["p2p", "a2a"]  # one per layer, as stock parses it
 
 
+def test_a_process_spawned_by_a_rank_re_imports_the_entry_point_without_torch():
+    """Stock's first checkpoint save spawns a Manager per rank, which re-imports the launched
+    script as ``__mp_main__``: importing torch and Megatron there cost ~6 s and ~750 MiB a rank."""
+    code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', '--grid', "
+            "'language:dp=4']; sys.modules['torch'] = None\n"
+            "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__mp_main__')"
+            "\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60, env={"WORLD_SIZE": "3", "PATH": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["['torch']"]  # only the stand-in set above
+
+
 def test_a_refused_layout_exits_2_before_torch_is_imported():
     code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', '--grid', "
             "'language:dp=4']; sys.modules['torch'] = None\n"

@@ -234,10 +234,10 @@ class ParallelLayout:
         raise ValueError(f"rank {rank} is outside the layout's {self.world_size} ranks")
 
     def modules_of_rank(self, rank: int) -> tuple[ModulePlacement, ...]:
-        """Every module global ``rank`` runs, in layout order: its own module and the modules
-        hosted on it (two on a colocated rank)."""
+        """Every module global ``rank`` runs: its own module first, then the modules hosted on
+        it in layout order (two modules on a colocated rank)."""
         owner = self.module_of_rank(rank)
-        return tuple(m for m in self.modules if m is owner or m.host == owner.name)
+        return (owner, *(m for m in self.hosted if m.host == owner.name))
 
     def check_world_size(self, world_size: int) -> None:
         """Raise unless the launch has exactly the ranks the modules need."""

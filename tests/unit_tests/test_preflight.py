@@ -113,13 +113,18 @@ def test_language_context_parallelism_passes_the_preflight():
     assert args.cp_comm_type == ["p2p", "a2a"]  # one per layer, as stock parses it
 
 
-def test_a_refused_layout_exits_2_before_torch_is_imported():
-    code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', '--grid', "
-            "'language:dp=4']; sys.modules['torch'] = None\n"
+def _entry_point(flags: list[str], world_size: int) -> subprocess.CompletedProcess:
+    """The example entry point under ``WORLD_SIZE``, with torch made unimportable."""
+    code = (f"import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', *{flags!r}]; "
+            "sys.modules['torch'] = None\n"
             "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60, env={"WORLD_SIZE": str(world_size), "PATH": ""})
+
+
+def test_a_refused_layout_exits_2_before_torch_is_imported():
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60, env={"WORLD_SIZE": "3", "PATH": ""})
+    result = _entry_point(["--grid", "language:dp=4"], 3)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "pretrain_mimo.py: error: WORLD_SIZE / --nproc-per-node is 3 but the --grid sizes sum "
@@ -155,11 +160,7 @@ def test_colocated_refusals_read_the_raw_command_line():
 
 
 def test_the_entry_point_refuses_a_colocated_layout_before_torch_is_imported():
-    code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', "
-            f"*{COLOCATED!r}]; sys.modules['torch'] = None\n"
-            "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60, env={"WORLD_SIZE": "4", "PATH": ""})
+    result = _entry_point(COLOCATED, 4)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "pretrain_mimo.py: error: --grid vision:dp=4@language: colocated layouts are not "

@@ -5,8 +5,9 @@ Takes the whole training command line (flags it does not need are ignored) plus 
 and prints each module's ranks, nodes and group sizes, a warning for every TP/CP/EP group that
 spans nodes, and (on request or for small layouts) every rank's node and coordinates (on a
 colocated rank, both modules'); or the error on one line with exit code 2. A colocated layout is
-described although it cannot be launched yet. Coordinates come from :meth:`ModulePlacement.coordinates`, which
-follows ``HyperCommGrid``'s rank order, so they match the live topology.
+described although it cannot be launched yet. Coordinates come from
+:meth:`ModulePlacement.coordinates`, which follows ``HyperCommGrid``'s rank order, so they match the
+live topology.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def test_a_launch_refuses_colocated_layouts_until_their_step_exists(flags, world
 
 
 def test_colocated_refusals_read_the_raw_command_line():
-    with pytest.raises(LayoutError, match="^--balance-encoder-work with --grid vision:dp=4@language"):
+    with pytest.raises(LayoutError,
+                       match="^--balance-encoder-work with --grid vision:dp=4@language"):
         check_run([*COLOCATED, "--balance-encoder-work"], 4, launch=False)
     with pytest.raises(LayoutError, match="^--grid vision:dp=4@language: colocated on language's "
                                           "2 ranks, tp x dp must be 2 \\(is 4\\)"):

@@ -70,9 +70,12 @@ class FolderFlags:
 
 
 def layout_record(layout: ParallelLayout) -> list[dict[str, Any]]:
-    """What identifies a layout for resuming: every module's name, provider and split."""
+    """What identifies a layout for resuming: every module's name, provider and split, and for a
+    hosted (colocated) module the module it sits on; records of other modules do not mention it,
+    so a layout written before colocation existed still compares equal."""
     return [{"name": m.name, "provider": m.provider, "tp": m.tp, "pp": m.pp, "cp": m.cp,
-             "dp": m.dp, "ep": m.ep, "etp": m.etp} for m in layout.modules]
+             "dp": m.dp, "ep": m.ep, "etp": m.etp, **({"on": m.host} if m.host else {})}
+            for m in layout.modules]
 
 
 def is_complete(iteration: Path) -> bool:

@@ -3,7 +3,9 @@
 Every module (each encoder, and the language model under the fixed MiMo key ``"language"``) owns
 a disjoint, consecutive rank range with its own TP/CP/DP/PP (and, for the language model, EP and
 expert TP). Modules take ranks in the order their ``--grid`` flags are given; the language model
-comes last, because stock Megatron reports losses from the last rank.
+comes last, because stock Megatron reports losses from the last rank. An encoder may instead be
+*hosted* (``--grid vision:dp=4@language``, issue 28): its grid covers exactly the language model's
+ranks, with its own split, and it takes no ranks of its own.
 
 Everything here is pure Python and runs before any process group exists, so a bad layout fails
 identically on every rank with one :class:`LayoutError` naming the flag to fix. The flags that
@@ -67,7 +69,8 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True, kw_only=True)
 class ModulePlacement:
-    """One module's rank range and its split; ``provider`` is None only for the language model."""
+    """One module's rank range and its split; ``provider`` is None only for the language model,
+    ``host`` names the module whose ranks a hosted (colocated) module shares (None: its own)."""
 
     name: str
     tp: int
@@ -78,13 +81,17 @@ class ModulePlacement:
     etp: int = 1
     rank_offset: int
     provider: str | None = None
+    host: str | None = None
     source: str = field(default="", compare=False, repr=False)
     """The flag(s) that declared this module, as error messages should name them."""
 
     def __post_init__(self) -> None:
         if not self.source:
-            object.__setattr__(self, "source", f"--grid {self.name}")
+            at = f"@{self.host}" if self.host is not None else ""
+            object.__setattr__(self, "source", f"--grid {self.name}{at}")
         check_module_name(self.name, self.source)
+        if self.host is not None:
+            check_module_name(self.host, self.source)
         for key in GRID_KEYS:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -151,7 +158,8 @@ class ModulePlacement:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """All modules of a run, tiling ranks ``0..world_size-1`` in order."""
+    """All modules of a run: those on their own ranks tile ``0..world_size-1`` in order, hosted
+    modules lie on their host's ranks."""
 
     modules: tuple[ModulePlacement, ...]
 
@@ -166,15 +174,19 @@ class ParallelLayout:
                 f"--grid {LANGUAGE} is missing; add one for the language model "
                 f"(e.g. {GRID_EXAMPLE})"
             )
+        own = [m for m in self.modules if m.host is None]
         expected_offset = 0
         for module in self.modules:
-            if module.rank_offset != expected_offset:
+            if module.host is not None:
+                _check_hosted(module, self.module(LANGUAGE))
+            elif module.rank_offset != expected_offset:
                 raise LayoutError(
                     f"{module.source}: starts at rank {module.rank_offset}, expected "
                     f"{expected_offset}; modules must tile the ranks consecutively in --grid order"
                 )
-            expected_offset += module.size
-            if module.name == LANGUAGE and module is not self.modules[-1]:
+            else:
+                expected_offset += module.size
+            if module.name == LANGUAGE and module is not own[-1]:
                 raise LayoutError(
                     f"{module.source} must come last: Megatron logs losses and TensorBoard "
                     "from the last rank, which must be a language rank; give --grid "
@@ -188,8 +200,13 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: the sum of all module sizes."""
-        return sum(m.size for m in self.modules)
+        """Ranks the layout needs: the sum of the sizes of the modules on their own ranks."""
+        return sum(m.size for m in self.modules if m.host is None)
+
+    @property
+    def hosted(self) -> tuple[ModulePlacement, ...]:
+        """The modules on another module's ranks (colocated encoders), in layout order."""
+        return tuple(m for m in self.modules if m.host is not None)
 
     @property
     def language(self) -> ModulePlacement:
@@ -210,16 +227,24 @@ class ParallelLayout:
         raise KeyError(f"no module {name!r} in the layout (modules: {names})")
 
     def module_of_rank(self, rank: int) -> ModulePlacement:
-        """The module that owns global ``rank``."""
+        """The module whose own ranks hold global ``rank`` (a hosted module shares them)."""
         for module in self.modules:
-            if rank in module.ranks:
+            if module.host is None and rank in module.ranks:
                 return module
         raise ValueError(f"rank {rank} is outside the layout's {self.world_size} ranks")
+
+    def modules_of_rank(self, rank: int) -> tuple[ModulePlacement, ...]:
+        """Every module global ``rank`` runs: its own module first, then the modules hosted on
+        it in layout order (two modules on a colocated rank)."""
+        owner = self.module_of_rank(rank)
+        return (owner, *(m for m in self.hosted if m.host == owner.name))
 
     def check_world_size(self, world_size: int) -> None:
         """Raise unless the launch has exactly the ranks the modules need."""
         if world_size != self.world_size:
-            parts = " + ".join(f"{m.name} {m.size}" for m in self.modules)
+            parts = " + ".join(f"{m.name} {m.size}" for m in self.modules if m.host is None)
+            if self.hosted:
+                parts += "; " + ", ".join(f"{m.name} on {m.host}" for m in self.hosted)
             raise LayoutError(
                 f"WORLD_SIZE / --nproc-per-node is {world_size} but the --grid sizes sum to "
                 f"{self.world_size} ({parts}); launch {self.world_size} ranks or change the grids"
@@ -244,6 +269,36 @@ def _check_supported(module: ModulePlacement) -> None:
                 f"{module.source}: {key}={getattr(module, key)}: expert parallelism is only "
                 f"supported for the language model; use {key}=1"
             )
+
+
+def _check_hosted(module: ModulePlacement, language: ModulePlacement) -> None:
+    """A hosted module must be an encoder on exactly the language model's ranks, split over them
+    by tp x dp alone (the routing between the two grids moves whole rows per DP replica)."""
+    if module.name == LANGUAGE:
+        raise LayoutError(
+            f"{module.source}: the language model hosts colocated encoders; it cannot be placed "
+            f"on another module; drop @{module.host}"
+        )
+    if module.host != LANGUAGE:
+        raise LayoutError(
+            f"{module.source}: an encoder can share only the language model's ranks; use "
+            f"@{LANGUAGE} or drop @{module.host}"
+        )
+    _check_supported(module)
+    if module.rank_offset != language.rank_offset:
+        raise LayoutError(
+            f"{module.source}: starts at rank {module.rank_offset}, expected "
+            f"{language.rank_offset}: a colocated module takes its host's ranks"
+        )
+    if module.size != language.size:
+        ranks = language.size
+        examples = [f"{module.name}:dp={ranks}@{LANGUAGE}"]
+        if ranks % 2 == 0:
+            examples.append(f"{module.name}:tp=2,dp={ranks // 2}@{LANGUAGE}")
+        raise LayoutError(
+            f"{module.source}: colocated on {LANGUAGE}'s {ranks} ranks, tp x dp must be {ranks} "
+            f"(is {module.size}); e.g. {' or '.join(examples)}"
+        )
 
 
 def _check_heads(module: ModulePlacement, heads: int, what: str) -> None:
@@ -355,6 +410,23 @@ def _check_encoder(encoder: ModulePlacement, language: ModulePlacement, heads: i
         )
 
 
+def _check_colocation_flags(layout: ParallelLayout, args: Any) -> None:
+    """What colocated encoders cannot run with yet: the language model's CP (the row gradients
+    of the CP lanes are not summed on the way back) and fan-in work balancing."""
+    for module in layout.hosted:
+        if layout.language.cp > 1:
+            raise LayoutError(
+                f"{module.source} with {layout.language.source}: cp={layout.language.cp}: "
+                "colocated encoders with language cp>1 are not supported yet; use cp=1 or place "
+                f"{module.name} on its own ranks"
+            )
+        if getattr(args, "balance_encoder_work", False):
+            raise LayoutError(
+                f"--balance-encoder-work with {module.source}: colocated encoders cannot balance "
+                f"work yet; drop --balance-encoder-work or place {module.name} on its own ranks"
+            )
+
+
 def check_layout(
     layout: ParallelLayout, args: Any, world_size: int,
     encoder_heads: Mapping[str, int] | None = None,
@@ -365,7 +437,8 @@ def check_layout(
     ``num_query_groups`` with ``group_query_attention``, ``num_experts``,
     ``tensor_parallel_num_weight_shards``, ``expert_tensor_parallel_num_weight_shards``; with a
     language ``cp > 1`` also ``seq_length``, ``sequence_parallel``, ``pack_sequences``,
-    ``cp_comm_type`` and ``hybrid_context_parallel``).
+    ``cp_comm_type`` and ``hybrid_context_parallel``; with a hosted encoder
+    ``balance_encoder_work``).
     ``encoder_heads`` maps encoder names to attention-head counts known from the encoder plugins.
     """
     for module in layout.modules:
@@ -373,6 +446,7 @@ def check_layout(
     layout.check_world_size(world_size)
     _check_language_model(layout, args)
     _check_context_parallel_flags(layout.language, args)
+    _check_colocation_flags(layout, args)
     heads = encoder_heads or {}
     for encoder in layout.encoders:
         _check_encoder(encoder, layout.language, heads.get(encoder.name))

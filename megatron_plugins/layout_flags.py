@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_plugins.layout import (
     GRID_EXAMPLE,
@@ -90,10 +90,12 @@ def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--grid", action=_AppendWords, dest="mimo_grids",
-        metavar="NAME:tp=T,pp=P,cp=C,dp=D[,ep=E,etp=X]",
+        metavar="NAME:tp=T,pp=P,cp=C,dp=D[,ep=E,etp=X][@HOST]",
         help=f"One module's parallel split; one per encoder plus one for '{LANGUAGE}'. Omitted "
              "keys are 1. Modules take consecutive ranks in the order of their --grid flags "
-             "(several grids may share one space-separated value).",
+             "(several grids may share one space-separated value). An encoder with "
+             f"@{LANGUAGE} is colocated: it takes no ranks of its own and splits the language "
+             "model's ranks by its tp x dp.",
     )
     for flag, (module, key) in _ALIAS_FLAGS.items():
         group.add_argument(
@@ -131,9 +133,14 @@ def _parse_encoder(text: str) -> tuple[str, str]:
     return name, provider
 
 
-def _parse_grid(text: str) -> tuple[str, dict[str, int]]:
+def _parse_grid(text: str) -> tuple[str, dict[str, int], str | None]:
+    """``NAME:key=value,...[@HOST]`` -> name, sizes, host (None: the module's own ranks)."""
     name, sep, body = text.partition(":")
     where = f"--grid {text}"
+    body, at, host = body.partition("@")
+    if "@" in name or (at and not MODULE_NAME.fullmatch(host)):
+        raise LayoutError(f"{where}: expected NAME:key=value,...@HOST, HOST a module name (e.g. "
+                          f"--grid {name.partition('@')[0]}:dp=2@{LANGUAGE})")
     if sep and name:
         check_module_name(name, where)
     if not sep or not MODULE_NAME.fullmatch(name):
@@ -148,11 +155,26 @@ def _parse_grid(text: str) -> tuple[str, dict[str, int]]:
         if key in values:
             raise LayoutError(f"{where}: {key} given twice; give each key once")
         values[key] = _parse_size(value, f"{where}: {key}={value}")
-    return name, values
+    return name, values, host if at else None
 
 
-def _grid_specs(args: Any) -> list[tuple[str, dict[str, int], str | None, str]]:
-    """(name, sizes, provider, source) per module, in rank order, from --grid or alias flags."""
+class _Spec(NamedTuple):
+    """One module as the flags describe it, before ranks are assigned."""
+
+    name: str
+    sizes: dict[str, int]
+    provider: str | None
+    source: str
+    host: str | None = None
+
+    @property
+    def size(self) -> int:
+        """Ranks the grid spans."""
+        return math.prod(self.sizes.get(key, 1) for key in ("tp", "pp", "cp", "dp"))
+
+
+def _grid_specs(args: Any) -> list[_Spec]:
+    """Every module, in flag order, from --grid or the alias flags."""
     encoders: dict[str, str] = {}
     for text in getattr(args, "mimo_encoders", None) or []:
         name, provider = _parse_encoder(text)
@@ -178,24 +200,31 @@ def _grid_specs(args: Any) -> list[tuple[str, dict[str, int], str | None, str]]:
         sizes: dict[str, dict[str, int]] = {"encoder": {}, LANGUAGE: {}}
         for flag in used_aliases:
             module, key = _ALIAS_FLAGS[flag]
+            if "@" in aliases[flag]:
+                raise LayoutError(
+                    f"{flag} {aliases[flag]}: the alias flags describe an encoder on its own "
+                    f"ranks; for a colocated encoder give every module a --grid (e.g. --grid "
+                    f"{encoder}:dp=2@{LANGUAGE} --grid {LANGUAGE}:dp=2)"
+                )
             sizes[module][key] = _parse_size(aliases[flag], f"{flag} {aliases[flag]}")
         encoder_flags = "/".join(f for f, (m, _) in _ALIAS_FLAGS.items() if m == "encoder")
         language_flags = "/".join(f for f, (m, _) in _ALIAS_FLAGS.items() if m == LANGUAGE)
         return [
-            (encoder, sizes["encoder"], provider, f"--grid {encoder} (from {encoder_flags})"),
-            (LANGUAGE, sizes[LANGUAGE], None, f"--grid {LANGUAGE} (from {language_flags})"),
+            _Spec(encoder, sizes["encoder"], provider, f"--grid {encoder} (from {encoder_flags})"),
+            _Spec(LANGUAGE, sizes[LANGUAGE], None, f"--grid {LANGUAGE} (from {language_flags})"),
         ]
 
     specs = []
     for text in grids:
-        name, values = _parse_grid(text)
+        name, values, host = _parse_grid(text)
         if name != LANGUAGE and name not in encoders:
             raise LayoutError(
                 f"--grid {name} has no --encoder {name}=PROVIDER; add one "
                 f"(e.g. --encoder {name}=vit) or drop the grid"
             )
-        specs.append((name, values, encoders.get(name), f"--grid {name}"))
-    gridded = {spec[0] for spec in specs}
+        source = f"--grid {name}" if host is None else f"--grid {text}"
+        specs.append(_Spec(name, values, encoders.get(name), source, host))
+    gridded = {spec.name for spec in specs}
     for name in encoders:
         if name not in gridded:
             raise LayoutError(
@@ -215,10 +244,12 @@ def _check_llm_offset(layout: ParallelLayout, offset: str | None) -> None:
 
 
 def required_world_size(args: Any) -> int:
-    """Ranks the layout flags describe (their grids' sizes summed), before any other check."""
+    """Ranks the layout flags describe (the sizes of the grids on their own ranks summed; a
+    colocated grid adds none), before any other check."""
     total = 0
-    for _, sizes, _, _ in _grid_specs(args):
-        total += math.prod(sizes.get(key, 1) for key in ("tp", "pp", "cp", "dp"))
+    for spec in _grid_specs(args):
+        if spec.host is None:
+            total += spec.size
     return total
 
 
@@ -231,14 +262,22 @@ def layout_from_args(
     :func:`~megatron_plugins.layout.check_layout` reads. ``encoder_heads`` maps encoder names to
     attention-head counts known from the encoder plugins; call again once they are known.
     """
-    modules = []
+    specs = _grid_specs(args)
+    offsets: dict[str, int] = {}
     offset = 0
-    for name, sizes, provider, source in _grid_specs(args):
-        module = ModulePlacement(name=name, rank_offset=offset, provider=provider, source=source,
-                            **{key: sizes.get(key, 1) for key in GRID_KEYS})
-        modules.append(module)
-        offset += module.size
-    layout = ParallelLayout(tuple(modules))
+    for spec in specs:
+        if spec.host is None:
+            offsets[spec.name] = offset
+            offset += spec.size
+    # A hosted module starts where its host does; ParallelLayout refuses an unknown host.
+    modules = tuple(
+        ModulePlacement(name=spec.name, provider=spec.provider, source=spec.source, host=spec.host,
+                        rank_offset=offsets[spec.name] if spec.host is None
+                        else offsets.get(spec.host, 0),
+                        **{key: spec.sizes.get(key, 1) for key in GRID_KEYS})
+        for spec in specs
+    )
+    layout = ParallelLayout(modules)
     _check_llm_offset(layout, getattr(args, "llm_offset", None))
     check_layout(layout, args, world_size, encoder_heads)
     return layout

@@ -3,9 +3,11 @@
 Takes the whole training command line (flags it does not need are ignored) plus torchrun's
 ``--nproc-per-node`` / ``--nnodes``, runs the launch's own checks (:func:`preflight.check_run`),
 and prints each module's ranks, nodes and group sizes, a warning for every TP/CP/EP group that
-spans nodes, and (on request or for small layouts) every rank's node and coordinates; or the
-error on one line with exit code 2. Coordinates come from :meth:`ModulePlacement.coordinates`, which
-follows ``HyperCommGrid``'s rank order, so they match the live topology.
+spans nodes, and (on request or for small layouts) every rank's node and coordinates (on a
+colocated rank, both modules'); or the error on one line with exit code 2. A colocated layout is
+described although it cannot be launched yet. Coordinates come from
+:meth:`ModulePlacement.coordinates`, which follows ``HyperCommGrid``'s rank order, so they match the
+live topology.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def _sizes(module: ModulePlacement) -> dict[str, int]:
     return {dim: module.dim_size(dim) for dim in DENSE_DIMS + EXPERT_DIMS}
 
 
+def _coordinates(module: ModulePlacement, rank: int) -> str:
+    coords = module.coordinates(rank)
+    return f"{_dims(coords, DENSE_DIMS)} | {_dims(coords, EXPERT_DIMS)}"
+
+
 def _span(values: range | list[int]) -> str:
     return f"{min(values)}-{max(values)}"
 
@@ -84,16 +91,22 @@ def cross_node_groups(module: ModulePlacement, nproc_per_node: int) -> dict[str,
 def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool) -> str:
     """A summary per module (ranks, nodes, group sizes), warnings, then the per-rank table."""
     nodes = -(-layout.world_size // nproc_per_node)
-    names = ", ".join(m.name for m in layout.modules)
+    names = ", ".join(m.name for m in layout.modules if m.host is None)
+    if layout.hosted:
+        names += "; " + ", ".join(f"{m.name} on {m.host}" for m in layout.hosted)
     lines = [f"world: {layout.world_size} ranks on {nodes} node(s) of {nproc_per_node}; "
              f"modules in rank order: {names}"]
     warnings = []
-    for module in layout.modules:
+    # Rank order: each module on its own ranks, then the modules hosted on them.
+    in_rank_order = [module for owner in layout.modules if owner.host is None
+                     for module in layout.modules_of_rank(owner.rank_offset)]
+    for module in in_rank_order:
         provider = f" provider={module.provider}" if module.provider else ""
+        host = f" (on {module.host})" if module.host else ""
         sizes = _sizes(module)
         module_nodes = [rank // nproc_per_node for rank in module.ranks]
         lines.append(
-            f"module {module.name}{provider} ranks={_span(module.ranks)} "
+            f"module {module.name}{provider} ranks={_span(module.ranks)}{host} "
             f"nodes={_span(module_nodes)} group sizes: {_dims(sizes, DENSE_DIMS)} | "
             f"{_dims(sizes, EXPERT_DIMS)}"
         )
@@ -108,10 +121,9 @@ def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool) -> str
     lines.extend(warnings)
     if ranks:
         for rank in range(layout.world_size):
-            module = layout.module_of_rank(rank)
-            coords = module.coordinates(rank)
-            lines.append(f"rank {rank} node {rank // nproc_per_node} {module.name}: "
-                         f"{_dims(coords, DENSE_DIMS)} | {_dims(coords, EXPERT_DIMS)}")
+            modules = "; ".join(f"{module.name}: {_coordinates(module, rank)}"
+                                for module in layout.modules_of_rank(rank))
+            lines.append(f"rank {rank} node {rank // nproc_per_node} {modules}")
     else:
         lines.append(f"(per-rank table: add --ranks; shown by default up to {SMALL} ranks)")
     return "\n".join(lines)
@@ -122,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         own, _ = _parser().parse_known_args(argv)
-        layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True).layout
+        layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True,
+                           launch=False).layout
     except UsageError as error:
         return report("mimo-plan", error)
     print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL))

@@ -186,3 +186,42 @@ def test_saving_a_pipelined_language_model_needs_untied_embeddings(tmp_path):
         check_checkpoint_flags(_args(None, save=tmp_path), pipelined)
     check_checkpoint_flags(_args(None, save=tmp_path, untie=True), pipelined)
     check_checkpoint_flags(_args(None), pipelined)
+
+
+def test_layout_files_written_before_colocation_still_resume(tmp_path):
+    """Records of modules on their own ranks did not change: old checkpoints compare equal."""
+    _checkpoint(tmp_path)
+    old = ('[{"name": "vision", "provider": "vit", "tp": 1, "pp": 1, "cp": 1, "dp": 2, "ep": 1, '
+           '"etp": 1}, {"name": "language", "provider": null, "tp": 1, "pp": 1, "cp": 1, "dp": 1, '
+           '"ep": 1, "etp": 1}]\n')
+    assert (tmp_path / "mimo_layout.json").read_text() == old
+    check_checkpoint_flags(_args(tmp_path), LAYOUT)
+
+
+COLOCATED = ParallelLayout((
+    ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit",
+                    host="language"),
+    ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=2, rank_offset=0),
+))
+SEPARATE = ParallelLayout((
+    ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
+    ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=2, rank_offset=2),
+))
+
+
+@pytest.mark.parametrize("saved, resumed", [(COLOCATED, SEPARATE), (SEPARATE, COLOCATED)],
+                         ids=["colocated-to-separate", "separate-to-colocated"])
+def test_switching_between_colocated_and_separate_encoders_is_refused(tmp_path, saved, resumed):
+    _checkpoint(tmp_path, layout=saved)
+    with pytest.raises(CheckpointError) as error:
+        check_checkpoint_flags(_args(tmp_path), resumed)
+    message = str(error.value)
+    assert "resuming onto another --grid layout is not supported" in message
+    assert '"on": "language"' in message and "\n" not in message
+    check_checkpoint_flags(_args(tmp_path), saved)
+    check_checkpoint_flags(_args(tmp_path, weights_only=True), resumed)  # weights reshard
+
+
+def test_only_hosted_modules_record_their_host():
+    assert [record.get("on") for record in layout_record(COLOCATED)] == ["language", None]
+    assert "on" not in layout_record(COLOCATED)[1]

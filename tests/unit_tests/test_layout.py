@@ -15,6 +15,7 @@ from megatron_plugins.layout_flags import (
     language_grid_flags,
     language_world_size,
     layout_from_args,
+    required_world_size,
 )
 from tests.multiprocess import run_in_processes
 
@@ -117,6 +118,63 @@ BAD_LAYOUTS = [
     ("alias-value", "--llm-tp x", 2, {}, None, "--llm-tp x must be a positive integer"),
     ("alias-heads", "--llm-tp 3", 4, {"num_attention_heads": 4}, None,
      "--grid language (from --llm-tp/"),
+    # Colocated (hosted) encoders, issue 28: every rule names the whole --grid value.
+    ("host-not-language", "--encoder v=vit --encoder a=audio --grid v:dp=1@a --grid a: "
+     "--grid language:", 2, {}, None,
+     "--grid v:dp=1@a: an encoder can share only the language model's ranks; use @language or "
+     "drop @a"),
+    ("host-unknown", "--encoder v=vit --grid v:@nowhere --grid language:", 1, {}, None,
+     "--grid v:@nowhere: an encoder can share only the language model's ranks; use @language "
+     "or drop @nowhere"),
+    ("host-itself", "--encoder v=vit --grid v:@v --grid language:", 1, {}, None,
+     "--grid v:@v: an encoder can share only the language model's ranks; use @language or "
+     "drop @v"),
+    ("language-hosted", "--encoder v=vit --grid v:dp=2 --grid language:dp=2@v", 4, {}, None,
+     "--grid language:dp=2@v: the language model hosts colocated encoders; it cannot be placed "
+     "on another module; drop @v"),
+    ("host-empty", "--encoder v=vit --grid v:dp=2@ --grid language:dp=2", 2, {}, None,
+     "--grid v:dp=2@: expected NAME:key=value,...@HOST, HOST a module name (e.g. --grid "
+     "v:dp=2@language)"),
+    ("host-before-sizes", "--encoder v=vit --grid v@language:dp=2 --grid language:dp=2", 2, {},
+     None, "--grid v@language:dp=2: expected NAME:key=value,...@HOST, HOST a module name (e.g. "
+     "--grid v:dp=2@language)"),
+    ("hosted-size", "--encoder vision=vit --grid vision:dp=2@language --grid language:tp=2,dp=2",
+     4, {}, None,
+     "--grid vision:dp=2@language: colocated on language's 4 ranks, tp x dp must be 4 (is 2); "
+     "e.g. vision:dp=4@language or vision:tp=2,dp=2@language"),
+    ("hosted-size-odd", "--encoder v=vit --grid v:dp=1@language --grid language:dp=3", 3, {},
+     None, "--grid v:dp=1@language: colocated on language's 3 ranks, tp x dp must be 3 (is 1); "
+     "e.g. v:dp=3@language"),
+    ("hosted-pp", "--encoder v=vit --grid v:pp=2,dp=2@language --grid language:dp=4", 4, {}, None,
+     "--grid v:pp=2,dp=2@language: pp=2: encoder pipeline parallelism is not supported yet; use "
+     "pp=1 and scale the encoder with tp or dp"),
+    ("hosted-ep", "--encoder v=vit --grid v:dp=2,ep=2@language --grid language:dp=2", 2, {}, None,
+     "--grid v:dp=2,ep=2@language: ep=2: expert parallelism is only supported for the language "
+     "model; use ep=1"),
+    ("hosted-world-size", "--encoder v=vit --grid v:dp=4@language --grid language:tp=2,dp=2", 8,
+     {}, None,
+     "WORLD_SIZE / --nproc-per-node is 8 but the --grid sizes sum to 4 (language 4; v on "
+     "language); launch 4 ranks or change the grids"),
+    ("mixed-world-size", "--encoder v=vit --encoder a=audio --grid v:dp=2@language --grid a:dp=1 "
+     "--grid language:dp=2", 5, {}, None,
+     "WORLD_SIZE / --nproc-per-node is 5 but the --grid sizes sum to 3 (a 1 + language 2; v on "
+     "language); launch 3 ranks or change the grids"),
+    ("hosted-heads", "--encoder v=vit --grid v:tp=3@language --grid language:dp=3", 3, {},
+     {"v": 16}, "--grid v:tp=3@language: tp=3 does not divide the v encoder's attention heads 16"),
+    ("hosted-bridge-dp", "--encoder v=vit --grid v:tp=2,dp=3@language --grid language:tp=3,dp=2",
+     6, {}, None, "--grid v:tp=2,dp=3@language: dp=3 and --grid language: dp=2 must be multiples"),
+    ("hosted-language-cp", "--encoder v=vit --grid v:dp=2@language --grid language:cp=2", 2,
+     {"seq_length": 32}, None,
+     "--grid v:dp=2@language with --grid language: cp=2: colocated encoders with language cp>1 "
+     "are not supported yet; use cp=1 or place v on its own ranks"),
+    ("hosted-balance", "--encoder v=vit --grid v:dp=2@language --grid language:dp=2", 2,
+     {"balance_encoder_work": True}, None,
+     "--balance-encoder-work with --grid v:dp=2@language: colocated encoders cannot balance work "
+     "yet; drop --balance-encoder-work or place v on its own ranks"),
+    ("alias-host", "--encoder-dp 2@language --llm-dp 2", 2, {}, None,
+     "--encoder-dp 2@language: the alias flags describe an encoder on its own ranks; for a "
+     "colocated encoder give every module a --grid (e.g. --grid vision:dp=2@language --grid "
+     "language:dp=2)"),
 ]
 
 
@@ -174,6 +232,83 @@ def test_grids_take_consecutive_ranks_in_flag_order():
     )
     with pytest.raises(ValueError):
         layout.module_of_rank(10)
+
+
+def test_world_size_message_of_separate_grids_is_unchanged():
+    with pytest.raises(LayoutError) as error:
+        layout_from_args(parse(TWO_BY_TWO), 6)
+    assert str(error.value) == (
+        "WORLD_SIZE / --nproc-per-node is 6 but the --grid sizes sum to 4 (vision 2 + language "
+        "2); launch 4 ranks or change the grids")
+
+
+def _coordinates(layout: ParallelLayout, rank: int) -> dict[str, tuple[int, int, int, int]]:
+    """(tp, cp, dp, pp) of every module ``rank`` runs."""
+    return {m.name: tuple(m.coordinates(rank)[d] for d in ("tp", "cp", "dp", "pp"))
+            for m in layout.modules_of_rank(rank)}
+
+
+def test_encoder_dp4_colocated_with_language_tp2_dp2_on_four_ranks():
+    flags = "--encoder vision=vit --grid vision:dp=4@language --grid language:tp=2,dp=2"
+    layout = layout_from_args(parse(flags), 4)
+    assert required_world_size(parse(flags)) == layout.world_size == 4
+    vision = layout.module("vision")
+    assert (vision.host, vision.rank_offset, vision.size, layout.language.rank_offset) == (
+        LANGUAGE, 0, 4, 0)
+    assert layout.hosted == (vision,) and layout.encoders == (vision,)
+    assert vision.source == "--grid vision:dp=4@language"
+    assert [layout.module_of_rank(r).name for r in range(4)] == [LANGUAGE] * 4
+    assert [[m.name for m in layout.modules_of_rank(r)] for r in range(4)] == [
+        [LANGUAGE, "vision"]] * 4
+    # Rank 1 is encoder replica 1 but language replica 0: the routing (block B) pairs them.
+    assert _coordinates(layout, 1) == {LANGUAGE: (1, 0, 0, 0), "vision": (0, 0, 1, 0)}
+    with pytest.raises(ValueError, match="rank 4 is outside the layout's 4 ranks"):
+        layout.modules_of_rank(4)
+
+
+@pytest.mark.parametrize("language, coordinates", [
+    ("tp=2,pp=2", {LANGUAGE: (0, 0, 0, 1), "vision": (0, 0, 1, 0)}),
+    ("dp=2,pp=2", {LANGUAGE: (0, 0, 0, 1), "vision": (0, 0, 1, 0)}),
+], ids=["language-tp2-pp2", "language-dp2-pp2"])
+def test_encoder_tp2_colocated_with_pipelined_language_on_four_ranks(language, coordinates):
+    flags = f"--encoder vision=vit --grid vision:tp=2,dp=2@language --grid language:{language}"
+    layout = layout_from_args(parse(flags), 4, {"vision": 4})
+    assert required_world_size(parse(flags)) == layout.world_size == 4
+    assert {m.rank_offset for m in layout.modules} == {0}
+    # Rank 2: first rank of encoder replica 1, on language stage 1 (no rows needed there).
+    assert _coordinates(layout, 2) == coordinates
+
+
+def test_one_colocated_and_one_separate_encoder_on_three_ranks():
+    flags = ("--encoder vision=vit --encoder audio=audio --grid vision:dp=2@language "
+             "--grid audio:dp=1 --grid language:dp=2")
+    layout = layout_from_args(parse(flags), 3)
+    assert required_world_size(parse(flags)) == layout.world_size == 3
+    assert [(m.name, m.rank_offset, m.size, m.host) for m in layout.modules] == [
+        ("vision", 1, 2, LANGUAGE), ("audio", 0, 1, None), (LANGUAGE, 1, 2, None)]
+    assert [[m.name for m in layout.modules_of_rank(r)] for r in range(3)] == [
+        ["audio"], [LANGUAGE, "vision"], [LANGUAGE, "vision"]]
+    assert [layout.module_of_rank(r).name for r in range(3)] == ["audio", LANGUAGE, LANGUAGE]
+    # A hosted grid takes no ranks, so it may also follow the language model's --grid.
+    after = layout_from_args(parse("--encoder vision=vit --encoder audio=audio --grid audio:dp=1 "
+                                   "--grid language:dp=2 --grid vision:dp=2@language"), 3)
+    assert [(m.name, m.rank_offset) for m in after.modules] == [
+        ("audio", 0), (LANGUAGE, 1), ("vision", 1)]
+
+
+def test_a_hosted_module_must_start_on_its_host():
+    language = ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=2, rank_offset=1)
+    audio = ModulePlacement(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="audio")
+    vision = ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0,
+                             provider="vit", host=LANGUAGE)
+    assert vision.source == "--grid vision@language"
+    with pytest.raises(LayoutError, match="^--grid vision@language: starts at rank 0, expected 1: "
+                                          "a colocated module takes its host's ranks$"):
+        ParallelLayout((audio, vision, language))
+    assert ParallelLayout((audio, dataclasses.replace(vision, rank_offset=1), language)
+                          ).world_size == 3
+    assert dataclasses.replace(vision, rank_offset=1) != dataclasses.replace(
+        vision, rank_offset=1, host=None)
 
 
 def test_repeated_layout_flags_have_a_single_string_form():

@@ -167,3 +167,46 @@ def test_gpu_launchers_pass_the_planning_view(script):
     assert world == len([line for line in result.stdout.splitlines() if line.startswith("rank ")])
     assert "WARNING" not in result.stdout
     assert world >= 8
+
+
+def test_colocated_layout_is_described_with_both_modules_per_rank(capsys):
+    """mimo-plan describes what the launch still refuses (issue 28: no colocated step yet)."""
+    assert main(["--encoder", "vision=vit", "--grid", "vision:dp=4@language",
+                 "--grid", "language:tp=2,dp=2", "--nproc-per-node", "4"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "world: 4 ranks on 1 node(s) of 4; modules in rank order: language; vision on language",
+        "module language ranks=0-3 nodes=0-0 group sizes: tp=2 cp=1 dp=2 pp=1 | "
+        "expt_tp=1 ep=1 expt_dp=4 pp=1",
+        "module vision provider=vit ranks=0-3 (on language) nodes=0-0 group sizes: tp=1 cp=1 "
+        "dp=4 pp=1 | expt_tp=1 ep=1 expt_dp=4 pp=1",
+        "rank 0 node 0 language: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0; "
+        "vision: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
+        "rank 1 node 0 language: tp=1 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=1 pp=0; "
+        "vision: tp=0 cp=0 dp=1 pp=0 | expt_tp=0 ep=0 expt_dp=1 pp=0",
+        "rank 2 node 0 language: tp=0 cp=0 dp=1 pp=0 | expt_tp=0 ep=0 expt_dp=2 pp=0; "
+        "vision: tp=0 cp=0 dp=2 pp=0 | expt_tp=0 ep=0 expt_dp=2 pp=0",
+        "rank 3 node 0 language: tp=1 cp=0 dp=1 pp=0 | expt_tp=0 ep=0 expt_dp=3 pp=0; "
+        "vision: tp=0 cp=0 dp=3 pp=0 | expt_tp=0 ep=0 expt_dp=3 pp=0",
+    ]
+
+
+def test_mixed_layout_lists_modules_in_rank_order(capsys):
+    command = ["--encoder", "vision=vit", "--encoder", "audio=audio",
+               "--grid", "vision:dp=2@language", "--grid", "audio:dp=1", "--grid", "language:dp=2"]
+    assert main([*command, "--nproc-per-node", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("world: 3 ranks on 1 node(s) of 3; modules in rank order: audio, "
+                        "language; vision on language")
+    assert [line.split(" ranks=")[0] for line in lines[1:4]] == [
+        "module audio provider=audio", "module language", "module vision provider=vit"]
+    assert "ranks=1-2 (on language) nodes=0-0" in lines[3]
+    assert [line.split(" | ")[0] for line in lines[4:]] == [
+        "rank 0 node 0 audio: tp=0 cp=0 dp=0 pp=0",
+        "rank 1 node 0 language: tp=0 cp=0 dp=0 pp=0",
+        "rank 2 node 0 language: tp=0 cp=0 dp=1 pp=0",
+    ]
+    assert lines[5].endswith("; vision: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0")
+    assert main([*command, "--nproc-per-node", "4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mimo-plan: error: WORLD_SIZE / --nproc-per-node is 4 but the --grid sizes sum to 3 "
+        "(audio 1 + language 2; vision on language); launch 3 ranks or change the grids"]

@@ -126,15 +126,56 @@ def test_a_process_spawned_by_a_rank_re_imports_the_entry_point_without_torch():
     assert result.stdout.splitlines() == ["['torch']"]  # only the stand-in set above
 
 
-def test_a_refused_layout_exits_2_before_torch_is_imported():
-    code = ("import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', '--grid', "
-            "'language:dp=4']; sys.modules['torch'] = None\n"
+def _entry_point(flags: list[str], world_size: int) -> subprocess.CompletedProcess:
+    """The example entry point under ``WORLD_SIZE``, with torch made unimportable."""
+    code = (f"import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', *{flags!r}]; "
+            "sys.modules['torch'] = None\n"
             "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60, env={"WORLD_SIZE": str(world_size), "PATH": ""})
+
+
+def test_a_refused_layout_exits_2_before_torch_is_imported():
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60, env={"WORLD_SIZE": "3", "PATH": ""})
+    result = _entry_point(["--grid", "language:dp=4"], 3)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "pretrain_mimo.py: error: WORLD_SIZE / --nproc-per-node is 3 but the --grid sizes sum "
         "to 4 (language 4); launch 4 ranks or change the grids"]
     assert time.monotonic() - start < 10
+
+
+COLOCATED = ["--encoder", "vision=vit", "--grid", "vision:dp=4@language",
+             "--grid", "language:tp=2,dp=2"]
+MIXED = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "vision:dp=2@language",
+         "--grid", "audio:dp=1", "--grid", "language:dp=2"]
+
+
+@pytest.mark.parametrize("flags, world_size, source", [
+    (COLOCATED, 4, "--grid vision:dp=4@language"),
+    (MIXED, 3, "--grid vision:dp=2@language"),
+], ids=["colocated", "mixed"])
+def test_a_launch_refuses_colocated_layouts_until_their_step_exists(flags, world_size, source):
+    with pytest.raises(LayoutError) as error:
+        check_run(flags, world_size)
+    assert str(error.value) == (f"{source}: colocated layouts are not trainable yet (issue 28); "
+                                "place vision on its own ranks")
+    layout = check_run(flags, world_size, launch=False).layout  # what mimo-plan describes
+    assert layout.world_size == world_size and layout.hosted == (layout.module("vision"),)
+
+
+def test_colocated_refusals_read_the_raw_command_line():
+    with pytest.raises(LayoutError,
+                       match="^--balance-encoder-work with --grid vision:dp=4@language"):
+        check_run([*COLOCATED, "--balance-encoder-work"], 4, launch=False)
+    with pytest.raises(LayoutError, match="^--grid vision:dp=4@language: colocated on language's "
+                                          "2 ranks, tp x dp must be 2 \\(is 4\\)"):
+        check_run([*COLOCATED[:4], "--grid", "language:dp=2"], 2, launch=False)
+
+
+def test_the_entry_point_refuses_a_colocated_layout_before_torch_is_imported():
+    result = _entry_point(COLOCATED, 4)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "pretrain_mimo.py: error: --grid vision:dp=4@language: colocated layouts are not "
+        "trainable yet (issue 28); place vision on its own ranks"]

@@ -20,6 +20,7 @@ stage 0), microbatch after microbatch, each in position order.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -183,10 +184,14 @@ def _row_count(rows: Sequence[Sequence[int] | Mapping[int, int]], microbatch: in
         raise ValueError(f"no row count for microbatch {microbatch}, position {position}: the "
                          "routing needs every position of this rank's encoder and language "
                          "slices") from None
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+    try:
+        number = -1 if isinstance(count, bool) else operator.index(count)
+    except TypeError:
+        number = -1
+    if number < 0:
         raise ValueError(f"row count {count!r} of microbatch {microbatch}, position {position} "
                          "must be a non-negative integer")
-    return count
+    return number
 
 
 def _layout_rows(rows: Sequence[Sequence[int] | Mapping[int, int]], positions: Sequence[int],
@@ -239,8 +244,9 @@ class RoutingPlan:
               rows: Sequence[Sequence[int] | Mapping[int, int]]) -> RoutingPlan:
         """The plan of global ``rank`` for a step of ``len(rows)`` microbatches, where
         ``rows[k][p]`` is the row count of position ``p`` of global microbatch ``k`` (zero for a
-        sample without this encoder's items). Only the positions of the rank's encoder and
-        language slices are read, so a rank passes the counts its two batches carry."""
+        sample without this encoder's items). Only the positions of the rank's encoder slice and
+        (on language stage 0) language slice are read: a rank passes the counts its batches
+        carry, a list per microbatch or a mapping from position to count."""
         _check_colocated(encoder, language)
         grids = _Grids(encoder, language, micro_batch_size)
         if rank not in encoder.ranks:

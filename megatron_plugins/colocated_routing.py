@@ -129,6 +129,14 @@ class _Grids:
                 "divisible"
             )
         self.micro_batch_size = micro_batch_size
+        self._coordinates: dict[tuple[str, int], dict[str, int]] = {}
+
+    def coordinates(self, module: ModulePlacement, rank: int) -> dict[str, int]:
+        """``module.coordinates(rank)``, remembered (a plan asks for few ranks, many times)."""
+        key = (module.name, rank)
+        if key not in self._coordinates:
+            self._coordinates[key] = module.coordinates(rank)
+        return self._coordinates[key]
 
     def slice(self, module: ModulePlacement, dp_rank: int) -> RankSlice:
         batch = self.global_batch // module.dp
@@ -153,16 +161,16 @@ class _Grids:
                 for cp in range(self.language.cp) for tp in range(self.language.tp)]
 
     def is_stage0_of(self, rank: int, replica: int, cp: int | None = None) -> bool:
-        coords = self.language.coordinates(rank)
+        coords = self.coordinates(self.language, rank)
         return (coords["pp"] == 0 and coords["dp"] == replica
                 and (cp is None or coords["cp"] == cp))
 
     def sender(self, destination: int, replica: int) -> int:
         """The rank of encoder ``replica`` that gives ``destination`` its rows: itself when it
         computed them, else the TP rank its stage-local index picks (spreads the senders)."""
-        if self.encoder.coordinates(destination)["dp"] == replica:
+        if self.coordinates(self.encoder, destination)["dp"] == replica:
             return destination
-        coords = self.language.coordinates(destination)
+        coords = self.coordinates(self.language, destination)
         lane = coords["tp"] + self.language.tp * coords["cp"]
         return self.encoder_rank(replica, lane % self.encoder.tp)
 
@@ -172,7 +180,7 @@ class _Grids:
         matching its encoder TP index (every TP rank of a lane holds the same gradient)."""
         if self.is_stage0_of(source, replica, cp):
             return source
-        tp = self.encoder.coordinates(source)["tp"] % self.language.tp
+        tp = self.coordinates(self.encoder, source)["tp"] % self.language.tp
         return self.stage0_rank(replica, cp, tp)
 
 

@@ -31,7 +31,10 @@ import torch.distributed as dist
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.layout import LayoutError, ModulePlacement
 
-__all__ = ["Exchange", "Message", "RoutingPlan", "route_backward", "route_forward"]
+__all__ = [
+    "Exchange", "Message", "RoutingPlan", "RoutingSummary", "route_backward", "route_forward",
+    "summarize",
+]
 
 Span = tuple[int, int]
 """Rows ``start .. stop - 1`` of a buffer."""
@@ -321,6 +324,31 @@ class RoutingPlan:
     def bytes_minimum(self, width: int, dtype: torch.dtype) -> int:
         """Bytes this rank must receive at least (:attr:`minimum_received_rows`)."""
         return self.minimum_received_rows * width * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RoutingSummary:
+    """How much of a colocated encoder's output crosses the network, per sample of one row (what
+    ``mimo-plan`` prints for a layout, before any data exists)."""
+
+    local_share: float
+    """Share of the rows the language first stage merges that its ranks computed themselves."""
+    rows_per_sample: float
+    """Rows each sample sends forward, over all destination ranks."""
+    gradients_per_sample: float
+    """Row gradients each sample sends backward, over all encoder TP ranks and CP lanes."""
+
+
+def summarize(encoder: ModulePlacement, language: ModulePlacement,
+              micro_batch_size: int) -> RoutingSummary:
+    """The :class:`RoutingSummary` of every rank's plan for one microbatch of one-row samples."""
+    samples = micro_batch_size * language.dp
+    plans = [RoutingPlan.build(encoder, language, rank, micro_batch_size, [[1] * samples])
+             for rank in language.ranks]
+    consumed = sum(plan.consumed_rows for plan in plans)
+    routed = sum(plan.forward.received_rows for plan in plans)
+    return RoutingSummary((consumed - routed) / consumed, routed / samples,
+                          sum(plan.backward.received_rows for plan in plans) / samples)
 
 
 def _take(tensor: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:

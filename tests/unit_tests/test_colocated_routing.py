@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from megatron_plugins.colocated_routing import RoutingPlan
+from megatron_plugins.colocated_routing import RoutingPlan, RoutingSummary, summarize
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.layout import LayoutError, ModulePlacement, ParallelLayout
 from tests.multiprocess import run_in_processes
@@ -211,6 +211,20 @@ def test_a_rank_reads_only_the_counts_of_its_own_slices():
     full = RoutingPlan.build(encoder, language, 0, MICRO_BATCH, VARIABLE[2])
     known = [{p: counts[p] for p in (0, 1)} for counts in VARIABLE[2]]
     assert RoutingPlan.build(encoder, language, 0, MICRO_BATCH, known) == full
+
+
+@pytest.mark.parametrize("name, summary", [
+    # Every rank embeds one of the two samples its replica consumes, and holds its gradient.
+    ("vision-dp4_language-tp2-dp2", RoutingSummary(0.5, 1.0, 0.0)),
+    # Stage 0 (ranks 0-1) computes sample 0 and receives sample 1 from stage 1 (ranks 2-3),
+    # which takes back its gradient.
+    ("vision-tp2-dp2_language-tp2-pp2", RoutingSummary(0.5, 1.0, 1.0)),
+    # Rank 0 holds its replica's samples, rank 1 receives both of its own; backward rank 1
+    # takes samples 0-1 from rank 0, ranks 2-3 samples 2-3 from rank 1.
+    ("vision-tp2-dp2_language-dp2-pp2", RoutingSummary(0.5, 0.5, 1.5)),
+])
+def test_the_summary_counts_routed_rows_per_sample(name, summary):
+    assert summarize(*LAYOUTS[name], MICRO_BATCH) == summary
 
 
 # --- One 4-rank launch: tensors through gloo, against a reference and the wheel ---------------

@@ -275,7 +275,6 @@ class RoutingPlan:
         sends: dict[int, list[Span]] = defaultdict(list)
         receives: dict[int, list[Span]] = defaultdict(list)
         local: list[tuple[Span, Span]] = []
-        minimum = 0
         for k in microbatches:
             for p in computed_positions:
                 for destination in grids.stage0(grids.destination_replica(p)):
@@ -289,7 +288,6 @@ class RoutingPlan:
                 sender = grids.sender(rank, grids.source_replica(p))
                 if sender != rank:
                     receives[sender].append(consumed[k, p])
-                    minimum += consumed[k, p][1] - consumed[k, p][0]
         forward = Exchange(_messages(sends), _messages(receives), _merged_pairs(local))
 
         sends, receives, local = defaultdict(list), defaultdict(list), []
@@ -302,7 +300,6 @@ class RoutingPlan:
                         local.append((consumed[k, p], computed[k, p]))
                     else:
                         receives[owner].append(computed[k, p])
-                        minimum += computed[k, p][1] - computed[k, p][0]
             for p in consumed_positions:
                 source = grids.source_replica(p)
                 for tp in range(encoder.tp):
@@ -311,6 +308,13 @@ class RoutingPlan:
                         sends[peer].append(consumed[k, p])
         backward = Exchange(_messages(sends), _messages(receives), _merged_pairs(local))
 
+        # What no routing can avoid, whichever ranks send: rows of other encoder replicas, and
+        # the gradient of every CP lane but the rank's own (when it consumed the row itself).
+        minimum = sum(stop - start for (k, p), (start, stop) in consumed.items()
+                      if grids.source_replica(p) != source_replica)
+        minimum += sum((stop - start) * (language.cp - (stage0 and grids.destination_replica(p)
+                                                         == replica))
+                       for (k, p), (start, stop) in computed.items())
         return cls(rank, computed_microbatches[-1][1] if rows else 0,
                    consumed_microbatches[-1][1] if rows else 0, computed_microbatches,
                    consumed_microbatches, forward, backward, minimum)

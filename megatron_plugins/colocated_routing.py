@@ -2,9 +2,9 @@
 of their gradients back, when the encoder's grid and the language grid cover the same ranks.
 
 Why not the wheel's ``ColocatedBridgeCommunicator``: it narrows or all-gathers the flattened batch
-by this rank's own DP indices, so it needs language PP 1 and one row count for every sample, and
-it silently pairs the wrong samples whenever a rank's encoder replica does not feed its own
-language replica. Here a pure :class:`RoutingPlan` says, from the two placements and the row count
+by this rank's own DP indices, so it needs language PP 1 and CP 1 and one row count for every
+sample, and pairs the wrong samples wherever a rank's encoder replica does not feed its own
+language replica (with language PP > 1, as upstream's extension of it allows). Here a pure :class:`RoutingPlan` says, from the two placements and the row count
 of every sample position a rank holds, which rows it sends to and receives from which peer;
 :func:`route_forward` and :func:`route_backward` run it with one ``batch_isend_irecv`` each and a
 local copy of the rows a rank already holds, never padding.

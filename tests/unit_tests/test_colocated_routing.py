@@ -1,7 +1,8 @@
 """Routing of colocated encoder rows: every language first-stage rank gets exactly its replica's
 rows and every encoder rank exactly its rows' gradients, summed over the language CP lanes, on
-layouts where megatron-core's ColocatedBridgeCommunicator pairs the wrong samples or refuses; each
-rank receives no byte it did not need.
+layouts megatron-core's ColocatedBridgeCommunicator refuses (language PP or CP > 1, variable row
+counts), including one where its pairing by each rank's own DP index would give a rank the wrong
+samples; each rank receives no byte it did not need.
 
 The pure tests play each plan's messages between all ranks in Python with row labels; one 4-rank
 launch checks the same with tensors, against a single-process reference and against the wheel's

@@ -342,3 +342,100 @@ def test_module_rng_state_dict_round_trips(colocated_results):
         assert result["replayed"] == result["next"]  # loaded into the same object
         assert result["resumed"] == result["next"]  # loaded into a freshly seeded one (resume)
         assert result["next"]["vision"] != result["next"]["language"]
+
+
+def _in_process_topology() -> SimpleNamespace:
+    from megatron_plugins.layout import ModulePlacement, ParallelLayout
+
+    layout = ParallelLayout((
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
+        ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=1, rank_offset=1),
+    ))
+    group = _OneRankGroup()
+    return _hosting_topology(layout, SimpleNamespace(tp=group, pp=group, dp=group, ep=group,
+                                                     expt_tp=group))
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.device_count() > 0
+
+
+def test_one_module_rng_seeds_exactly_like_seed_module():
+    from megatron_plugins.rng import ModuleRng, seed_module
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    for name in HOSTED:
+        seed_module(topology, name, SEED, _options())
+        alone = [_draw(cuda), _draw(cuda)]
+        module_rng = ModuleRng.seed(topology, SEED, _options(), modules=[name])
+        with module_rng.enter(name):
+            first = _draw(cuda)
+        assert [first, _draw(cuda)] == alone
+
+
+def test_contexts_continue_each_stream_across_entries_in_process():
+    from megatron_plugins.rng import ModuleRng, seed_module
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    alone = {}
+    for name in HOSTED:
+        seed_module(topology, name, SEED, _options())
+        alone[name] = [_draw(cuda) for _ in range(3)]
+    assert alone["vision"] != alone["language"]
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    assert module_rng.modules == HOSTED and module_rng.live == "language"
+    both = {name: [] for name in HOSTED}
+    with module_rng.enter("vision"):  # A, B, A, with B nested inside A and A inside B
+        both["vision"].append(_draw(cuda))
+        with module_rng.enter("language"):
+            both["language"].append(_draw(cuda))
+            with module_rng.enter("vision"):
+                both["vision"].append(_draw(cuda))
+            both["language"].append(_draw(cuda))
+        assert module_rng.live == "vision"
+    assert module_rng.live == "language"
+    both["language"].append(_draw(cuda))
+    with module_rng.enter("vision"):
+        both["vision"].append(_draw(cuda))
+    assert both == alone
+
+
+def test_module_rng_state_dict_pickles_and_loads_per_module():
+    import pickle
+
+    from megatron_plugins.rng import ModuleRng
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    with module_rng.enter("vision"):
+        _draw(cuda)
+    saved = pickle.loads(pickle.dumps(module_rng.state_dict()))
+    assert set(saved) == set(HOSTED)
+    expected = {}
+    for name in HOSTED:
+        with module_rng.enter(name):
+            expected[name] = _draw(cuda)
+    # A resumed rank: stock restores the live (language) streams itself, the rest from the dict.
+    resumed = ModuleRng.seed(topology, SEED, _options())
+    resumed.load_state_dict({"vision": saved["vision"]})
+    with resumed.enter("vision"):
+        assert _draw(cuda) == expected["vision"]
+    resumed.load_state_dict({"language": saved["language"]})
+    assert _draw(cuda) == expected["language"]
+
+
+def test_module_rng_refuses_modules_the_rank_does_not_host():
+    from megatron_plugins.rng import ModuleRng
+
+    topology = _in_process_topology()
+    with pytest.raises(ValueError, match="distinct module names"):
+        ModuleRng.seed(topology, SEED, _options(), modules=["vision", "vision"])
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    message = "no RNG streams for module audio: this rank hosts vision, language"
+    with pytest.raises(ValueError, match=message), module_rng.enter("audio"):
+        pass
+    with pytest.raises(ValueError, match=message):
+        module_rng.load_state_dict({"audio": module_rng.state_dict()["vision"]})
+    assert module_rng.live == "language"

@@ -148,11 +148,14 @@ def _write_streams(streams: _Streams) -> None:
             tracker._current_state_name = streams.tracker_stream
 
 
-def _portable(state: torch.Tensor | torch.Generator) -> torch.Tensor:
+def _checkpoint_form(state: torch.Tensor | torch.Generator) -> torch.Tensor:
+    """A CUDA or tracker state as a tensor copy, as stock checkpoints it."""
     return tensor_parallel_random.convert_cuda_rng_state(state, to_graphable=False).clone()
 
 
-def _live(state: torch.Tensor) -> torch.Tensor | torch.Generator:
+def _process_form(state: torch.Tensor) -> torch.Tensor | torch.Generator:
+    """A checkpointed state in the form the tracker uses (a generator when graph-safe), as stock
+    restores it."""
     return tensor_parallel_random.convert_cuda_rng_state(state.clone(), to_graphable=_graph_safe())
 
 
@@ -242,8 +245,8 @@ class ModuleRng:
                 "random_rng_state": streams.python,
                 "np_rng_state": streams.numpy,
                 "torch_rng_state": streams.torch.clone(),
-                "cuda_rng_state": None if streams.cuda is None else _portable(streams.cuda),
-                "rng_tracker_states": {k: _portable(v) for k, v in streams.tracker.items()},
+                "cuda_rng_state": None if streams.cuda is None else _checkpoint_form(streams.cuda),
+                "rng_tracker_states": {k: _checkpoint_form(v) for k, v in streams.tracker.items()},
             }
         return states
 
@@ -256,8 +259,8 @@ class ModuleRng:
             cuda = state["cuda_rng_state"]
             streams = _Streams(
                 state["random_rng_state"], state["np_rng_state"],
-                state["torch_rng_state"].clone(), None if cuda is None else _live(cuda),
-                {k: _live(v) for k, v in state["rng_tracker_states"].items()},
+                state["torch_rng_state"].clone(), None if cuda is None else _process_form(cuda),
+                {k: _process_form(v) for k, v in state["rng_tracker_states"].items()},
                 "default-rng" if cuda is not None and name != self._live else None,
             )
             if name == self._live:

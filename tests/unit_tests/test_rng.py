@@ -218,7 +218,7 @@ def _fork_dropout() -> list:
 
 
 def _draw(cuda: bool = True) -> dict:
-    """One step's worth of draws: Python, NumPy, torch and (with a device) default-stream dropout."""
+    """One step's draws: Python, NumPy, torch and (with a device) default-stream dropout."""
     import random
 
     import numpy as np
@@ -232,7 +232,7 @@ def _draw(cuda: bool = True) -> dict:
 
 
 def _build(tp_group) -> list:
-    """A tiny TP-sharded layer; Megatron draws its weight under the tracker's model-parallel fork."""
+    """A tiny TP-sharded layer; Megatron draws its weight under the model-parallel fork."""
     import torch
     from megatron.core import ModelParallelConfig, tensor_parallel
 

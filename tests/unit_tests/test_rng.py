@@ -174,3 +174,268 @@ def test_rng_checkpoint_keys_are_distinct_per_module():
     keys = [f"{rng_state_key_prefix(name)}rng_state" for name in names]
     assert len(set(keys)) == len(names)
     assert all(key.startswith(f"{name}.") for key, name in zip(keys, names))
+
+
+
+# ------------------------------------------------------------------------------------------------
+# ModuleRng: two modules on one process draw exactly what each draws on a process of its own.
+
+# The reference: each module on ranks of its own (vision on 0-1, language on 2-3), both TP 2, so
+# the tensor-parallel stream differs per rank.
+DISJOINT_FLAGS = "--encoder vision=vit --grid vision:tp=2 --grid language:tp=2"
+HOSTED = ("vision", "language")
+
+
+class _OneRankGroup:
+    """A group of size 1 for in-process tests (``torch.distributed`` may be uninitialized)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def _hosting_topology(layout, groups) -> SimpleNamespace:
+    """What a colocated rank's topology gives ModuleRng: both modules' groups on one process."""
+    return SimpleNamespace(layout=layout, active_modules=list(HOSTED),
+                           module_pgs={name: groups for name in HOSTED})
+
+
+def _dropout() -> list:
+    """Dropout on whatever "CUDA" stream is live (the default one outside a tracker fork)."""
+    import torch
+
+    return torch.nn.functional.dropout(torch.ones(4, 8, device="cuda"), 0.5).tolist()
+
+
+def _fork_dropout() -> list:
+    """Dropout on the tensor-parallel stream, as Megatron's attention dropout draws it."""
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        return _dropout()
+
+
+def _draw(cuda: bool = True) -> dict:
+    """One step's draws: Python, NumPy, torch and (with a device) default-stream dropout."""
+    import random
+
+    import numpy as np
+    import torch
+
+    values = {"python": random.random(), "numpy": float(np.random.random()),
+              "torch": torch.rand(3).tolist()}
+    if cuda:
+        values["dropout"] = _dropout()
+    return values
+
+
+def _build(tp_group) -> list:
+    """A tiny TP-sharded layer; Megatron draws its weight under the model-parallel fork."""
+    import torch
+    from megatron.core import ModelParallelConfig, tensor_parallel
+
+    layer = tensor_parallel.ColumnParallelLinear(
+        8, 6, config=ModelParallelConfig(tensor_model_parallel_size=2), bias=False,
+        init_method=lambda weight: torch.nn.init.normal_(weight, std=0.5), tp_group=tp_group)
+    return layer.weight.tolist()
+
+
+def _draws_in_contexts(module_rng) -> dict:
+    draws = {}
+    for name in HOSTED:
+        with module_rng.enter(name):
+            draws[name] = {**_draw(), "fork": _fork_dropout()}
+    return draws
+
+
+def _colocated_streams(command: str) -> dict:
+    """Each rank: its own module alone (seed_module), then both modules on it (ModuleRng)."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    import pickle
+
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    import megatron_plugins.rng as rng
+    from megatron_plugins.layout_flags import layout_from_args
+    from megatron_plugins.topology import build_topology
+
+    rank = dist.get_rank()
+    topology = build_topology(layout_from_args(_parse(command), dist.get_world_size()))
+    [module] = topology.active_modules
+    rng.seed_module(topology, module, SEED, _options())
+    own = {"weight": _build(topology.module_pgs[module].tp), "d1": _draw(), "d2": _draw()}
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        own["fork"] = [_dropout(), _dropout(), _dropout()]
+    own["d3"] = _draw()
+
+    # Both modules on this rank, each with a TP group over the same two ranks as its own module.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    groups = SimpleNamespace(tp=pairs[rank // 2], pp=singles[rank], dp=singles[rank],
+                             ep=singles[rank], expt_tp=singles[rank])
+    hosting = _hosting_topology(topology.layout, groups)
+    module_rng = rng.ModuleRng.seed(hosting, SEED, _options())
+    live_after_seeding = module_rng.live
+    both = {name: {} for name in HOSTED}
+    vision, language = both["vision"], both["language"]
+    with module_rng.enter("vision"):
+        vision["weight"] = _build(groups.tp)
+    with module_rng.enter("language"):  # the live module: a no-op context
+        language["weight"] = _build(groups.tp)
+    with module_rng.enter("vision"):
+        vision["d1"] = _draw()
+    language["d1"] = _draw()
+    with module_rng.enter("vision"):
+        vision["d2"] = _draw()
+    language["d2"] = _draw()
+    with tensor_parallel.get_cuda_rng_tracker().fork():  # language's TP stream around vision's
+        language["fork"] = [_dropout()]
+        with module_rng.enter("vision"):
+            vision["fork"] = [_fork_dropout(), _fork_dropout(), _fork_dropout()]
+            with module_rng.enter("language"):  # back into the fork it left
+                language["fork"].append(_dropout())
+        language["fork"].append(_dropout())
+    with module_rng.enter("vision"):
+        vision["d3"] = _draw()
+    language["d3"] = _draw()
+
+    saved = pickle.dumps(module_rng.state_dict())
+    next_draws = _draws_in_contexts(module_rng)
+    module_rng.load_state_dict(pickle.loads(saved))
+    replayed = _draws_in_contexts(module_rng)
+    resumed_rng = rng.ModuleRng.seed(hosting, SEED, _options())
+    resumed_rng.load_state_dict(pickle.loads(saved))
+    topology.destroy()
+    return {"module": module, "own": own, "both": both, "live_after_seeding": live_after_seeding,
+            "next": next_draws, "replayed": replayed, "resumed": _draws_in_contexts(resumed_rng)}
+
+
+@pytest.fixture(scope="module")
+def colocated_results() -> list:
+    return run_in_processes(_colocated_streams, 4, args=(DISJOINT_FLAGS,), timeout=150,
+                            simulated=True)
+
+
+def test_two_modules_on_one_process_draw_their_own_streams(colocated_results):
+    # Rank r hosts both modules at TP rank r % 2; ranks 0-1 ran vision alone, ranks 2-3 language.
+    for rank, result in enumerate(colocated_results):
+        assert result["live_after_seeding"] == "language"
+        for name, alone_rank in (("vision", rank % 2), ("language", 2 + rank % 2)):
+            alone = colocated_results[alone_rank]
+            assert alone["module"] == name
+            # Weights (tracker fork at construction), default and TP-stream dropout masks, Python,
+            # NumPy and torch draws: interleaved and nested contexts continue each stream exactly.
+            assert result["both"][name] == alone["own"], (rank, name)
+    own = [result["own"] for result in colocated_results]
+    assert own[0]["weight"] != own[2]["weight"]  # the property is not vacuous: modules differ,
+    assert own[0]["weight"] != own[1]["weight"]  # and so do TP ranks
+    assert own[0]["d1"]["dropout"] == own[1]["d1"]["dropout"]  # TP ranks share the default
+
+
+def test_module_rng_state_dict_round_trips(colocated_results):
+    for result in colocated_results:
+        assert result["replayed"] == result["next"]  # loaded into the same object
+        assert result["resumed"] == result["next"]  # loaded into a freshly seeded one (resume)
+        assert result["next"]["vision"] != result["next"]["language"]
+
+
+def _in_process_topology() -> SimpleNamespace:
+    from megatron_plugins.layout import ModulePlacement, ParallelLayout
+
+    layout = ParallelLayout((
+        ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
+        ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=1, rank_offset=1),
+    ))
+    group = _OneRankGroup()
+    return _hosting_topology(layout, SimpleNamespace(tp=group, pp=group, dp=group, ep=group,
+                                                     expt_tp=group))
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.device_count() > 0
+
+
+def test_one_module_rng_seeds_exactly_like_seed_module():
+    from megatron_plugins.rng import ModuleRng, seed_module
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    for name in HOSTED:
+        seed_module(topology, name, SEED, _options())
+        alone = [_draw(cuda), _draw(cuda)]
+        module_rng = ModuleRng.seed(topology, SEED, _options(), modules=[name])
+        with module_rng.enter(name):
+            first = _draw(cuda)
+        assert [first, _draw(cuda)] == alone
+
+
+def test_contexts_continue_each_stream_across_entries_in_process():
+    from megatron_plugins.rng import ModuleRng, seed_module
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    alone = {}
+    for name in HOSTED:
+        seed_module(topology, name, SEED, _options())
+        alone[name] = [_draw(cuda) for _ in range(3)]
+    assert alone["vision"] != alone["language"]
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    assert module_rng.modules == HOSTED and module_rng.live == "language"
+    both = {name: [] for name in HOSTED}
+    with module_rng.enter("vision"):  # A, B, A, with B nested inside A and A inside B
+        both["vision"].append(_draw(cuda))
+        with module_rng.enter("language"):
+            both["language"].append(_draw(cuda))
+            with module_rng.enter("vision"):
+                both["vision"].append(_draw(cuda))
+            both["language"].append(_draw(cuda))
+        assert module_rng.live == "vision"
+    assert module_rng.live == "language"
+    both["language"].append(_draw(cuda))
+    with module_rng.enter("vision"):
+        both["vision"].append(_draw(cuda))
+    assert both == alone
+
+
+def test_module_rng_state_dict_pickles_and_loads_per_module():
+    import pickle
+
+    from megatron_plugins.rng import ModuleRng
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    with module_rng.enter("vision"):
+        _draw(cuda)
+    saved = pickle.loads(pickle.dumps(module_rng.state_dict()))
+    assert set(saved) == set(HOSTED)
+    expected = {}
+    for name in HOSTED:
+        with module_rng.enter(name):
+            expected[name] = _draw(cuda)
+    # A resumed rank: stock restores the live (language) streams itself, the rest from the dict.
+    resumed = ModuleRng.seed(topology, SEED, _options())
+    resumed.load_state_dict({"vision": saved["vision"]})
+    with resumed.enter("vision"):
+        assert _draw(cuda) == expected["vision"]
+    resumed.load_state_dict({"language": saved["language"]})
+    assert _draw(cuda) == expected["language"]
+
+
+def test_module_rng_refuses_modules_the_rank_does_not_host():
+    from megatron_plugins.rng import ModuleRng
+
+    topology = _in_process_topology()
+    with pytest.raises(ValueError, match="distinct module names"):
+        ModuleRng.seed(topology, SEED, _options(), modules=["vision", "vision"])
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    message = "no RNG streams for module audio: this rank hosts vision, language"
+    with pytest.raises(ValueError, match=message), module_rng.enter("audio"):
+        pass
+    with pytest.raises(ValueError, match=message):
+        module_rng.load_state_dict({"audio": module_rng.state_dict()["vision"]})
+    assert module_rng.live == "language"

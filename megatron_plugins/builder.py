@@ -29,14 +29,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
 from megatron_plugins import deepstack
-from megatron_plugins.compat import checkpointing, context_parallel, training_step
+from megatron_plugins.colocated_step import ColocatedEncoders, HostedEncoder
+from megatron_plugins.compat import checkpointing, colocation, context_parallel, training_step
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
 from megatron_plugins.language import language_model_spec
 from megatron_plugins.layout import LANGUAGE
 from megatron_plugins.lifecycle import Freeze, prepare_active_modules
-from megatron_plugins.rng import rng_state_key_prefix, seed_module
+from megatron_plugins.rng import ModuleRng, rng_state_key_prefix
 from megatron_plugins.topology import HeteroTopology
 from megatron_plugins.weights import load_pretrained
 from megatron_plugins.weights.megatron_init import load_megatron_checkpoints
@@ -102,8 +103,10 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
 
     def build_model(self, pg_collection: Any = None, pre_process: bool | None = None,
                     post_process: bool | None = None, vp_stage: int | None = None,
-                    encoder_configs: dict[str, TransformerConfig] | None = None) -> MimoModel:
-        """This rank's ``MimoModel``: specs for every module, only the active one instantiated."""
+                    encoder_configs: dict[str, TransformerConfig] | None = None,
+                    rng: ModuleRng | None = None) -> MimoModel:
+        """This rank's ``MimoModel``: specs for every module, only the active ones instantiated
+        (each hosted encoder inside its own RNG streams of ``rng``)."""
         cfg = self._model_config
         topology = self._topology()
         module_pgs = topology.module_pgs
@@ -119,9 +122,16 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             module_to_grid_map=dict(topology.grids),
         )
         language_pgc = module_pgs.get(LANGUAGE)
-        model = MimoModel(mimo_config,
-                          cp_group=language_pgc.cp if language_pgc else None,
-                          tp_group=language_pgc.tp if language_pgc else None)
+        groups = {"cp_group": language_pgc.cp if language_pgc else None,
+                  "tp_group": language_pgc.tp if language_pgc else None}
+        if topology.hosted:
+            if rng is None:
+                raise ValueError("a rank hosting encoders builds them inside their RNG streams: "
+                                 "pass rng (ModuleRng.seed)")
+            model = colocation.build_presenting_language(mimo_config, topology.hosted, rng.enter,
+                                                         **groups)
+        else:
+            model = MimoModel(mimo_config, **groups)
         context_parallel.split_packed_rows_without_te(model)
         deepstack.install(model, {name: plugin.deepstack_levels
                                   for name, plugin in cfg._plugins.items()})
@@ -155,17 +165,16 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             raise ValueError("--use-megatron-fsdp / --use-torch-fsdp2 are not supported for "
                              "heterogeneous MiMo yet; use DDP (optionally with "
                              "--use-distributed-optimizer)")
-        for name in topology.active_modules:
-            seed_module(topology, name, cfg.seed, SimpleNamespace(
-                data_parallel_random_init=data_parallel_random_init,
-                te_rng_tracker=language.use_te_rng_tracker,
-                inference_rng_tracker=cfg.inference_rng_tracker,
-                cuda_graph_impl=language.cuda_graph_impl,
-            ))
+        rng = ModuleRng.seed(topology, cfg.seed, SimpleNamespace(
+            data_parallel_random_init=data_parallel_random_init,
+            te_rng_tracker=language.use_te_rng_tracker,
+            inference_rng_tracker=cfg.inference_rng_tracker,
+            cuda_graph_impl=language.cuda_graph_impl,
+        ))
         configs = cfg.encoder_configs()
         meta = torch.device("meta") if language.init_model_with_meta_device else None
         with meta or contextlib.nullcontext():
-            model = self.build_model(encoder_configs=configs)
+            model = self.build_model(encoder_configs=configs, rng=rng)
         load_pretrained(model, topology.module_pgs, cfg.language_hf_weights,
                         cfg.encoder_hf_weights, cfg._plugins, cfg.hf_model)
         load_megatron_checkpoints(model, topology.module_pgs, cfg.language_megatron_checkpoint,
@@ -189,7 +198,16 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
         )
         install_grad_sync(model, module_pgs, cfg._alignment)
-        [active] = topology.active_modules
+        if topology.hosted:
+            ColocatedEncoders(topology.layout, torch.distributed.get_rank(), {
+                name: HostedEncoder(
+                    topology.layout.module(name),
+                    language.hidden_size * (1 + cfg._plugins[name].deepstack_levels),
+                    any(p.requires_grad for p in model.modality_submodules[name].parameters()))
+                for name in topology.hosted}, rng).attach(model)
+        # The module stock checkpointing and train_step see: the language model where the rank
+        # has it (a colocated rank's encoders keep their RNG streams in ``rng``).
+        [active] = [LANGUAGE] if topology.hosted else topology.active_modules
         model.pg_collection = module_pgs[active]
         model.rng_state_key_prefix = rng_state_key_prefix(active)
         return [_single(compose_hooks(cfg.post_wrap_hooks)([model]), "post_wrap_hooks")]

@@ -31,7 +31,8 @@ from megatron.training.global_vars import set_global_variables
 
 from megatron_plugins import checkpoint_guards, cpu_simulation
 from megatron_plugins.builder import MimoBuildConfig
-from megatron_plugins.compat import model_build, startup
+from megatron_plugins.colocated_step import ColocatedSchedule
+from megatron_plugins.compat import colocation, model_build, startup
 from megatron_plugins.data.addressing import AlignmentGuard
 from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
@@ -175,6 +176,8 @@ def start(run: MimoRun) -> MimoSession:
                                 world_size=args.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     topology = build_topology(run.layout)
+    if run.layout.hosted:
+        colocation.wrap_schedules(ColocatedSchedule)
     checkpoint_guards.write_layout(args.save, run.layout, dist.get_rank())
     model_build.ensure_global_memory_buffer()
     language = language_config_from_args(args)

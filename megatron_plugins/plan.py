@@ -134,8 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         own, _ = _parser().parse_known_args(argv)
-        layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True,
-                           launch=False).layout
+        layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True).layout
     except UsageError as error:
         return report("mimo-plan", error)
     print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL))

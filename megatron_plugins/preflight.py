@@ -24,7 +24,7 @@ from megatron_plugins.weights.flags import expand_hf_model, fill_layout_flags
 
 __all__ = [
     "EVERY_ENCODER", "Preflight", "add_mimo_args", "asks_help", "check_parser", "check_run",
-    "refuse_untrainable", "resolve_freeze", "run", "world_size_from_env"
+    "resolve_freeze", "run", "world_size_from_env"
 ]
 
 EVERY_ENCODER = "*"
@@ -172,26 +172,14 @@ def _encoder_heads(argv: Sequence[str], layout: ParallelLayout, quiet: bool) -> 
         raise FlagError(str(error)) from None
 
 
-def refuse_untrainable(layout: ParallelLayout) -> None:
-    """Refuse a layout the training step cannot run yet: colocated encoders (issue 28) are
-    parsed, checked and planned, but their step does not exist, and the stock path would pair
-    their rows with the wrong samples."""
-    if layout.hosted:
-        module = layout.hosted[0]
-        raise LayoutError(f"{module.source}: colocated layouts are not trainable yet (issue 28); "
-                          f"place {module.name} on its own ranks")
-
-
-def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False,
-              launch: bool = True) -> Preflight:
+def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> Preflight:
     """Every check that needs no Megatron import, on a raw command line; returns the layout and
     the freeze lists.
 
     Flags it does not know are ignored, so the launch's and a pasted torchrun command line both
     work. Raises :class:`FlagError` or ``LayoutError`` with one line naming the flag. ``quiet``
     hides Megatron's warnings about absent GPU libraries when a plugin import needs Megatron (as
-    ``--cpu-simulation`` does). ``launch`` False (``mimo-plan``) accepts a layout that can be
-    described but not trained yet (:func:`refuse_untrainable`).
+    ``--cpu-simulation`` does).
     """
     argv = expand_hf_model(argv)
     refuse_upstream_flags(argv)
@@ -208,8 +196,6 @@ def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False,
     if given_flag(argv, ["--encoder-ddp-overlap"]) and not args.overlap_grad_reduce:
         raise FlagError("--encoder-ddp-overlap needs --overlap-grad-reduce (as upstream); add it "
                         "or use --encoder-overlap-grad-reduce alone")
-    if launch:
-        refuse_untrainable(layout)
     return Preflight(layout, list(args.freeze_encoder), freeze_projection)
 
 

@@ -101,8 +101,14 @@ class HeteroTopology:
 
     @property
     def active_modules(self) -> tuple[str, ...]:
-        """Modules this rank belongs to (one on disjoint grids)."""
+        """Modules this rank belongs to (one on disjoint grids; the language model and the
+        encoders it hosts on a colocated rank)."""
         return tuple(self.pg_collection.keys())
+
+    @property
+    def hosted(self) -> tuple[str, ...]:
+        """Encoders this rank runs on the language model's ranks (colocated layouts)."""
+        return tuple(m.name for m in self.layout.hosted if m.name in self.pg_collection.keys())
 
     @property
     def module_pgs(self) -> Mapping[str, ProcessGroupCollection]:
@@ -198,7 +204,10 @@ def build_topology(layout: ParallelLayout, backend: str | None = None) -> Hetero
 
 def pipeline_communicator(topology: HeteroTopology, config: ModelParallelConfig,
                           static_shapes: bool) -> MultiModulePipelineCommunicator:
-    """The schedule's cross-grid communicator: every encoder feeds the language model.
+    """The schedule's cross-grid communicator: every encoder on ranks of its own feeds the
+    language model (a hosted encoder's rows are routed by the colocated step, not the schedule:
+    the wheel's communicator would count a rank at language stage 1 as a first stage because its
+    encoder is one, multimodule_communicator.py:187-216).
 
     Encoders hand over ``[tokens, hidden]`` (batch folded into dim 0, split per sample by the
     bridge); language stages pass ``[seq, batch, hidden]``. Stage links exchange shapes once per
@@ -208,10 +217,11 @@ def pipeline_communicator(topology: HeteroTopology, config: ModelParallelConfig,
     received (Gap 12). With language CP every CP rank receives all encoder rows, and their
     gradients are summed before the send (Gap 18). Collective: call on every rank.
     """
-    encoders = [module.name for module in topology.layout.encoders]
+    hosted = {module.name for module in topology.layout.hosted}
+    encoders = [module.name for module in topology.layout.encoders if module.name not in hosted]
     with communication.fold_destination_cp():
         communicator = MultiModulePipelineCommunicator(
-            dict(topology.grids),
+            {name: grid for name, grid in topology.grids.items() if name not in hosted},
             {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []},
             config,
             dim_mapping={"s": 0, "b": 1, "h": 2},

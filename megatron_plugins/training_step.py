@@ -23,7 +23,12 @@ from megatron.core.utils import unwrap_model
 from megatron_plugins.data.streams import ITEM_TOKENS, RECEIVED_ORDER
 from megatron_plugins.encoders import EncoderPluginError
 
-__all__ = ["forward_step"]
+__all__ = ["COLOCATED_ROWS", "check_encoder_rows", "forward_step"]
+
+COLOCATED_ROWS = "colocated_rows"
+"""Batch entry the colocated schedule (:mod:`megatron_plugins.colocated_step`) hands the forward
+step on a rank hosting encoders: per hosted encoder, the rows of this microbatch's samples that
+the language first stage merges (empty on later stages)."""
 
 SPLIT_SIZES = "_mimo_bridge_split_sizes"
 """Attribute of an encoder output that megatron-core's bridge splits a fan-out by (one entry per
@@ -48,18 +53,25 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+def check_encoder_rows(name: str, output: torch.Tensor,
+                       item_tokens: list[tuple[int, ...]]) -> list[int]:
+    """Each sample's rows, once ``output`` is checked to hold the rows its items declared (an
+    encoder plugin's ``item_tokens`` that does not match its network fails here, named)."""
+    per_sample = [sum(counts) for counts in item_tokens]
+    if output.shape[0] != sum(per_sample):
+        raise EncoderPluginError(
+            f"--encoder {name}: the encoder returned {output.shape[0]} rows for a microbatch "
+            f"whose items declare {sum(per_sample)} tokens ({item_tokens} per sample); "
+            "its item_tokens(size) must give the rows each item's output has")
+    return per_sample
+
+
 def _label_encoder_outputs(outputs: Mapping[str, torch.Tensor],
                            item_tokens: Mapping[str, list[tuple[int, ...]]]) -> None:
-    """Check each encoder output holds the rows its items declared, and give it its samples'
-    counts: with variable counts the bridge must split it per language replica by samples."""
+    """Check each encoder output and give it its samples' counts: with variable counts the
+    bridge must split it per language replica by samples."""
     for name, output in outputs.items():
-        per_sample = [sum(counts) for counts in item_tokens[name]]
-        if output.shape[0] != sum(per_sample):
-            raise EncoderPluginError(
-                f"--encoder {name}: the encoder returned {output.shape[0]} rows for a microbatch "
-                f"whose items declare {sum(per_sample)} tokens ({item_tokens[name]} per sample); "
-                "its item_tokens(size) must give the rows each item's output has")
-        setattr(output, SPLIT_SIZES, per_sample)
+        setattr(output, SPLIT_SIZES, check_encoder_rows(name, output, item_tokens[name]))
 
 
 def _in_sample_order(model: torch.nn.Module, orders: Mapping[str, torch.Tensor]) -> None:
@@ -86,7 +98,12 @@ def _model_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | Non
 def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
                  ) -> tuple[Any, Callable]:
     """One microbatch through this rank's part of the MiMo model."""
-    batch = _to_device(next(data_iterator))
+    batch = next(data_iterator)
+    colocated = batch.pop(COLOCATED_ROWS, None)
+    batch = _to_device(batch)
+    if colocated:
+        mimo = unwrap_model(model)
+        mimo.input_tensors = {**(getattr(mimo, "input_tensors", None) or {}), **colocated}
     if RECEIVED_ORDER in batch:
         _in_sample_order(model, batch[RECEIVED_ORDER])
     output, loss_mask = model(

@@ -151,31 +151,25 @@ MIXED = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "visio
          "--grid", "audio:dp=1", "--grid", "language:dp=2"]
 
 
-@pytest.mark.parametrize("flags, world_size, source", [
-    (COLOCATED, 4, "--grid vision:dp=4@language"),
-    (MIXED, 3, "--grid vision:dp=2@language"),
-], ids=["colocated", "mixed"])
-def test_a_launch_refuses_colocated_layouts_until_their_step_exists(flags, world_size, source):
-    with pytest.raises(LayoutError) as error:
-        check_run(flags, world_size)
-    assert str(error.value) == (f"{source}: colocated layouts are not trainable yet (issue 28); "
-                                "place vision on its own ranks")
-    layout = check_run(flags, world_size, launch=False).layout  # what mimo-plan describes
+@pytest.mark.parametrize("flags, world_size", [(COLOCATED, 4), (MIXED, 3)],
+                         ids=["colocated", "mixed"])
+def test_a_launch_takes_colocated_layouts(flags, world_size):
+    layout = check_run(flags, world_size).layout
     assert layout.world_size == world_size and layout.hosted == (layout.module("vision"),)
 
 
 def test_colocated_refusals_read_the_raw_command_line():
     with pytest.raises(LayoutError,
                        match="^--balance-encoder-work with --grid vision:dp=4@language"):
-        check_run([*COLOCATED, "--balance-encoder-work"], 4, launch=False)
+        check_run([*COLOCATED, "--balance-encoder-work"], 4)
     with pytest.raises(LayoutError, match="^--grid vision:dp=4@language: colocated on language's "
                                           "2 ranks, tp x dp must be 2 \\(is 4\\)"):
-        check_run([*COLOCATED[:4], "--grid", "language:dp=2"], 2, launch=False)
+        check_run([*COLOCATED[:4], "--grid", "language:dp=2"], 2)
 
 
-def test_the_entry_point_refuses_a_colocated_layout_before_torch_is_imported():
-    result = _entry_point(COLOCATED, 4)
+def test_the_entry_point_refuses_a_colocated_grid_of_the_wrong_size_before_torch_is_imported():
+    result = _entry_point([*COLOCATED[:4], "--grid", "language:dp=2"], 2)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [
-        "pretrain_mimo.py: error: --grid vision:dp=4@language: colocated layouts are not "
-        "trainable yet (issue 28); place vision on its own ranks"]
+    assert result.stderr.splitlines()[0].startswith(
+        "pretrain_mimo.py: error: --grid vision:dp=4@language: colocated on language's 2 ranks, "
+        "tp x dp must be 2 (is 4)")

@@ -1,0 +1,183 @@
+"""The training step of a rank that hosts encoders on the language model's ranks (issue 28).
+
+:class:`ColocatedSchedule` wraps the stock schedule (installed for stock ``train()`` and
+``evaluate()`` by compat Gap 24) and runs one step in three phases on a rank holding
+:class:`ColocatedEncoders`; elsewhere it is the stock schedule:
+
+1. every hosted encoder runs its forward over the step's microbatches, each inside the encoder's
+   RNG streams (:class:`~megatron_plugins.rng.ModuleRng`) with the same batches as on ranks of its
+   own, and its rows are routed to the language model's first-stage ranks that merge them
+   (:mod:`megatron_plugins.colocated_routing`), where they become one detached leaf;
+2. the stock schedule runs the language model (any pipeline depth) on the step's language
+   batches, each carrying its microbatch's view of the leaf (:data:`COLOCATED_ROWS`), with the
+   model's gradient finalization held back;
+3. the leaf's gradient is routed back to the ranks that computed the rows, one backward per
+   encoder runs, and the held-back finalization reduces every module on its own groups and
+   divides by the global token count, as on disjoint grids.
+
+A hosted encoder's activations live from phase 1 to phase 3: on a colocated rank the step holds
+every microbatch's encoder activations at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.utils import get_model_config, unwrap_model
+
+from megatron_plugins.colocated_routing import RoutingPlan, route_backward, route_forward
+from megatron_plugins.data.addressing import RankSlice
+from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS
+from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.rng import ModuleRng
+from megatron_plugins.training_step import COLOCATED_ROWS, check_encoder_rows
+
+__all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders"]
+
+_ATTRIBUTE = "_mimo_colocated_encoders"
+
+
+@dataclass(frozen=True)
+class HostedEncoder:
+    """One encoder on this rank's language ranks: its grid, and its output rows' width."""
+
+    placement: ModulePlacement
+    width: int
+    """Elements per output row: the language hidden size, times 1 + its DeepStack levels."""
+    trains: bool
+    """Whether it has trainable parameters (from the freezing flags: the same on all its ranks,
+    so they agree on routing gradients back)."""
+
+
+@dataclass
+class ColocatedEncoders:
+    """What a rank hosting encoders keeps for its steps."""
+
+    layout: ParallelLayout
+    rank: int
+    encoders: dict[str, HostedEncoder]
+    rng: ModuleRng
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Let the schedule find these encoders from the model it is handed."""
+        setattr(unwrap_model(model), _ATTRIBUTE, self)
+
+    def slice(self, module: str, micro_batch_size: int) -> RankSlice:
+        """This rank's slice of every global microbatch for ``module``."""
+        dp = self.layout.module(module).coordinates(self.rank)["dp"]
+        return RankSlice.of(self.layout, module, dp, micro_batch_size)
+
+    def row_counts(self, name: str, batches: list[dict[str, Any]],
+                   micro_batch_size: int) -> list[dict[int, int]]:
+        """Rows of each position this rank computes or merges, per microbatch, from the counts
+        both its encoder and its language batches carry (so no rank has to ask another)."""
+        computed = self.slice(name, micro_batch_size).positions
+        consumed = self.slice(LANGUAGE, micro_batch_size).positions
+        counts = []
+        for batch in batches:
+            rows = dict(zip(consumed, map(sum, batch[ITEM_TOKENS][name])))
+            rows.update(zip(computed, map(sum, batch[COLOCATED][name][ITEM_TOKENS][name])))
+            counts.append(rows)
+        return counts
+
+
+def colocated_encoders(model: torch.nn.Module) -> ColocatedEncoders | None:
+    """The encoders ``model``'s rank hosts, None on a rank without any."""
+    return getattr(unwrap_model(model), _ATTRIBUTE, None)
+
+
+def _encoder_rows(mimo: torch.nn.Module, name: str, width: int,
+                  batch: Mapping[str, Any]) -> torch.Tensor:
+    """One microbatch through a hosted encoder, checked against the rows its items declare."""
+    inputs = batch.get("modality_inputs")
+    inputs = inputs.get(name) if inputs else None
+    if inputs is None:
+        output = torch.empty((0, width), device=torch.cuda.current_device(),
+                             dtype=mimo.config.params_dtype)
+    else:
+        output = mimo.modality_submodules[name](encoder_inputs=inputs, hidden_states=None)
+    check_encoder_rows(name, output, batch[ITEM_TOKENS][name])
+    return output
+
+
+@dataclass
+class _Routed:
+    plan: RoutingPlan
+    computed: torch.Tensor
+    leaf: torch.Tensor
+
+
+class ColocatedSchedule:
+    """The stock forward-backward function, in three phases on ranks hosting encoders."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
+                 num_microbatches: int, forward_only: bool = False, **kwargs: Any) -> Any:
+        chunk = model[0] if isinstance(model, list) else model
+        hosted = colocated_encoders(chunk)
+        if hosted is None:
+            return self.inner(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                              model=model, num_microbatches=num_microbatches,
+                              forward_only=forward_only, **kwargs)
+        iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+        batches = [next(iterator) for _ in range(num_microbatches)]
+        mimo = unwrap_model(chunk)
+        routed = self._encode(mimo, hosted, batches, kwargs["micro_batch_size"], forward_only)
+        for index, batch in enumerate(batches):
+            batch.pop(COLOCATED)
+            batch[COLOCATED_ROWS] = {
+                name: route.leaf[slice(*route.plan.consumed_microbatches[index])]
+                for name, route in routed.items() if route.plan.consumed_rows}
+        config = get_model_config(chunk)
+        finalize = config.finalize_model_grads_func
+        held: list[tuple[tuple, dict]] = []
+        config.finalize_model_grads_func = lambda *args, **kw: held.append((args, kw))
+        try:
+            losses = self.inner(forward_step_func=forward_step_func,
+                                data_iterator=iter(batches), model=model,
+                                num_microbatches=num_microbatches, forward_only=forward_only,
+                                **kwargs)
+        finally:
+            config.finalize_model_grads_func = finalize
+        if not forward_only:
+            self._backward(hosted, routed)
+        for args, kw in held:
+            finalize(*args, **kw)
+        return losses
+
+    @staticmethod
+    def _encode(mimo: torch.nn.Module, hosted: ColocatedEncoders, batches: list[dict[str, Any]],
+                micro_batch_size: int, forward_only: bool) -> dict[str, _Routed]:
+        """Phase 1: every hosted encoder over the step's microbatches, rows routed."""
+        routed = {}
+        for name, encoder in hosted.encoders.items():
+            with hosted.rng.enter(name), torch.set_grad_enabled(not forward_only):
+                outputs = [_encoder_rows(mimo, name, encoder.width, batch[COLOCATED][name])
+                           for batch in batches]
+            computed = torch.cat(outputs)
+            plan = RoutingPlan.build(encoder.placement, hosted.layout.language, hosted.rank,
+                                     micro_batch_size,
+                                     hosted.row_counts(name, batches, micro_batch_size))
+            leaf = route_forward(computed, plan)
+            leaf.requires_grad_(encoder.trains and not forward_only)
+            routed[name] = _Routed(plan, computed, leaf)
+        return routed
+
+    @staticmethod
+    def _backward(hosted: ColocatedEncoders, routed: Mapping[str, _Routed]) -> None:
+        """Phase 3: the leaves' gradients back to the ranks that computed the rows, then one
+        backward per encoder (a frozen encoder's rows need none)."""
+        for name, route in routed.items():
+            if not hosted.encoders[name].trains:
+                continue
+            grad = route.leaf.grad if route.leaf.grad is not None else torch.zeros_like(route.leaf)
+            rows = route_backward(grad, route.plan)
+            if route.computed.requires_grad:
+                with hosted.rng.enter(name):
+                    torch.autograd.backward(route.computed, rows)
+

@@ -29,9 +29,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
 from megatron_plugins import deepstack
+<<<<<<< HEAD
 from megatron_plugins.colocated_step import ColocatedEncoders, HostedEncoder
 from megatron_plugins.compat import checkpointing, colocation, context_parallel, training_step
 from megatron_plugins.data.addressing import AlignmentGuard
+=======
+from megatron_plugins.compat import checkpointing, context_parallel, training_step
+from megatron_plugins.data.addressing import GuardSet
+>>>>>>> h/coloc-data
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
 from megatron_plugins.language import language_model_spec
@@ -79,7 +84,7 @@ class MimoBuildConfig(ModelConfig):
 
     _topology: HeteroTopology | None = None
     _plugins: dict[str, EncoderPlugin] = field(default_factory=dict)
-    _alignment: AlignmentGuard | None = None
+    _alignment: GuardSet | None = None
     """The training stream's data alignment guard, checked in the token-count all-reduce."""
 
     def encoder_configs(self) -> dict[str, TransformerConfig]:

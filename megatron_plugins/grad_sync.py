@@ -28,7 +28,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 from megatron_plugins.compat import training_step
-from megatron_plugins.data.addressing import AlignmentGuard
+from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.layout import LANGUAGE
 
 __all__ = ["CrossGridGradSync", "counts_tokens", "install_grad_sync", "scale_module_gradients"]
@@ -61,7 +61,7 @@ class CrossGridGradSync:
     """
 
     def __init__(self, model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],
-                 guard: AlignmentGuard | None = None) -> None:
+                 guard: GuardSet | None = None) -> None:
         self._model = model
         self._module_pgs = dict(module_pgs)
         self._guard = guard
@@ -134,7 +134,7 @@ class CrossGridGradSync:
 
 
 def install_grad_sync(model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],
-                      guard: AlignmentGuard | None = None) -> CrossGridGradSync:
+                      guard: GuardSet | None = None) -> CrossGridGradSync:
     """Point the model config's finalize/no-sync hooks at a :class:`CrossGridGradSync`.
 
     Stock ``train()`` keeps a finalize function already set on the config; its own no-sync

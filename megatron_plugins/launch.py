@@ -33,7 +33,7 @@ from megatron_plugins import checkpoint_guards, cpu_simulation
 from megatron_plugins.builder import MimoBuildConfig
 from megatron_plugins.colocated_step import ColocatedSchedule
 from megatron_plugins.compat import colocation, model_build, startup
-from megatron_plugins.data.addressing import AlignmentGuard
+from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
 from megatron_plugins.encoders import EncoderPlugin, add_encoder_args
@@ -156,7 +156,7 @@ class MimoSession:
     topology: HeteroTopology
     communicator: MultiModulePipelineCommunicator
     config: Any
-    guard: AlignmentGuard | None
+    guard: GuardSet | None
 
     def close(self) -> None:
         """Destroy every process group of the run (topology, bridges, the default group)."""

@@ -75,7 +75,8 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
             keys = result.setdefault("keys", [])
             held = result.setdefault("positions", [])
             item_tokens = result.setdefault("item_tokens", [])
-            record = session.guard.record
+            guard = session.guard[module]
+            record = guard.record
 
             def recording(batch_keys, positions, counts):
                 keys.append(list(batch_keys))
@@ -84,7 +85,7 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
                                     for name, per_sample in counts.items()})
                 record(batch_keys, positions, counts)
 
-            session.guard.record = recording
+            guard.record = recording
 
     run = parse_mimo_args(argv)
     reductions = count_grad_reductions() if count_reductions else None

@@ -15,7 +15,8 @@ the samples it held, with the token count of each of the sample's items, into pe
 encoders adding and the language model subtracting them per (encoder, language replica); the sums
 ride in the global token-count all-reduce and must be zero. A sample whose items an encoder
 counts otherwise than its language replica lays them out (a wrong size, a lost item) fails it as
-a wrong key does.
+a wrong key does. A rank hosting a colocated encoder holds one guard per module, summed and
+checked as one (:class:`GuardSet`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from megatron_plugins.data.balance import assign_samples, balanced_encoders
 from megatron_plugins.layout import LANGUAGE, ParallelLayout, encoder_micro_batch_size
 
-__all__ = ["AlignmentGuard", "DataMisalignmentError", "RankSlice"]
+__all__ = ["AlignmentGuard", "DataMisalignmentError", "GuardSet", "RankSlice"]
 
 _MASK = (1 << 64) - 1
 
@@ -102,7 +103,8 @@ class AlignmentGuard:
     """Per-step witness of the sample keys each module consumed (see the module docstring).
 
     :meth:`record` is called by the training stream for every microbatch; :meth:`contribution`
-    is this rank's share of the step's all-reduce and :meth:`check` reads the reduced sums.
+    is this module's share of the step's all-reduce, and its :class:`GuardSet` checks the
+    reduced sums.
     """
 
     def __init__(self, layout: ParallelLayout, module: str, rank_slice: RankSlice,
@@ -147,16 +149,53 @@ class AlignmentGuard:
         self._step_held, self._held, self._microbatch = self._held, [], 0
         return torch.tensor([_as_int64(value) for value in sums], dtype=torch.int64)
 
+    @property
+    def module(self) -> str:
+        """The module whose stream records into this guard."""
+        return self._module
+
+    def witness_records(self) -> tuple[str, int, list | None]:
+        """What :meth:`GuardSet.check` gathers from this guard after a failing step: the module,
+        its DP rank and the last step's records (None off witnesses)."""
+        return self._module, self._slice.dp_rank, self._step_held if self._witness else None
+
+
+class GuardSet:
+    """The alignment guards of every module active on this rank (two on a rank hosting a
+    colocated encoder), seen by the gradient sync as one: one share of the all-reduce, one check.
+    """
+
+    def __init__(self, layout: ParallelLayout, guards: Sequence[AlignmentGuard]) -> None:
+        self._encoders = [m.name for m in layout.encoders]
+        self._language_dp = layout.language.dp
+        self._guards = {guard.module: guard for guard in guards}
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules with a guard here, in the order they were given."""
+        return tuple(self._guards)
+
+    def __getitem__(self, module: str) -> AlignmentGuard:
+        """The guard ``module``'s training stream records into."""
+        return self._guards[module]
+
+    def contribution(self) -> torch.Tensor:
+        """This rank's signed hash sums for the step, every member's summed (wrapping like each
+        member's); starts a new step."""
+        parts = [guard.contribution().tolist() for guard in self._guards.values()]
+        return torch.tensor([_as_int64(sum(column)) for column in zip(*parts)], dtype=torch.int64)
+
     def check(self, reduced: torch.Tensor) -> None:
         """Raise on every rank, naming both ranks and the first differing sample, if the step's
         encoder and language keys differ anywhere. Only a failing step gathers keys."""
         if not bool(reduced.ne(0).any()):
             return
-        mine = (dist.get_rank(), self._module, self._slice.dp_rank,
-                self._step_held if self._witness else None)
+        rank = dist.get_rank()
+        mine = [(rank, *guard.witness_records()) for guard in self._guards.values()]
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        raise DataMisalignmentError(_first_difference(everyone, reduced, self._encoders,
+        witnesses = [entry for entries in everyone for entry in entries]
+        raise DataMisalignmentError(_first_difference(witnesses, reduced, self._encoders,
                                                       self._language_dp))
 
 

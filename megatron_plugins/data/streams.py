@@ -9,7 +9,8 @@ language ranks read from the samples' metadata and the encoder ranks from the it
 training microbatches to the :class:`~megatron_plugins.data.addressing.AlignmentGuard`, and saves
 the source's position into checkpoints. With ``--balance-encoder-work`` a language stream also
 tells the forward step how to put each balanced encoder's received rows in sample order
-(:data:`RECEIVED_ORDER`).
+(:data:`RECEIVED_ORDER`). A rank hosting colocated encoders reads one stream per module, each
+from its own replica's slice, zipped by a :class:`ColocatedStream` (:data:`COLOCATED`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
+from megatron_plugins.data.addressing import AlignmentGuard, GuardSet, RankSlice
 from megatron_plugins.data.balance import balanced_encoders, received_order
 from megatron_plugins.data.packing import pack_row, padding_share
 from megatron_plugins.encoders.base import MediaPreprocessor
@@ -30,9 +31,10 @@ from megatron_plugins.layout import LANGUAGE
 from megatron_plugins.topology import HeteroTopology
 
 __all__ = [
-    "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch", "MicrobatchStream", "POSITIONS",
-    "Packing", "RECEIVED_ORDER", "SPLITS", "TRUNCATED", "alignment_guard", "collate_items",
-    "collate_text", "data_provider", "data_state_path"
+    "COLOCATED", "ColocatedStream", "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch",
+    "MicrobatchStream", "POSITIONS", "Packing", "RECEIVED_ORDER", "SPLITS", "TRUNCATED",
+    "alignment_guard", "collate_items", "collate_text", "data_provider", "data_state_path",
+    "is_witness", "rank_slice"
 ]
 
 SPLITS = ("train", "valid", "test")
@@ -55,6 +57,11 @@ tensor indexing the rows received from its fan-in group into this batch's sample
 
 TRUNCATED = "truncated_keys"
 """Batch entry (language ranks) naming samples whose text was cut to ``--seq-length``."""
+
+COLOCATED = "colocated"
+"""Batch entry (ranks hosting colocated encoders): per hosted encoder, the batch its own stream
+yields for its replica's positions (``modality_inputs``, :data:`ITEM_TOKENS`), which need not be
+the language replica's positions."""
 
 LENGTH = "length"
 """Language sample field (a 0-d tensor) and batch entry (``[samples]``): the positions each
@@ -218,27 +225,48 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
         torch.save(state(), path)
 
 
-def rank_slice(topology: HeteroTopology, micro_batch_size: int,
+class ColocatedStream(Iterator[dict[str, Any]]):
+    """A colocated rank's batches: the language stream's, each carrying the hosted encoders'
+    batches of the same global microbatch under :data:`COLOCATED`."""
+
+    def __init__(self, language: MicrobatchStream,
+                 encoders: Mapping[str, MicrobatchStream]) -> None:
+        self._language = language
+        self._encoders = dict(encoders)
+
+    def __next__(self) -> dict[str, Any]:
+        batch = next(self._language)
+        batch[COLOCATED] = {name: next(stream) for name, stream in self._encoders.items()}
+        return batch
+
+    def save_data_state(self, iteration_dir: Path) -> None:
+        """Write every module's source position (one file per module DP replica)."""
+        for stream in (self._language, *self._encoders.values()):
+            stream.save_data_state(iteration_dir)
+
+
+def rank_slice(topology: HeteroTopology, module: str, micro_batch_size: int,
                balance: bool = False) -> RankSlice:
-    """This rank's slice of every global microbatch (``balance``: ``--balance-encoder-work``)."""
-    [module] = topology.active_modules
+    """This rank's slice of ``module`` in every global microbatch (``balance``:
+    ``--balance-encoder-work``)."""
     return RankSlice.of(topology.layout, module, topology.module_pgs[module].dp.rank(),
                         micro_batch_size, balance)
 
 
-def is_witness(topology: HeteroTopology) -> bool:
-    """Tensor and context-parallel rank 0 of the first pipeline stage: the one rank per replica
-    that speaks for it (the CP ranks of a replica all hold its whole microbatch)."""
-    [module] = topology.active_modules
+def is_witness(topology: HeteroTopology, module: str) -> bool:
+    """Whether this rank is ``module``'s tensor and context-parallel rank 0 of the first pipeline
+    stage: the one rank per replica that speaks for it (the CP ranks of a replica all hold its
+    whole microbatch)."""
     pgc = topology.module_pgs[module]
     return pgc.tp.rank() == 0 and pgc.cp.rank() == 0 and pgc.pp.rank() == 0
 
 
-def alignment_guard(topology: HeteroTopology, micro_batch_size: int) -> AlignmentGuard:
-    """The guard of this rank's training stream."""
-    [module] = topology.active_modules
-    return AlignmentGuard(topology.layout, module, rank_slice(topology, micro_batch_size),
-                          is_witness(topology))
+def alignment_guard(topology: HeteroTopology, micro_batch_size: int) -> GuardSet:
+    """The guards of this rank's training streams, one per active module."""
+    return GuardSet(topology.layout, [
+        AlignmentGuard(topology.layout, module, rank_slice(topology, module, micro_batch_size),
+                       is_witness(topology, module))
+        for module in topology.active_modules])
 
 
 def _training_tally(args: Any, this: RankSlice) -> _PaddingTally | None:
@@ -251,39 +279,55 @@ def _training_tally(args: Any, this: RankSlice) -> _PaddingTally | None:
     return _PaddingTally(steps * per_step, args.seq_length) if steps > 0 else None
 
 
-def data_provider(source: DataSource, topology: HeteroTopology, guard: AlignmentGuard | None,
+def data_provider(source: DataSource, topology: HeteroTopology, guards: GuardSet | None,
                   get_args: Callable[[], Any]) -> Callable[..., tuple]:
     """The ``train_valid_test_dataset_provider`` for stock ``pretrain()``.
 
     Run with ``--dataloader-type external``: stock passes the returned iterators through. It is
     called on every rank (``is_distributed``); a resumed run starts where the checkpoint's
-    consumed-sample counters (mock) or saved loader states (Energon) say.
+    consumed-sample counters (mock) or saved loader states (Energon) say. A rank hosting
+    colocated encoders gets a :class:`ColocatedStream` per split.
     """
+
+    def open_stream(module: str, split: str, start: int, resume: Path | None,
+                    args: Any) -> MicrobatchStream | None:
+        this = rank_slice(topology, module, args.micro_batch_size, args.balance_encoder_work)
+        language = module == LANGUAGE
+        witness = is_witness(topology, module)
+        balanced = (balanced_encoders(topology.layout)
+                    if language and args.balance_encoder_work else {})
+        packing = (Packing(frozenset(source.special_token_ids.values()),
+                           topology.layout.language.cp_chunks)
+                   if language and args.pack_sequences else None)
+        train = split == "train"
+        opened = source.open(split, this, start, resume if train else None)
+        return None if opened is None else MicrobatchStream(
+            opened, this, guards[module] if train and guards is not None else None,
+            writes_state=witness, packing=packing,
+            tally=_training_tally(args, this) if train and language
+            and this.dp_rank == 0 and witness else None,
+            balanced=balanced, dense_mask=not (language and topology.layout.language.cp > 1))
 
     def provider(train_valid_test_num_samples: Any, vp_stage: int | None = None) -> tuple:
         args = get_args()
-        this = rank_slice(topology, args.micro_batch_size, args.balance_encoder_work)
         resume = None
         if args.load and args.iteration:
             from megatron.training.checkpointing import get_checkpoint_name
 
             resume = Path(get_checkpoint_name(args.load, args.iteration, return_base_dir=True))
         starts = (args.consumed_train_samples, args.consumed_valid_samples, 0)
-        language = this.module == LANGUAGE
-        balanced = (balanced_encoders(topology.layout)
-                    if language and args.balance_encoder_work else {})
-        packing = (Packing(frozenset(source.special_token_ids.values()),
-                           topology.layout.language.cp_chunks)
-                   if language and args.pack_sequences else None)
-        streams = []
+        streams: list[Iterator[dict[str, Any]] | None] = []
         for split, start in zip(SPLITS, starts):
-            opened = source.open(split, this, start, resume if split == "train" else None)
-            streams.append(None if opened is None else MicrobatchStream(
-                opened, this, guard if split == "train" else None,
-                writes_state=is_witness(topology), packing=packing,
-                tally=_training_tally(args, this) if split == "train" and language
-                and this.dp_rank == 0 and is_witness(topology) else None,
-                balanced=balanced, dense_mask=not (language and topology.layout.language.cp > 1)))
+            opened = {module: open_stream(module, split, start, resume, args)
+                      for module in topology.active_modules}
+            if len(opened) == 1:
+                [stream] = opened.values()
+            elif None in opened.values():
+                stream = None
+            else:
+                language = opened.pop(LANGUAGE)
+                stream = ColocatedStream(language, opened)
+            streams.append(stream)
         return tuple(streams)
 
     provider.is_distributed = True

@@ -226,12 +226,13 @@ class _Group:
 
 
 def _rank_topology(layout: ParallelLayout, rank: int) -> SimpleNamespace:
-    """What the data path reads of a live topology, for one global rank of ``layout``."""
-    module = layout.module_of_rank(rank)
-    coordinates = module.coordinates(rank)
-    groups = SimpleNamespace(**{dim: _Group(coordinates[dim]) for dim in ("tp", "cp", "dp", "pp")})
-    return SimpleNamespace(layout=layout, active_modules=(module.name,),
-                           module_pgs={module.name: groups})
+    """What the data path reads of a live topology, for one global rank of ``layout`` (its
+    modules in layout order, as build_topology lists them)."""
+    modules = [m for m in layout.modules if m in layout.modules_of_rank(rank)]
+    module_pgs = {m.name: SimpleNamespace(**{dim: _Group(m.coordinates(rank)[dim])
+                                             for dim in ("tp", "cp", "dp", "pp")})
+                  for m in modules}
+    return SimpleNamespace(layout=layout, active_modules=tuple(module_pgs), module_pgs=module_pgs)
 
 
 def _cp_layout(language_cp: int) -> ParallelLayout:

@@ -29,14 +29,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hooks
 
 from megatron_plugins import deepstack
-<<<<<<< HEAD
 from megatron_plugins.colocated_step import ColocatedEncoders, HostedEncoder
 from megatron_plugins.compat import checkpointing, colocation, context_parallel, training_step
-from megatron_plugins.data.addressing import AlignmentGuard
-=======
-from megatron_plugins.compat import checkpointing, context_parallel, training_step
 from megatron_plugins.data.addressing import GuardSet
->>>>>>> h/coloc-data
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.grad_sync import install_grad_sync
 from megatron_plugins.language import language_model_spec

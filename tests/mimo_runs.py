@@ -40,7 +40,11 @@ def _misalign_encoder_batches() -> None:
     a per-rank order bug would: the guard must catch it."""
     from megatron_plugins.data import streams
 
+    stock = streams.MicrobatchStream.__next__
+
     def reversed_next(self):
+        if self._slice.module == "language":
+            return stock(self)
         keys, batch = next(self._source)
         positions = batch.pop(streams.POSITIONS)
         counts = {name: per_sample[::-1]
@@ -53,55 +57,62 @@ def _misalign_encoder_batches() -> None:
 
 
 def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool,
-                    observe_keys: bool = False, misalign: bool = False) -> dict[str, Any]:
-    """One rank of a MiMo run; returns its module name and what was asked to observe."""
+                    observe_keys: bool = False, misalign: bool = False) -> list[dict[str, Any]]:
+    """One rank of a MiMo run; returns, per module the rank runs (two on a rank hosting an
+    encoder), its coordinates and what was asked to observe."""
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
     from megatron_plugins.launch import parse_mimo_args, train
 
     models: list[Any] = []
-    result: dict[str, Any] = {}
+    results: dict[str, dict[str, Any]] = {}
 
     def observe(session: Any) -> None:
-        [module] = session.topology.active_modules
-        pgc = session.topology.module_pgs[module]
-        result.update(module=module, tp_rank=pgc.tp.rank(), cp_rank=pgc.cp.rank(),
-                      dp_rank=pgc.dp.rank())
+        for module in session.topology.active_modules:
+            pgc = session.topology.module_pgs[module]
+            results[module] = {"module": module, "tp_rank": pgc.tp.rank(),
+                               "cp_rank": pgc.cp.rank(), "dp_rank": pgc.dp.rank()}
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
-        if misalign and module != "language":
+        if misalign and any(module != "language" for module in results):
             _misalign_encoder_batches()
         if observe_keys:
-            keys = result.setdefault("keys", [])
-            held = result.setdefault("positions", [])
-            item_tokens = result.setdefault("item_tokens", [])
-            guard = session.guard[module]
-            record = guard.record
-
-            def recording(batch_keys, positions, counts):
-                keys.append(list(batch_keys))
-                held.append(list(positions))
-                item_tokens.append({name: [list(c) for c in per_sample]
-                                    for name, per_sample in counts.items()})
-                record(batch_keys, positions, counts)
-
-            guard.record = recording
+            for module, result in results.items():
+                _record_keys(session.guard[module], result)
 
     run = parse_mimo_args(argv)
     reductions = count_grad_reductions() if count_reductions else None
     train(run, observe)
-    module = result["module"]
-    if observe_params:
-        [mimo] = models
-        part = mimo.language_model if module == "language" else mimo.modality_submodules[module]
-        result["params"] = {name: p.detach().float().numpy().copy()
-                            for name, p in part.named_parameters()}
-        result["partition_dims"] = {
-            name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-            for name, p in part.named_parameters()}
-    if reductions is not None:
-        result["reductions"] = reductions["calls"]
-    return result
+    for module, result in results.items():
+        if observe_params:
+            [mimo] = models
+            part = (mimo.language_model if module == "language"
+                    else mimo.modality_submodules[module])
+            result["params"] = {name: p.detach().float().numpy().copy()
+                                for name, p in part.named_parameters()}
+            result["partition_dims"] = {
+                name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                for name, p in part.named_parameters()}
+        if reductions is not None:
+            result["reductions"] = reductions["calls"]
+    return list(results.values())
+
+
+def _record_keys(guard: Any, result: dict[str, Any]) -> None:
+    """Keep the keys, positions and item token counts ``guard`` records into ``result``."""
+    keys = result.setdefault("keys", [])
+    held = result.setdefault("positions", [])
+    item_tokens = result.setdefault("item_tokens", [])
+    record = guard.record
+
+    def recording(batch_keys, positions, counts):
+        keys.append(list(batch_keys))
+        held.append(list(positions))
+        item_tokens.append({name: [list(c) for c in per_sample]
+                            for name, per_sample in counts.items()})
+        record(batch_keys, positions, counts)
+
+    guard.record = recording
 
 
 def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (),
@@ -110,13 +121,15 @@ def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (
                ) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
     """Train the tiny MiMo model on ``nproc`` ranks.
 
-    Returns the logged ``lm loss`` and ``grad-norm`` per iteration and the per-rank results.
+    Returns the logged ``lm loss`` and ``grad-norm`` per iteration and the results of every
+    (rank, module) pair, rank by rank.
     """
     logdir = tempfile.mkdtemp(prefix="mimo-")
     argv = [*TINY_MIMO, *extra, *flags, "--tensorboard-dir", logdir]
-    results = run_in_processes(train_mimo_rank, nproc, timeout=timeout, simulated=True,
-                               args=(argv, observe_params, count_reductions, observe_keys,
-                                     misalign))
+    per_rank = run_in_processes(train_mimo_rank, nproc, timeout=timeout, simulated=True,
+                                args=(argv, observe_params, count_reductions, observe_keys,
+                                      misalign))
+    results = [entry for entries in per_rank for entry in entries]
     return {tag: read_scalars(logdir, tag) for tag in ("lm loss", "grad-norm")}, results
 
 

@@ -279,7 +279,7 @@ def _training_tally(args: Any, this: RankSlice) -> _PaddingTally | None:
     return _PaddingTally(steps * per_step, args.seq_length) if steps > 0 else None
 
 
-def data_provider(source: DataSource, topology: HeteroTopology, guards: GuardSet | None,
+def data_provider(source: DataSource, topology: HeteroTopology, guard: GuardSet | None,
                   get_args: Callable[[], Any]) -> Callable[..., tuple]:
     """The ``train_valid_test_dataset_provider`` for stock ``pretrain()``.
 
@@ -302,7 +302,7 @@ def data_provider(source: DataSource, topology: HeteroTopology, guards: GuardSet
         train = split == "train"
         opened = source.open(split, this, start, resume if train else None)
         return None if opened is None else MicrobatchStream(
-            opened, this, guards[module] if train and guards is not None else None,
+            opened, this, guard[module] if train and guard is not None else None,
             writes_state=witness, packing=packing,
             tally=_training_tally(args, this) if train and language
             and this.dp_rank == 0 and witness else None,

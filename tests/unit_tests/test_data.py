@@ -8,9 +8,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_plugins.data.addressing import AlignmentGuard, RankSlice, _first_difference
+from megatron_plugins.data import addressing
+from megatron_plugins.data.addressing import (
+    AlignmentGuard,
+    DataMisalignmentError,
+    RankSlice,
+    _first_difference,
+)
 from megatron_plugins.data.mock import MockSource
-from megatron_plugins.data.streams import ITEM_TOKENS, alignment_guard, data_provider
+from megatron_plugins.data.streams import (
+    COLOCATED,
+    ITEM_TOKENS,
+    ColocatedStream,
+    alignment_guard,
+    data_provider,
+    rank_slice,
+)
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.layout import (
@@ -243,18 +256,22 @@ def _cp_layout(language_cp: int) -> ParallelLayout:
     ))
 
 
-def _first_train_batches(layout: ParallelLayout, source: MockSource, pack: bool = False):
-    """Per global rank: (module, dp rank, its guard after one microbatch, that batch)."""
-    args = SimpleNamespace(micro_batch_size=2, balance_encoder_work=False, load=None, iteration=0,
+def _args(pack: bool = False, load: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(micro_batch_size=2, balance_encoder_work=False, load=load, iteration=0,
                            consumed_train_samples=0, consumed_valid_samples=0,
                            pack_sequences=pack, train_iters=None)
+
+
+def _first_train_batches(layout: ParallelLayout, source: MockSource, pack: bool = False):
+    """Per global rank: (module, dp rank, its guard after one microbatch, that batch)."""
+    args = _args(pack)
     ranks = []
     for rank in range(layout.world_size):
         topology = _rank_topology(layout, rank)
-        guard = alignment_guard(topology, args.micro_batch_size)
-        train, _, _ = data_provider(source, topology, guard, lambda: args)(None)
+        guards = alignment_guard(topology, args.micro_batch_size)
+        train, _, _ = data_provider(source, topology, guards, lambda: args)(None)
         [module] = topology.active_modules
-        ranks.append((module, topology.module_pgs[module].dp.rank(), guard, next(train)))
+        ranks.append((module, topology.module_pgs[module].dp.rank(), guards[module], next(train)))
     return ranks
 
 
@@ -298,3 +315,184 @@ def test_language_batches_under_context_parallelism_have_no_dense_mask(pack):
     [kept] = [batch for module, dp, _, batch in _first_train_batches(unsplit, _source(unsplit))
               if module == LANGUAGE][:1]
     assert kept["attention_mask"].shape == (2, 1, 32, 32)
+
+
+def _colocated_layout(vision_tp: int) -> ParallelLayout:
+    """Audio on rank 0; vision ``tp=vision_tp, dp=2/vision_tp`` on the language's ranks 1-2."""
+    return ParallelLayout((
+        ModulePlacement(name="audio", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="audio"),
+        ModulePlacement(name="vision", tp=vision_tp, pp=1, cp=1, dp=2 // vision_tp, rank_offset=1,
+                        provider="vit", host=LANGUAGE),
+        ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=2, rank_offset=1),
+    ))
+
+
+def _same(one, other) -> bool:
+    """Equal batches: the same keys, nesting and tensor values."""
+    if isinstance(one, torch.Tensor):
+        return isinstance(other, torch.Tensor) and torch.equal(one, other)
+    if isinstance(one, dict):
+        return (isinstance(other, dict) and one.keys() == other.keys()
+                and all(_same(one[key], other[key]) for key in one))
+    if isinstance(one, (list, tuple)):
+        return (type(one) is type(other) and len(one) == len(other)
+                and all(_same(a, b) for a, b in zip(one, other)))
+    return one == other
+
+
+@pytest.mark.parametrize("vision_tp, vision_positions", [(1, [[0, 1], [2, 3]]),
+                                                         (2, [[0, 1, 2, 3], [0, 1, 2, 3]])],
+                         ids=["vision-dp2", "vision-tp2"])
+def test_a_colocated_rank_reads_its_language_replicas_batch_and_its_encoder_replicas(
+        vision_tp, vision_positions):
+    """With vision tp=2 rank 2 is vision replica 0 (positions 0-3) but language replica 1
+    (positions 2-3): each module's batch follows its own replica, not the other's."""
+    layout = _colocated_layout(vision_tp)
+    source, args = _source(layout), _args()
+    for rank, positions in zip((1, 2), vision_positions):
+        topology = _rank_topology(layout, rank)
+        assert topology.active_modules == ("vision", LANGUAGE)
+        guards = alignment_guard(topology, args.micro_batch_size)
+        assert guards.modules == ("vision", LANGUAGE)
+        train, valid, _ = data_provider(source, topology, guards, lambda: args)(None)
+        assert isinstance(train, ColocatedStream) and isinstance(valid, ColocatedStream)
+        language_slice = rank_slice(topology, LANGUAGE, 2)
+        vision_slice = rank_slice(topology, "vision", 2)
+        assert (language_slice.dp_rank, list(language_slice.positions)) == (
+            rank - 1, [2 * rank - 2, 2 * rank - 1])
+        assert list(vision_slice.positions) == positions
+        alone = _source(layout).open("train", vision_slice, 0)  # vision on its own ranks
+        for step in range(2):  # the second microbatch starts one global batch (4) later
+            batch = next(train)
+            keys, expected = next(alone)
+            assert expected.pop("positions") == positions
+            assert keys == [f"train/{4 * step + p}" for p in positions]
+            assert set(batch[COLOCATED]) == {"vision"}
+            assert _same(batch[COLOCATED]["vision"], expected)
+            for row, position in enumerate(language_slice.positions):
+                text = source.text("train", 4 * step + position)
+                assert torch.equal(batch["tokens"][row], text["tokens"])
+            assert batch[ITEM_TOKENS]["vision"] == [
+                tuple(source.item_tokens("train", 4 * step + p)["vision"])
+                for p in language_slice.positions]
+
+
+def _recorded_guards(layout: ParallelLayout, swapped: tuple[int, str] | None = None) -> dict:
+    """Every rank's guards after one microbatch of the keys at each module's positions (with
+    ``swapped``, that (rank, module) records its keys in reverse order)."""
+    source = _source(layout)
+    encoders = [m.name for m in layout.encoders]
+    world = {}
+    for rank in range(layout.world_size):
+        topology = _rank_topology(layout, rank)
+        guards = world[rank] = alignment_guard(topology, 2)
+        for module in guards.modules:
+            positions = list(rank_slice(topology, module, 2).positions)
+            keys = [f"train/{p}" for p in positions]
+            counts = {name: [tuple(source.item_tokens("train", p)[name]) for p in positions]
+                      for name in (encoders if module == LANGUAGE else [module])}
+            guards[module].record(keys[::-1] if (rank, module) == swapped else keys,
+                                  positions, counts)
+    return world
+
+
+def _check_everywhere(world: dict, monkeypatch) -> list[str]:
+    """The step's all-reduce of every rank's contribution, then each rank's check against a
+    stand-in all_gather_object; the messages the ranks raise."""
+    parts = [guards.contribution().tolist() for guards in world.values()]
+    reduced = torch.tensor([addressing._as_int64(sum(column)) for column in zip(*parts)])
+    gathered = [[(rank, *guards[m].witness_records()) for m in guards.modules]
+                for rank, guards in world.items()]
+    messages = []
+    for rank, guards in world.items():
+        def all_gather_object(out, mine, rank=rank):
+            assert mine == gathered[rank]
+            out[:] = gathered
+
+        monkeypatch.setattr(addressing, "dist", SimpleNamespace(
+            get_rank=lambda rank=rank: rank, get_world_size=lambda: len(world),
+            all_gather_object=all_gather_object))
+        try:
+            guards.check(reduced)
+        except DataMisalignmentError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.parametrize("layout, swapped, message", [
+    (_colocated_layout(1), (1, "vision"), "encoder 'vision' dp rank 0 (global rank 1) embedded "
+     "sample 'train/1' at position 0, but language global rank 1 holds 'train/0' there"),
+    (_colocated_layout(2), (1, "vision"), "encoder 'vision' dp rank 0 (global rank 1) embedded "
+     "sample 'train/3' at position 0, but language global rank 1 holds 'train/0' there"),
+    (_colocated_layout(2), (2, LANGUAGE), "encoder 'audio' dp rank 0 (global rank 0) embedded "
+     "sample 'train/2' at position 2, but language global rank 2 holds 'train/3' there"),
+    (_layout(1, 1), (0, "vision"), "encoder 'vision' dp rank 0 (global rank 0) embedded "
+     "sample 'train/1' at position 0, but language global rank 2 holds 'train/0' there"),
+], ids=["colocated-dp2", "colocated-tp2-encoder", "colocated-tp2-language", "disjoint"])
+def test_guard_sets_check_clean_when_aligned_and_name_a_swapped_sample_on_every_rank(
+        layout, swapped, message, monkeypatch):
+    assert _check_everywhere(_recorded_guards(layout), monkeypatch) == []
+    world = _recorded_guards(layout, swapped)
+    assert _check_everywhere(world, monkeypatch) == [
+        f"data misalignment at microbatch 0 of this step: {message}"] * len(world)
+
+
+class _Saving:
+    """A mock stream with a loader state naming its slice."""
+
+    def __init__(self, inner, rank_slice: RankSlice) -> None:
+        self._inner = inner
+        self._state = {"module": rank_slice.module, "dp": rank_slice.dp_rank}
+
+    def __next__(self):
+        return next(self._inner)
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+class _SavingSource:
+    """The mock source with a loader state per opened stream; no ``test`` split."""
+
+    def __init__(self, source: MockSource) -> None:
+        self._source = source
+        self.special_token_ids = source.special_token_ids
+
+    def open(self, split, rank_slice, start, resume):
+        if split == "test":
+            return None
+        return _Saving(self._source.open(split, rank_slice, start, resume), rank_slice)
+
+
+@pytest.mark.parametrize("vision_tp, files", [
+    (1, {1: ["language_dp000.pt", "vision_dp000.pt"], 2: ["language_dp001.pt", "vision_dp001.pt"]}),
+    (2, {1: ["language_dp000.pt", "vision_dp000.pt"], 2: ["language_dp001.pt"]}),
+], ids=["vision-dp2", "vision-tp2"])
+def test_a_colocated_rank_saves_each_witnessed_modules_loader_state(vision_tp, files, tmp_path):
+    """Vision tp rank 1 does not speak for its replica: rank 2 of vision tp=2 saves only the
+    language's state; a split the source lacks stays None."""
+    layout = _colocated_layout(vision_tp)
+    for rank, names in files.items():
+        topology = _rank_topology(layout, rank)
+        train, _, test = data_provider(_SavingSource(_source(layout)), topology, None,
+                                       _args)(None)
+        assert test is None and set(next(train)[COLOCATED]) == {"vision"}
+        train.save_data_state(tmp_path / str(rank))
+        saved = sorted((tmp_path / str(rank) / "dataloader").iterdir())
+        assert [path.name for path in saved] == names
+        for path in saved:
+            module, dp = path.stem.split("_dp")
+            assert torch.load(path) == {"module": module, "dp": int(dp)}
+
+
+def test_the_mock_source_opened_for_two_modules_in_one_process_reads_as_in_two():
+    layout = _colocated_layout(2)
+    shared = _source(layout)
+    vision_slice, language_slice = (RankSlice.of(layout, "vision", 0, 2),
+                                    RankSlice.of(layout, LANGUAGE, 1, 2))
+    together = [shared.open("train", vision_slice, 8), shared.open("train", language_slice, 8)]
+    apart = [_source(layout).open("train", vision_slice, 8),
+             _source(layout).open("train", language_slice, 8)]
+    for _ in range(3):
+        for one, other in zip(together, apart):
+            assert _same(next(one), next(other))

@@ -198,6 +198,10 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
         )
         install_grad_sync(model, module_pgs, cfg._alignment)
+        if topology.layout.hosted:
+            colocation.even_optimizer_gathers(max(
+                len(topology.layout.modules_of_rank(rank))
+                for rank in range(topology.layout.world_size)))
         if topology.hosted:
             ColocatedEncoders(topology.layout, torch.distributed.get_rank(), {
                 name: HostedEncoder(

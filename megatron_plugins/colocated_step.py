@@ -22,7 +22,7 @@ every microbatch's encoder activations at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,10 @@ class ColocatedEncoders:
     rank: int
     encoders: dict[str, HostedEncoder]
     rng: ModuleRng
+    traffic: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per encoder, the bytes of rows and row gradients this rank received from peers in the
+    latest training step, and the least any routing would have to move to it (rows it merges but
+    did not compute)."""
 
     def attach(self, model: torch.nn.Module) -> None:
         """Let the schedule find these encoders from the model it is handed."""
@@ -165,6 +169,9 @@ class ColocatedSchedule:
                                      hosted.row_counts(name, batches, micro_batch_size))
             leaf = route_forward(computed, plan)
             leaf.requires_grad_(encoder.trains and not forward_only)
+            if not forward_only:
+                hosted.traffic[name] = (plan.bytes_moved(encoder.width, computed.dtype),
+                                        plan.bytes_minimum(encoder.width, computed.dtype))
             routed[name] = _Routed(plan, computed, leaf)
         return routed
 

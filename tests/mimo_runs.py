@@ -56,13 +56,31 @@ def _misalign_encoder_batches() -> None:
     streams.MicrobatchStream.__next__ = reversed_next
 
 
+def count_routings() -> dict[str, int]:
+    """Count the colocated step's row exchanges (each one ``batch_isend_irecv``) per direction."""
+    from megatron_plugins import colocated_step
+
+    counts = {"forward": 0, "backward": 0}
+    for direction in counts:
+        stock = getattr(colocated_step, f"route_{direction}")
+
+        def counting(*args, direction=direction, stock=stock, **kwargs):
+            counts[direction] += 1
+            return stock(*args, **kwargs)
+
+        setattr(colocated_step, f"route_{direction}", counting)
+    return counts
+
+
 def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool,
                     observe_keys: bool = False, misalign: bool = False) -> list[dict[str, Any]]:
     """One rank of a MiMo run; returns, per module the rank runs (two on a rank hosting an
-    encoder), its coordinates and what was asked to observe."""
+    encoder), its coordinates and what was asked to observe (with ``count_reductions``, on a
+    hosted encoder's entry also its row exchanges and the bytes of the last step)."""
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
+    from megatron_plugins.colocated_step import colocated_encoders
     from megatron_plugins.launch import parse_mimo_args, train
 
     models: list[Any] = []
@@ -82,6 +100,7 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
 
     run = parse_mimo_args(argv)
     reductions = count_grad_reductions() if count_reductions else None
+    routings = count_routings() if count_reductions else None
     train(run, observe)
     for module, result in results.items():
         if observe_params:
@@ -95,6 +114,9 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
                 for name, p in part.named_parameters()}
         if reductions is not None:
             result["reductions"] = reductions["calls"]
+        hosted = colocated_encoders(models[0]) if models else None
+        if routings is not None and hosted is not None and module in hosted.encoders:
+            result.update(routings=dict(routings), traffic=hosted.traffic[module])
     return list(results.values())
 
 

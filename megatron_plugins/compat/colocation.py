@@ -13,6 +13,14 @@ path and no bridge communicator is created; the hosted encoders are built next t
 the caller's context (its RNG streams), and run by our colocated step
 (:mod:`megatron_plugins.colocated_step`), whose own routing moves their rows.
 
+Gap 25 (world gathers per module optimizer): ``get_mimo_optimizer`` builds one optimizer per
+module the rank is in (core/models/mimo/optimizer.py:376-404), and each build all-gathers its
+parameter-group keys over the whole world (core/optimizer/__init__.py:361-364). A rank hosting
+an encoder and the language model gathers twice, a rank of a separate encoder once: the world
+hangs. Bridge (:func:`even_optimizer_gathers`): after the stock build, a rank with fewer modules
+joins the gathers it missed with no keys (which adds no group anywhere: every module already
+gathered the others' keys, as on disjoint grids).
+
 Gap 24 (one schedule per step from the pg collection): stock ``train()`` and ``evaluate()`` take
 the forward-backward function from ``get_forward_backward_func`` (training/training.py:3614,
 4198), which for a multi-module collection is the plain pipelining schedule (core/pipeline_
@@ -29,7 +37,7 @@ from typing import Any, ContextManager
 
 import torch
 
-__all__ = ["build_presenting_language", "wrap_schedules"]
+__all__ = ["build_presenting_language", "even_optimizer_gathers", "wrap_schedules"]
 
 
 @contextlib.contextmanager
@@ -94,3 +102,41 @@ def wrap_schedules(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> 
 
     training.get_forward_backward_func = get_forward_backward_func
 
+
+
+_stock_mimo_optimizer: Callable[..., Any] | None = None
+
+
+def even_optimizer_gathers(modules: int) -> None:
+    """Have every rank's MiMo optimizer build take part in as many world gathers of
+    parameter-group keys as a rank holding ``modules`` modules, the most any rank holds (Gap 25).
+    """
+    import megatron.core.models.mimo.optimizer as mimo_optimizer
+    import megatron.core.optimizer as optimizer_module
+
+    global _stock_mimo_optimizer
+    if _stock_mimo_optimizer is None:
+        _stock_mimo_optimizer = mimo_optimizer.get_mimo_optimizer
+    stock = _stock_mimo_optimizer
+
+    def get_mimo_optimizer(mimo_model: Any, config: Any) -> Any:
+        gather = optimizer_module._get_param_groups
+        gathers = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal gathers
+            gathers += 1
+            return gather(*args, **kwargs)
+
+        optimizer_module._get_param_groups = counted
+        try:
+            optimizer = stock(mimo_model, config)
+        finally:
+            optimizer_module._get_param_groups = gather
+        built = sum(grid.is_current_rank_in_grid()
+                    for grid in mimo_model.mimo_config.module_to_grid_map.values())
+        for _ in range(gathers // built * (modules - built)):
+            torch.distributed.all_gather_object([None] * torch.distributed.get_world_size(), [])
+        return optimizer
+
+    mimo_optimizer.get_mimo_optimizer = get_mimo_optimizer

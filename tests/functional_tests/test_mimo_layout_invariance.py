@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.mimo_runs import cached_mimo_run, consumed_keys, module_params, train_mimo
+from tests.multiprocess import WorkerFailure
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 VISION = (*SGD, "--encoder", "vision=vit", "--grid")
@@ -177,3 +178,91 @@ def test_frozen_language_model_keeps_its_weights_while_the_encoder_trains() -> N
         np.testing.assert_array_equal(module_params(frozen, "language")[name], value, name)
     trained, start = module_params(frozen, "vision"), module_params(initial, "vision")
     assert all(not np.array_equal(trained[name], start[name]) for name in start)
+
+
+COLOCATED = {  # encoders on the language model's ranks, each grid with its own parallelism
+    # Encoder DP 4 over language TP 2 x DP 2: each language replica merges rows two encoder
+    # replicas computed, one of them on its other TP rank.
+    "vision-dp4-on-language-tp2-dp2": (4, (*VISION, "vision:dp=4@language", "--grid",
+                                           "language:tp=2,dp=2")),
+    # Encoder TP 2 over language DP 2: rank 1 computes replica 0's rows but merges replica 1's
+    # (the wheel's colocated communicator would hand it replica 0's).
+    "vision-tp2-on-language-dp2": (2, (*VISION, "vision:tp=2@language", "--grid",
+                                       "language:dp=2")),
+}
+
+
+@pytest.mark.parametrize("name", list(COLOCATED))
+def test_colocated_layouts_train_identically(name: str) -> None:
+    reference = cached_mimo_run(*ONE_ENCODER["encoder1-language1"])
+    _assert_same_training(reference, cached_mimo_run(*COLOCATED[name]), ("vision",))
+
+
+def test_a_colocated_and_a_separate_encoder_train_identically() -> None:
+    """Vision on the language ranks, audio on a rank of its own."""
+    reference = cached_mimo_run(*TWO_ENCODERS["1+1+language1"])
+    mixed = cached_mimo_run(3, (*TWO, "vision:dp=2@language", "--grid", "audio:", "--grid",
+                                "language:dp=2"))
+    _assert_same_training(reference, mixed, ("vision", "audio"))
+
+
+def test_colocated_native_resolution_trains_identically() -> None:
+    """Images of varied sizes, 0..2 per sample: every sample's own row count is routed."""
+    reference = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
+    colocated = cached_mimo_run(4, (*NATIVE, "--grid", "vision:dp=4@language", "--grid",
+                                    "language:tp=2,dp=2"))
+    _assert_same_training(reference, colocated, ("vision",))
+
+
+@pytest.mark.parametrize("grids", [("vision:tp=2,dp=2@language", "language:pp=2,dp=2"),
+                                   ("vision:tp=2,dp=2@language", "language:pp=2,tp=2")],
+                         ids=["enc-tp2-dp2-lang-pp2-dp2", "enc-tp2-dp2-lang-pp2-tp2"])
+def test_colocated_encoder_under_a_pipelined_language_model_trains_identically(
+        from_saved_weights: tuple, grids: tuple[str, str]) -> None:
+    """Encoder replicas on both language stages send their rows to the first stage, which
+    merges them; the last stage's ranks compute encoder rows too (pp2-dp2: rank 1 is encoder
+    replica 0 but language replica 1's first stage)."""
+    load, reference = from_saved_weights
+    encoder, language = grids
+    colocated = train_mimo(4, (*VISION, encoder, "--grid", language, *UNTIED), extra=load,
+                           observe_params=True, observe_keys=True)
+    _assert_same_training(reference, colocated, ("vision",))
+
+
+def test_a_colocated_step_routes_once_per_direction_and_reduces_once_per_module() -> None:
+    """3 steps of 2 microbatches: one row exchange forward and one backward per step, one DP
+    reduction per module per step, and no rank receives more than the rows it merges but did
+    not compute."""
+    _, results = train_mimo(4, COLOCATED["vision-dp4-on-language-tp2-dp2"][1],
+                            extra=("--train-iters", "3", "--eval-iters", "0"),
+                            count_reductions=True)
+    vision = [r for r in results if r["module"] == "vision"]
+    assert [r["routings"] for r in vision] == [{"forward": 3, "backward": 3}] * 4
+    assert [r["reductions"] for r in results] == [6] * 8  # language and vision on every rank
+    moved = [r["traffic"][0] for r in vision]
+    assert moved == [r["traffic"][1] for r in vision]
+    # Each rank merges its language replica's 2 samples per microbatch and computed one of them.
+    one_sample = moved[0] // 2
+    assert moved == [2 * one_sample] * 4 and one_sample % (64 * 4) == 0
+
+
+def test_a_colocated_encoder_fed_other_samples_is_caught() -> None:
+    with pytest.raises(WorkerFailure, match=r"data misalignment at microbatch 0 of this step: "
+                                            r"encoder 'vision' dp rank 0 \(global rank 0\)"):
+        train_mimo(2, COLOCATED["vision-tp2-on-language-dp2"][1], misalign=True, timeout=120)
+
+
+def test_a_frozen_colocated_encoder_trains_as_on_its_own_ranks() -> None:
+    """Tower and projection frozen: no row gradient is routed back, the language model trains
+    on the same rows."""
+    short = ("--train-iters", "3", "--eval-iters", "0", "--freeze-encoder", "vision",
+             "--freeze-projection", "vision")
+    _, separate = train_mimo(2, ONE_ENCODER["encoder1-language1"][1], extra=short,
+                             observe_params=True)
+    scalars, colocated = train_mimo(2, COLOCATED["vision-tp2-on-language-dp2"][1],
+                                    extra=short, observe_params=True)
+    for module in ("vision", "language"):
+        expected = module_params(separate, module)
+        for name, value in module_params(colocated, module).items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{module}: {name}")

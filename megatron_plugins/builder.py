@@ -203,6 +203,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
                 len(topology.layout.modules_of_rank(rank))
                 for rank in range(topology.layout.world_size)))
         if topology.hosted:
+            checkpointing.carry_module_rng(rng, module_pgs[LANGUAGE].dp.rank())
             ColocatedEncoders(topology.layout, torch.distributed.get_rank(), {
                 name: HostedEncoder(
                     topology.layout.module(name),

@@ -1,4 +1,4 @@
-"""Checkpoint bridges for MiMo processes (Gaps 5, 6, 10, 16 and 22), applied together by
+"""Checkpoint bridges for MiMo processes (Gaps 5, 6, 10, 16, 22 and 26), applied together by
 :func:`install_checkpoint_bridges`; stock callers keep stock checkpoint behaviour."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_checkpoint_bridges", "plain_values", "put_plain_values"]
+__all__ = ["carry_module_rng", "install_checkpoint_bridges", "plain_values", "put_plain_values"]
+
+MODULE_RNG_STATES = "module_rng_states"
+"""Key of a colocated rank's RNG object that holds the streams of the encoders it hosts."""
 
 COMMON_STATE_KEY = "_mimo_module_common_state"
 """Where the per-module ShardedObject sits inside a module's optimizer state dict."""
@@ -280,8 +283,73 @@ def _install_mimo_replica_ids_over_context_parallel() -> None:
     mimo_optimizer._get_replica_id = get_replica_id
 
 
+_module_rng: Any = None
+_module_rng_replica = 0
+
+
+def carry_module_rng(rng: Any, data_parallel_rank: int) -> None:
+    """Save and restore, with the rank's RNG object, the streams of every module of ``rng`` (a
+    :class:`~megatron_plugins.rng.ModuleRng`) but the live one, which stock handles (Gap 26);
+    ``data_parallel_rank``: the live module's, which picks this rank's entry of a checkpoint
+    with one entry per replica (``--data-parallel-random-init``)."""
+    global _module_rng, _module_rng_replica
+    _module_rng, _module_rng_replica = rng, data_parallel_rank
+
+
+def _install_module_rng_states() -> None:
+    """Gap 26 (one RNG state per rank): a rank hosting encoders keeps their streams too.
+
+    Stock checkpoints one RNG state per rank, read from the process generators (``get_rng_state``,
+    training/checkpointing.py:398-450) and written back into them on load (:2655-2685). A rank
+    that hosts an encoder next to the language model runs the encoder inside its own streams
+    (:class:`~megatron_plugins.rng.ModuleRng`), which stock neither sees nor restores, so a resume
+    with encoder dropout would not be bit-identical. Bridge: the rank's RNG object (per data-
+    parallel replica, Gap 16) carries the other modules' streams under :data:`MODULE_RNG_STATES`,
+    and when the loaded object has them and stock restores RNG state (no ``--finetune`` or
+    ``--no-load-rng``), they go back into their modules' streams.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.training import checkpointing
+
+    stock_state, stock_load = checkpointing.get_rng_state, checkpointing._load_base_checkpoint
+
+    def get_rng_state(ckpt_format, tp_group, pp_group, dp_cp_group=None, dp_group=None,
+                      key_prefix=""):
+        state = stock_state(ckpt_format, tp_group, pp_group, dp_cp_group=dp_cp_group,
+                            dp_group=dp_group, key_prefix=key_prefix)
+        if _module_rng is None or not isinstance(state, ShardedObject):
+            return state
+        mine = {name: streams for name, streams in _module_rng.state_dict().items()
+                if name != _module_rng.live}
+        states = [mine]
+        if len(state.data) > 1:  # --data-parallel-random-init: one entry per replica
+            states = [None] * len(state.data)
+            torch.distributed.all_gather_object(states, mine, group=dp_group)
+        for entry, modules in zip(state.data, states):
+            entry[MODULE_RNG_STATES] = modules
+        return state
+
+    def _load_base_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        loaded = stock_load(*args, **kwargs)
+        state_dict = loaded[0]
+        options = checkpointing.get_args()
+        entries = state_dict.get("rng_state") if isinstance(state_dict, dict) else None
+        if (_module_rng is None or not isinstance(entries, list) or options.finetune
+                or options.no_load_rng):
+            return loaded
+        entry = entries[_module_rng_replica if options.data_parallel_random_init
+                        and len(entries) > 1 else 0]
+        if isinstance(entry, dict) and MODULE_RNG_STATES in entry:
+            _module_rng.load_state_dict(entry[MODULE_RNG_STATES])
+        return loaded
+
+    get_rng_state.__doc__ = stock_state.__doc__
+    checkpointing.get_rng_state = get_rng_state
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
+
+
 def install_checkpoint_bridges() -> None:
-    """Apply Gaps 5, 6, 10, 16 and 22. Idempotent; the MiMo builder calls it before stock
+    """Apply Gaps 5, 6, 10, 16, 22 and 26. Idempotent; the MiMo builder calls it before stock
     ``pretrain()`` builds the optimizer (MiMo processes only: stock callers keep stock checkpoint
     behaviour)."""
     global _checkpoint_bridges_installed
@@ -292,4 +360,5 @@ def install_checkpoint_bridges() -> None:
     _install_module_data_state()
     _install_rng_state_per_data_parallel_replica()
     _install_mimo_replica_ids_over_context_parallel()
+    _install_module_rng_states()
     _checkpoint_bridges_installed = True

@@ -140,7 +140,8 @@ class ColocatedSchedule:
         config = get_model_config(chunk)
         finalize = config.finalize_model_grads_func
         held: list[tuple[tuple, dict]] = []
-        config.finalize_model_grads_func = lambda *args, **kw: held.append((args, kw))
+        if finalize is not None:  # None: the caller finalizes (the split train step)
+            config.finalize_model_grads_func = lambda *args, **kw: held.append((args, kw))
         try:
             losses = self.inner(forward_step_func=forward_step_func,
                                 data_iterator=iter(batches), model=model,

@@ -44,6 +44,7 @@ from megatron.training.utils.common_utils import (
     reduce_max_stat_across_model_parallel_group,
 )
 
+from megatron_plugins.colocated_step import ColocatedSchedule, colocated_encoders
 from megatron_plugins.grad_sync import CrossGridGradSync, counts_tokens, scale_module_gradients
 
 __all__ = ["SplitStepError", "SplitTrainStep", "StepMetrics", "StepState", "sequence_loss_func"]
@@ -165,7 +166,11 @@ class SplitTrainStep:
         self._seq_length = seq_length
         self._schedule_kwargs = {"p2p_communicator": p2p_communicator,
                                  "pg_collection": pg_collection}
-        self._forward_backward = get_forward_backward_func(schedule_pg_collection=pg_collection)
+        # On a rank hosting encoders each microbatch runs their forward, the language schedule
+        # and their backward (megatron_plugins.colocated_step); elsewhere the stock schedule.
+        self._forward_backward = ColocatedSchedule(
+            get_forward_backward_func(schedule_pg_collection=pg_collection))
+        self._hosted = colocated_encoders(self._model[0])
         self._pgc = (get_attr_wrapped_model(self._model[0], "pg_collection")
                      or ProcessGroupCollection.use_mpu_process_groups())
         inner = unwrap_model(self._model[0])
@@ -179,6 +184,7 @@ class SplitTrainStep:
         self.state = StepState.IDLE
         self._saved_hooks: dict[str, Any] = {}
         self._saved_rng: tuple | None = None
+        self._saved_module_rng: dict[str, Any] = {}
         self._saved_iteration = 0
         self._loss_kind = LOSS_KINDS[0]
         self._microbatches = 0
@@ -219,6 +225,10 @@ class SplitTrainStep:
         self._saved_rng = (torch.get_rng_state(), torch.cuda.get_rng_state(),
                            {name: state.clone() for name, state in
                             get_cuda_rng_tracker().get_states().items()})
+        if self._hosted is not None:
+            rng = self._hosted.rng
+            self._saved_module_rng = {name: state for name, state in rng.state_dict().items()
+                                      if name != rng.live}
         # Stock result checks (NaN / Inf in loss and gradients) run inside the rerun state
         # machine's forward-backward pass; the split step is that pass, from begin to finish.
         rerun = get_rerun_state_machine()
@@ -343,6 +353,8 @@ class SplitTrainStep:
         torch.set_rng_state(cpu)
         torch.cuda.set_rng_state(device)
         get_cuda_rng_tracker().set_states(tracker)
+        if self._hosted is not None:
+            self._hosted.rng.load_state_dict(self._saved_module_rng)
         self.state = StepState.IDLE
 
     def _restore_hooks(self) -> None:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 from megatron.core.utils import unwrap_model
 
-from megatron_plugins.data.streams import ITEM_TOKENS, RECEIVED_ORDER
+from megatron_plugins.compat import MegatronCompatError
+from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS, RECEIVED_ORDER
 from megatron_plugins.encoders import EncoderPluginError
 
 __all__ = ["COLOCATED_ROWS", "check_encoder_rows", "forward_step"]
@@ -99,6 +100,11 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
                  ) -> tuple[Any, Callable]:
     """One microbatch through this rank's part of the MiMo model."""
     batch = next(data_iterator)
+    if COLOCATED in batch:
+        raise MegatronCompatError(
+            "a batch of a rank hosting encoders reached the forward step with its encoder inputs: "
+            "the schedule is not megatron_plugins.colocated_step.ColocatedSchedule (take it from "
+            "megatron.training.training.get_forward_backward_func, which compat Gap 24 wraps)")
     colocated = batch.pop(COLOCATED_ROWS, None)
     batch = _to_device(batch)
     if colocated:

@@ -188,14 +188,16 @@ def _misuse(api: Any, batches: list, failing: dict[str, bool]) -> list[str]:
 def _run_plan(plan: tuple, batches: list, model, optimizer, scheduler, forward_step_func,
               config, schedule: dict[str, Any], reductions: dict[str, int]) -> dict[str, Any]:
     """One plan's steps from the current state; its records and final parameters."""
+    import megatron.training.training as training
     import torch
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training.training import train_step
 
     from megatron_plugins.split_step import SplitTrainStep
 
-    forward_backward = get_forward_backward_func(schedule_pg_collection=schedule["pg_collection"])
+    # The name stock train() calls: MiMo's colocated layouts wrap it (compat Gap 24).
+    forward_backward = training.get_forward_backward_func(
+        schedule_pg_collection=schedule["pg_collection"])
     failing = {"now": False}
     api = SplitTrainStep(model, optimizer, scheduler, _failable(forward_step_func, failing),
                          **schedule)

@@ -52,10 +52,13 @@ LAUNCHES: dict[str, tuple[str, int, tuple[str, ...], dict[str, tuple]]] = {
         "sequences-2-2": (("sequences", (2, 2)),),
         "sequences-4-0": (("sequences", (4, 0)),),
     }),
-    **{f"mimo-{layout}-{plan}": ("mimo", 3, flags, {plan: steps})
-       for layout, flags in (
-           ("encoder-dp2-language-dp1", (*VISION, "vision:dp=2", "--grid", "language:")),
-           ("language-pp2", (*VISION, "vision:", "--grid", "language:pp=2")))
+    **{f"mimo-{layout}-{plan}": ("mimo", nproc, flags, {plan: steps})
+       for layout, nproc, flags in (
+           ("encoder-dp2-language-dp1", 3, (*VISION, "vision:dp=2", "--grid", "language:")),
+           ("language-pp2", 3, (*VISION, "vision:", "--grid", "language:pp=2")),
+           # Vision on the language ranks: each microbatch runs its forward, the language
+           # schedule and its backward.
+           ("colocated", 2, (*VISION, "vision:tp=2@language", "--grid", "language:dp=2")))
        for plan, steps in (("stock", STOCK), ("split", SPLIT_WITH_ABORTS_CROSS_GRID))},
 }
 
@@ -115,6 +118,13 @@ def test_mimo_split_steps_are_bit_identical_to_stock_train_step(layout: str) -> 
     assert_matches_stock(launch(f"mimo-{layout}-split"), launch(f"mimo-{layout}-stock"))
 
 
+def test_colocated_split_steps_match_stock_train_step() -> None:
+    """Stock runs one encoder backward for the step's microbatches, the split step one per
+    microbatch: the same sums in another order."""
+    assert_matches_stock(launch("mimo-colocated-split"), launch("mimo-colocated-stock"),
+                         rtol=1e-6)
+
+
 def test_bf16_split_steps_match_stock_train_step() -> None:
     ranks = launch("gpt-dp2-bf16")
     assert_matches_stock(ranks, ranks, rtol=1e-6)
@@ -130,7 +140,7 @@ def test_one_gradient_reduction_per_module_per_step_none_in_microbatches(name: s
 
 
 @pytest.mark.parametrize("name", ["gpt-dp2-distopt", "gpt-tp2-pp2", "gpt-dp2-bf16",
-                                  "mimo-language-pp2-split"])
+                                  "mimo-language-pp2-split", "mimo-colocated-split"])
 def test_abort_restores_bit_identical_state(name: str) -> None:
     for result in launch(name):
         aborts = [step for step in result["split"]["steps"] if step["kind"] == "abort"]

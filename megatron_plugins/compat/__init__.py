@@ -143,5 +143,17 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap22_canary_stock_mimo_replica_id_ignores_context_"
                                  "parallel_rank")),
+    Gap("23", "MiMo calls an encoder on the language ranks colocated, or encoder-only if mixed",
+        "colocation", "builder.MimoModelBuilder.build_model",
+        _canary("colocation", "test_gap23_canary_stock_role_is_colocated_or_encoder_only_for_an_"
+                              "encoder_on_the_language_ranks")),
+    Gap("24", "stock train() runs the plain pipelining schedule for a multi-module collection",
+        "colocation", "launch.start",
+        _canary("colocation", "test_gap24_canary_stock_train_takes_the_plain_pipelining_schedule_"
+                              "for_a_multi_module_collection")),
+    Gap("25", "each module's optimizer build gathers group keys over the world (hangs if uneven)",
+        "colocation", _BUILD,
+        _canary("colocation", "test_gap25_canary_stock_optimizer_build_gathers_group_keys_over_"
+                              "the_world_twice")),
 )
 """Every gap in the order the bridges were added."""

@@ -1,4 +1,4 @@
-"""Bridges for encoders that share the language model's ranks (colocated layouts; Gaps 23, 24).
+"""Bridges for encoders that share the language model's ranks (colocated layouts; Gaps 23-25).
 
 Gap 23 (MiMo's role for grids over the same ranks): ``RankRole.build`` (core/models/mimo/config/
 role.py:70-89) calls a rank whose grids all coincide COLOCATED, and ``MimoModel`` then runs every
@@ -15,9 +15,9 @@ the caller's context (its RNG streams), and run by our colocated step
 
 Gap 25 (world gathers per module optimizer): ``get_mimo_optimizer`` builds one optimizer per
 module the rank is in (core/models/mimo/optimizer.py:376-404), and each build all-gathers its
-parameter-group keys over the whole world (core/optimizer/__init__.py:361-364). A rank hosting
-an encoder and the language model gathers twice, a rank of a separate encoder once: the world
-hangs. Bridge (:func:`even_optimizer_gathers`): after the stock build, a rank with fewer modules
+parameter-group keys over the whole world twice, dense and expert groups (core/optimizer/
+__init__.py:361-364, 1144, 1181). A rank hosting an encoder and the language model gathers four
+times, a rank of a separate encoder twice: the world hangs. Bridge (:func:`even_optimizer_gathers`): after the stock build, a rank with fewer modules
 joins the gathers it missed with no keys (which adds no group anywhere: every module already
 gathered the others' keys, as on disjoint grids).
 
@@ -101,7 +101,6 @@ def wrap_schedules(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> 
         return wrap(stock(*args, **kwargs))
 
     training.get_forward_backward_func = get_forward_backward_func
-
 
 
 _stock_mimo_optimizer: Callable[..., Any] | None = None

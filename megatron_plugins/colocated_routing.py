@@ -4,10 +4,12 @@ of their gradients back, when the encoder's grid and the language grid cover the
 Why not the wheel's ``ColocatedBridgeCommunicator``: it narrows or all-gathers the flattened batch
 by this rank's own DP indices, so it needs language PP 1 and CP 1 and one row count for every
 sample, and pairs the wrong samples wherever a rank's encoder replica does not feed its own
-language replica (with language PP > 1, as upstream's extension of it allows). Here a pure :class:`RoutingPlan` says, from the two placements and the row count
-of every sample position a rank holds, which rows it sends to and receives from which peer;
-:func:`route_forward` and :func:`route_backward` run it with one ``batch_isend_irecv`` each and a
-local copy of the rows a rank already holds, never padding.
+language replica (with language PP > 1, as upstream's extension of it allows). Here a pure
+:class:`RoutingPlan` says, from the two placements and the row count of every sample position a
+rank holds, which rows it sends to and receives from which peer;
+:func:`~megatron_plugins.colocated_step.route_forward` and ``route_backward`` run it with one
+``batch_isend_irecv`` each and a local copy of the rows a rank already holds, never padding.
+Nothing here imports torch: ``mimo-plan`` prints a layout's :func:`summarize`.
 
 Addressing is the data layer's (:class:`~megatron_plugins.data.addressing.RankSlice`): global
 microbatch ``k`` holds ``M = micro_batch_size x language dp`` positions; encoder replica ``e``
@@ -25,16 +27,9 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.layout import LayoutError, ModulePlacement
 
-__all__ = [
-    "Exchange", "Message", "RoutingPlan", "RoutingSummary", "route_backward", "route_forward",
-    "summarize",
-]
+__all__ = ["Exchange", "Message", "RoutingPlan", "RoutingSummary", "Span", "summarize"]
 
 Span = tuple[int, int]
 """Rows ``start .. stop - 1`` of a buffer."""
@@ -141,9 +136,10 @@ class _Grids:
             self._coordinates[key] = module.coordinates(rank)
         return self._coordinates[key]
 
-    def slice(self, module: ModulePlacement, dp_rank: int) -> RankSlice:
+    def positions(self, module: ModulePlacement, dp_rank: int) -> range:
+        """The positions replica ``dp_rank`` of ``module`` holds (``RankSlice.positions``)."""
         batch = self.global_batch // module.dp
-        return RankSlice(module.name, dp_rank, batch, self.micro_batch_size, self.global_batch)
+        return range(dp_rank * batch, (dp_rank + 1) * batch)
 
     def source_replica(self, position: int) -> int:
         return position // (self.global_batch // self.encoder.dp)
@@ -266,8 +262,8 @@ class RoutingPlan:
         lane = language.coordinates(rank)
         stage0 = lane["pp"] == 0
         replica = lane["dp"]
-        computed_positions = list(grids.slice(encoder, source_replica).positions)
-        consumed_positions = list(grids.slice(language, replica).positions) if stage0 else []
+        computed_positions = list(grids.positions(encoder, source_replica))
+        consumed_positions = list(grids.positions(language, replica)) if stage0 else []
         computed, computed_microbatches = _layout_rows(rows, computed_positions)
         consumed, consumed_microbatches = _layout_rows(rows, consumed_positions)
         microbatches = range(len(rows))
@@ -319,13 +315,13 @@ class RoutingPlan:
                    consumed_microbatches[-1][1] if rows else 0, computed_microbatches,
                    consumed_microbatches, forward, backward, minimum)
 
-    def bytes_moved(self, width: int, dtype: torch.dtype) -> int:
+    def bytes_moved(self, width: int, dtype: "torch.dtype") -> int:
         """Bytes this rank receives from peers in the step, forward and backward, for rows of
         ``width`` elements of ``dtype``."""
         rows = self.forward.received_rows + self.backward.received_rows
         return rows * width * dtype.itemsize
 
-    def bytes_minimum(self, width: int, dtype: torch.dtype) -> int:
+    def bytes_minimum(self, width: int, dtype: "torch.dtype") -> int:
         """Bytes this rank must receive at least (:attr:`minimum_received_rows`)."""
         return self.minimum_received_rows * width * dtype.itemsize
 
@@ -353,70 +349,3 @@ def summarize(encoder: ModulePlacement, language: ModulePlacement,
     routed = sum(plan.forward.received_rows for plan in plans)
     return RoutingSummary((consumed - routed) / consumed, routed / samples,
                           sum(plan.backward.received_rows for plan in plans) / samples)
-
-
-def _take(tensor: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
-    pieces = [tensor[start:stop] for start, stop in spans]
-    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _place(target: torch.Tensor, span: Span, values: torch.Tensor, accumulate: bool) -> None:
-    if accumulate:
-        target[span[0]:span[1]] += values
-    else:
-        target[span[0]:span[1]] = values
-
-
-def _run(source: torch.Tensor, target: torch.Tensor, exchange: Exchange,
-         group: dist.ProcessGroup | None, accumulate: bool) -> None:
-    """One ``batch_isend_irecv`` over every peer with rows (none when there is none), the local
-    copies while it runs, then the received rows into place."""
-    ops = [dist.P2POp(dist.isend, _take(source, message.spans), message.peer, group)
-           for message in exchange.sends]
-    buffers = [source.new_empty((message.rows, *source.shape[1:]))
-               for message in exchange.receives]
-    ops += [dist.P2POp(dist.irecv, buffer, message.peer, group)
-            for message, buffer in zip(exchange.receives, buffers)]
-    requests = dist.batch_isend_irecv(ops) if ops else []
-    for (start, stop), span in exchange.local:
-        _place(target, span, source[start:stop], accumulate)
-    for request in requests:
-        request.wait()
-    for message, buffer in zip(exchange.receives, buffers):
-        offset = 0
-        for span in message.spans:
-            length = span[1] - span[0]
-            _place(target, span, buffer[offset:offset + length], accumulate)
-            offset += length
-
-
-def _check_rows(tensor: torch.Tensor, expected: int, what: str) -> None:
-    if tensor.dim() < 1 or tensor.shape[0] != expected:
-        raise ValueError(f"{what} has shape {tuple(tensor.shape)}; the routing plan expects "
-                         f"{expected} rows on this rank")
-
-
-@torch.no_grad()
-def route_forward(rows: torch.Tensor, plan: RoutingPlan,
-                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's consumed rows (``[plan.consumed_rows, ...]``, empty off language stage 0)
-    from its computed ``rows`` (``[plan.computed_rows, ...]``); every rank of ``group`` (default:
-    the world) calls it with its own plan. Detached: the caller joins the graphs (Phase 3)."""
-    _check_rows(rows, plan.computed_rows, "encoder rows")
-    rows = rows.detach()
-    out = rows.new_empty((plan.consumed_rows, *rows.shape[1:]))
-    _run(rows, out, plan.forward, group, accumulate=False)
-    return out
-
-
-@torch.no_grad()
-def route_backward(grads: torch.Tensor, plan: RoutingPlan,
-                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The gradient of this rank's computed rows (``[plan.computed_rows, ...]``), summed over the
-    language CP lanes, from the gradient of its consumed rows (``[plan.consumed_rows, ...]``;
-    every TP rank of a CP lane holds the same). Every rank of ``group`` calls it."""
-    _check_rows(grads, plan.consumed_rows, "row gradients")
-    grads = grads.detach()
-    out = grads.new_zeros((plan.computed_rows, *grads.shape[1:]))
-    _run(grads, out, plan.backward, group, accumulate=True)
-    return out

@@ -21,21 +21,23 @@ every microbatch's encoder activations at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.utils import get_model_config, unwrap_model
 
-from megatron_plugins.colocated_routing import RoutingPlan, route_backward, route_forward
+from megatron_plugins.colocated_routing import Exchange, RoutingPlan, Span
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS
 from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from megatron_plugins.rng import ModuleRng
 from megatron_plugins.training_step import COLOCATED_ROWS, check_encoder_rows
 
-__all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders"]
+__all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders",
+           "route_backward", "route_forward"]
 
 _ATTRIBUTE = "_mimo_colocated_encoders"
 
@@ -86,6 +88,73 @@ class ColocatedEncoders:
             rows.update(zip(computed, map(sum, batch[COLOCATED][name][ITEM_TOKENS][name])))
             counts.append(rows)
         return counts
+
+
+def _take(tensor: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    pieces = [tensor[start:stop] for start, stop in spans]
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _place(target: torch.Tensor, span: Span, values: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        target[span[0]:span[1]] += values
+    else:
+        target[span[0]:span[1]] = values
+
+
+def _run(source: torch.Tensor, target: torch.Tensor, exchange: Exchange,
+         group: dist.ProcessGroup | None, accumulate: bool) -> None:
+    """One ``batch_isend_irecv`` over every peer with rows (none when there is none), the local
+    copies while it runs, then the received rows into place."""
+    ops = [dist.P2POp(dist.isend, _take(source, message.spans), message.peer, group)
+           for message in exchange.sends]
+    buffers = [source.new_empty((message.rows, *source.shape[1:]))
+               for message in exchange.receives]
+    ops += [dist.P2POp(dist.irecv, buffer, message.peer, group)
+            for message, buffer in zip(exchange.receives, buffers)]
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    for (start, stop), span in exchange.local:
+        _place(target, span, source[start:stop], accumulate)
+    for request in requests:
+        request.wait()
+    for message, buffer in zip(exchange.receives, buffers):
+        offset = 0
+        for span in message.spans:
+            length = span[1] - span[0]
+            _place(target, span, buffer[offset:offset + length], accumulate)
+            offset += length
+
+
+def _check_rows(tensor: torch.Tensor, expected: int, what: str) -> None:
+    if tensor.dim() < 1 or tensor.shape[0] != expected:
+        raise ValueError(f"{what} has shape {tuple(tensor.shape)}; the routing plan expects "
+                         f"{expected} rows on this rank")
+
+
+@torch.no_grad()
+def route_forward(rows: torch.Tensor, plan: RoutingPlan,
+                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's consumed rows (``[plan.consumed_rows, ...]``, empty off language stage 0)
+    from its computed ``rows`` (``[plan.computed_rows, ...]``); every rank of ``group`` (default:
+    the world) calls it with its own plan. Detached: the caller joins the graphs (Phase 3)."""
+    _check_rows(rows, plan.computed_rows, "encoder rows")
+    rows = rows.detach()
+    out = rows.new_empty((plan.consumed_rows, *rows.shape[1:]))
+    _run(rows, out, plan.forward, group, accumulate=False)
+    return out
+
+
+@torch.no_grad()
+def route_backward(grads: torch.Tensor, plan: RoutingPlan,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The gradient of this rank's computed rows (``[plan.computed_rows, ...]``), summed over the
+    language CP lanes, from the gradient of its consumed rows (``[plan.consumed_rows, ...]``;
+    every TP rank of a CP lane holds the same). Every rank of ``group`` calls it."""
+    _check_rows(grads, plan.consumed_rows, "row gradients")
+    grads = grads.detach()
+    out = grads.new_zeros((plan.computed_rows, *grads.shape[1:]))
+    _run(grads, out, plan.backward, group, accumulate=True)
+    return out
 
 
 def colocated_encoders(model: torch.nn.Module) -> ColocatedEncoders | None:

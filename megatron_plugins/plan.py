@@ -4,8 +4,8 @@ Takes the whole training command line (flags it does not need are ignored) plus 
 ``--nproc-per-node`` / ``--nnodes``, runs the launch's own checks (:func:`preflight.check_run`),
 and prints each module's ranks, nodes and group sizes, a warning for every TP/CP/EP group that
 spans nodes, and (on request or for small layouts) every rank's node and coordinates (on a
-colocated rank, both modules'); or the error on one line with exit code 2. A colocated layout is
-described although it cannot be launched yet. Coordinates come from
+colocated rank, both modules'), and with ``--micro-batch-size`` how much of each colocated
+encoder's output crosses ranks; or the error on one line with exit code 2. Coordinates come from
 :meth:`ModulePlacement.coordinates`, which follows ``HyperCommGrid``'s rank order, so they match the
 live topology.
 """
@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from megatron_plugins.colocated_routing import summarize
 from megatron_plugins.errors import FlagError, UsageError, report
 from megatron_plugins.layout import (
     DENSE_DIMS,
@@ -88,8 +89,19 @@ def cross_node_groups(module: ModulePlacement, nproc_per_node: int) -> dict[str,
     return found
 
 
-def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool) -> str:
-    """A summary per module (ranks, nodes, group sizes), warnings, then the per-rank table."""
+def _routing(layout: ParallelLayout, module: ModulePlacement, micro_batch_size: int) -> str:
+    summary = summarize(module, layout.language, micro_batch_size)
+    return (f"routing {module.name} -> {layout.language.name} (--micro-batch-size "
+            f"{micro_batch_size}): {summary.local_share:.0%} of the rows the first language "
+            f"stage merges are computed on the merging rank; per {module.name} row, "
+            f"{summary.rows_per_sample:g} copies cross ranks forward and "
+            f"{summary.gradients_per_sample:g} gradients back")
+
+
+def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool,
+                micro_batch_size: int | None = None) -> str:
+    """A summary per module (ranks, nodes, group sizes), the colocated encoders' routing (given
+    ``micro_batch_size``), warnings, then the per-rank table."""
     nodes = -(-layout.world_size // nproc_per_node)
     names = ", ".join(m.name for m in layout.modules if m.host is None)
     if layout.hosted:
@@ -118,6 +130,10 @@ def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool) -> str
                 f"inside a node (a {dim} dividing {nproc_per_node}, module sizes ending on node "
                 f"boundaries)"
             )
+    for module in layout.hosted:
+        lines.append(_routing(layout, module, micro_batch_size) if micro_batch_size else
+                     f"routing {module.name} -> {layout.language.name}: add --micro-batch-size "
+                     "to see how many of its rows cross ranks")
     lines.extend(warnings)
     if ranks:
         for rank in range(layout.world_size):
@@ -137,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True).layout
     except UsageError as error:
         return report("mimo-plan", error)
-    print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL))
+    print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL,
+                      own.micro_batch_size))
     return 0
 
 

@@ -289,7 +289,7 @@ def _routing_rank(cases: list[tuple[ModulePlacement, ModulePlacement, list[list[
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
 
-    from megatron_plugins.colocated_routing import route_backward, route_forward
+    from megatron_plugins.colocated_step import route_backward, route_forward
 
     rank = dist.get_rank()
     calls = []

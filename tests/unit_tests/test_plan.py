@@ -170,15 +170,20 @@ def test_gpu_launchers_pass_the_planning_view(script):
 
 
 def test_colocated_layout_is_described_with_both_modules_per_rank(capsys):
-    """mimo-plan describes what the launch still refuses (issue 28: no colocated step yet)."""
     assert main(["--encoder", "vision=vit", "--grid", "vision:dp=4@language",
-                 "--grid", "language:tp=2,dp=2", "--nproc-per-node", "4"]) == 0
+                 "--grid", "language:tp=2,dp=2", "--nproc-per-node", "4",
+                 "--micro-batch-size", "2"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "world: 4 ranks on 1 node(s) of 4; modules in rank order: language; vision on language",
         "module language ranks=0-3 nodes=0-0 group sizes: tp=2 cp=1 dp=2 pp=1 | "
         "expt_tp=1 ep=1 expt_dp=4 pp=1",
         "module vision provider=vit ranks=0-3 (on language) nodes=0-0 group sizes: tp=1 cp=1 "
         "dp=4 pp=1 | expt_tp=1 ep=1 expt_dp=4 pp=1",
+        # Language replica 0 (ranks 0, 1) merges positions 0 and 1, computed by ranks 0 and 1:
+        # each rank holds one of its two rows and receives the other; gradients stay.
+        "routing vision -> language (--micro-batch-size 2): 50% of the rows the first language "
+        "stage merges are computed on the merging rank; per vision row, 1 copies cross ranks "
+        "forward and 0 gradients back",
         "rank 0 node 0 language: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0; "
         "vision: tp=0 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=0 pp=0",
         "rank 1 node 0 language: tp=1 cp=0 dp=0 pp=0 | expt_tp=0 ep=0 expt_dp=1 pp=0; "
@@ -200,6 +205,8 @@ def test_mixed_layout_lists_modules_in_rank_order(capsys):
     assert [line.split(" ranks=")[0] for line in lines[1:4]] == [
         "module audio provider=audio", "module language", "module vision provider=vit"]
     assert "ranks=1-2 (on language) nodes=0-0" in lines[3]
+    assert lines.pop(4) == ("routing vision -> language: add --micro-batch-size to see how many "
+                            "of its rows cross ranks")
     assert [line.split(" | ")[0] for line in lines[4:]] == [
         "rank 0 node 0 audio: tp=0 cp=0 dp=0 pp=0",
         "rank 1 node 0 language: tp=0 cp=0 dp=0 pp=0",

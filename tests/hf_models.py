@@ -310,8 +310,9 @@ def train_then(argv: list[str], after: Any) -> dict[str, Any]:
     result: dict[str, Any] = {}
 
     def observe(session: Any) -> None:
-        [module] = session.topology.active_modules
-        result["module"] = module
+        # The module whose own ranks these are (a rank hosting an encoder is a language rank).
+        result["module"] = session.topology.layout.module_of_rank(
+            torch.distributed.get_rank()).name
         models: list[Any] = []
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
         close = session.close

@@ -148,18 +148,21 @@ def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: tor
 
 
 def whole_pieces(mimo: Any, session: Any) -> bytes:
-    """This rank's streamed pieces of the ``--hf-model`` folder, serialized."""
+    """This rank's streamed pieces of the ``--hf-model`` folder (of each module it runs),
+    serialized."""
     import io
 
     from megatron_plugins.weights.local_view import unwrap
     from megatron_plugins.weights.streaming import iter_whole_weights
 
-    [module] = session.topology.active_modules
     args = session.run.args
     buffer = io.BytesIO()
-    torch.save(list(iter_whole_weights(unwrap(mimo), module, session.topology.module_pgs[module],
-                                       args.hf_model, session.run.plugins[ENCODER].hf_family,
-                                       args.vocab_size)), buffer)
+    torch.save([piece for module in session.topology.active_modules
+                for piece in iter_whole_weights(unwrap(mimo), module,
+                                                session.topology.module_pgs[module],
+                                                args.hf_model,
+                                                session.run.plugins[ENCODER].hf_family,
+                                                args.vocab_size)], buffer)
     return buffer.getvalue()
 
 

@@ -161,17 +161,20 @@ def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
 
 
 @pytest.mark.timeout(400)
-def test_deepstack_trains_identically_at_language_tp2_and_packed(tmp_path):
+def test_deepstack_trains_identically_at_language_tp2_packed_and_colocated(tmp_path):
     """DeepStack's levels, scattered to several images of varied sizes per sample, shard as
-    MiMo shards the text embeddings: language TP 2 and packed rows train as one rank per module
-    does (the same losses, the same trained weights). (--sequence-parallel needs a GPU.)"""
+    MiMo shards the text embeddings: language TP 2, packed rows, and the tower on the language
+    ranks (its rows and levels routed to the replica that merges them) train as one rank per
+    module does (the same losses, the same trained weights). (--sequence-parallel needs a
+    GPU.)"""
     folder = save_whole(tmp_path / "two_kv_heads", num_key_value_heads=2)  # TP 2 splits them
     reference = _trained(folder, tmp_path, "reference", 2, ("image:dp=1", "language:dp=1"))
     assert sorted(reference[0]) == [1, 2, 3]
-    for name, nproc, grid, extra in (
-            ("tp2", 3, "language:tp=2", ()),
-            ("packed", 2, "language:dp=1", ("--pack-sequences",))):
-        losses, weights = _trained(folder, tmp_path, name, nproc, ("image:dp=1", grid), extra)
+    for name, nproc, grids, extra in (
+            ("tp2", 3, ("image:dp=1", "language:tp=2"), ()),
+            ("packed", 2, ("image:dp=1", "language:dp=1"), ("--pack-sequences",)),
+            ("colocated", 2, ("image:tp=2@language", "language:dp=2"), ())):
+        losses, weights = _trained(folder, tmp_path, name, nproc, grids, extra)
         assert losses == pytest.approx(reference[0], rel=1e-5), name
         assert weights.keys() == reference[1].keys()
         for key, value in reference[1].items():

@@ -62,6 +62,9 @@ class MimoBuildConfig(ModelConfig):
     freeze_projections: list[str] = field(default_factory=list)
     encoder_overlap_grad_reduce: bool | None = None
     """Overlapped grad reduction for encoders; None follows the stock ``--overlap-grad-reduce``."""
+    colocated_encoder_recompute: bool = False
+    """Hosted encoders recompute their forward in the backward phase
+    (``--colocated-encoder-recompute``, :attr:`ColocatedEncoders.recompute`)."""
     language_hf_weights: str | None = None
     """HF folder the language model is loaded from once built (``--language-hf-weights``)."""
     encoder_hf_weights: dict[str, str] = field(default_factory=dict)
@@ -209,7 +212,8 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
                     topology.layout.module(name),
                     language.hidden_size * (1 + cfg._plugins[name].deepstack_levels),
                     any(p.requires_grad for p in model.modality_submodules[name].parameters()))
-                for name in topology.hosted}, rng).attach(model)
+                for name in topology.hosted}, rng,
+                recompute=cfg.colocated_encoder_recompute).attach(model)
         # The module stock checkpointing and train_step see: the language model where the rank
         # has it (a colocated rank's encoders keep their RNG streams in ``rng``).
         [active] = [LANGUAGE] if topology.hosted else topology.active_modules

@@ -7,20 +7,26 @@
 1. every hosted encoder runs its forward over the step's microbatches, each inside the encoder's
    RNG streams (:class:`~megatron_plugins.rng.ModuleRng`) with the same batches as on ranks of its
    own, and its rows are routed to the language model's first-stage ranks that merge them
-   (:mod:`megatron_plugins.colocated_routing`), where they become one detached leaf;
+   (:func:`route_forward` runs the :mod:`megatron_plugins.colocated_routing` plan), where they
+   become one detached leaf;
 2. the stock schedule runs the language model (any pipeline depth) on the step's language
-   batches, each carrying its microbatch's view of the leaf (:data:`COLOCATED_ROWS`), with the
+   batches, each carrying its microbatch's view of the leaf (``training_step.COLOCATED_ROWS``),
+   with the
    model's gradient finalization held back;
 3. the leaf's gradient is routed back to the ranks that computed the rows, one backward per
    encoder runs, and the held-back finalization reduces every module on its own groups and
    divides by the global token count, as on disjoint grids.
 
 A hosted encoder's activations live from phase 1 to phase 3: on a colocated rank the step holds
-every microbatch's encoder activations at once.
+every microbatch's encoder activations at once. With ``--colocated-encoder-recompute``
+(:attr:`ColocatedEncoders.recompute`) phase 1 keeps only each microbatch's encoder inputs and the
+encoder's RNG state at its start, and phase 3 runs the microbatch's forward again from that state
+and backs it up at once: one more encoder forward per step, one microbatch's activations held.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +68,9 @@ class ColocatedEncoders:
     rank: int
     encoders: dict[str, HostedEncoder]
     rng: ModuleRng
+    recompute: bool = False
+    """Recompute each microbatch's encoder forward in phase 3 instead of keeping its activations
+    from phase 1 (``--colocated-encoder-recompute``)."""
     traffic: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per encoder, the bytes of rows and row gradients this rank received from peers in the
     latest training step, and the least any routing would have to move to it (rows it merges but
@@ -162,11 +171,16 @@ def colocated_encoders(model: torch.nn.Module) -> ColocatedEncoders | None:
     return getattr(unwrap_model(model), _ATTRIBUTE, None)
 
 
+def _encoder_inputs(name: str, batch: Mapping[str, Any]) -> Any:
+    """A microbatch's inputs of encoder ``name``, None when none of its samples has any."""
+    inputs = batch.get("modality_inputs")
+    return inputs.get(name) if inputs else None
+
+
 def _encoder_rows(mimo: torch.nn.Module, name: str, width: int,
                   batch: Mapping[str, Any]) -> torch.Tensor:
     """One microbatch through a hosted encoder, checked against the rows its items declare."""
-    inputs = batch.get("modality_inputs")
-    inputs = inputs.get(name) if inputs else None
+    inputs = _encoder_inputs(name, batch)
     if inputs is None:
         output = torch.empty((0, width), device=torch.cuda.current_device(),
                              dtype=mimo.config.params_dtype)
@@ -180,7 +194,11 @@ def _encoder_rows(mimo: torch.nn.Module, name: str, width: int,
 class _Routed:
     plan: RoutingPlan
     computed: torch.Tensor
+    """The encoder's rows of the step (with their graph unless they are recomputed)."""
     leaf: torch.Tensor
+    replays: list[tuple[Mapping[str, Any], dict[str, Any]]] = field(default_factory=list)
+    """With recompute: each microbatch's encoder batch and the encoder's RNG state at its
+    start."""
 
 
 class ColocatedSchedule:
@@ -219,7 +237,7 @@ class ColocatedSchedule:
         finally:
             config.finalize_model_grads_func = finalize
         if not forward_only:
-            self._backward(hosted, routed)
+            self._backward(mimo, hosted, routed)
         for args, kw in held:
             finalize(*args, **kw)
         return losses
@@ -230,9 +248,14 @@ class ColocatedSchedule:
         """Phase 1: every hosted encoder over the step's microbatches, rows routed."""
         routed = {}
         for name, encoder in hosted.encoders.items():
-            with hosted.rng.enter(name), torch.set_grad_enabled(not forward_only):
-                outputs = [_encoder_rows(mimo, name, encoder.width, batch[COLOCATED][name])
-                           for batch in batches]
+            recompute = hosted.recompute and encoder.trains and not forward_only
+            outputs, replays = [], []
+            with hosted.rng.enter(name), torch.set_grad_enabled(not (forward_only or recompute)):
+                for batch in batches:
+                    inputs = batch[COLOCATED][name]
+                    if recompute:
+                        replays.append((inputs, hosted.rng.state_dict([name])))
+                    outputs.append(_encoder_rows(mimo, name, encoder.width, inputs))
             computed = torch.cat(outputs)
             plan = RoutingPlan.build(encoder.placement, hosted.layout.language, hosted.rank,
                                      micro_batch_size,
@@ -242,19 +265,47 @@ class ColocatedSchedule:
             if not forward_only:
                 hosted.traffic[name] = (plan.bytes_moved(encoder.width, computed.dtype),
                                         plan.bytes_minimum(encoder.width, computed.dtype))
-            routed[name] = _Routed(plan, computed, leaf)
+            routed[name] = _Routed(plan, computed, leaf, replays)
         return routed
 
     @staticmethod
-    def _backward(hosted: ColocatedEncoders, routed: Mapping[str, _Routed]) -> None:
+    def _backward(mimo: torch.nn.Module, hosted: ColocatedEncoders,
+                  routed: Mapping[str, _Routed]) -> None:
         """Phase 3: the leaves' gradients back to the ranks that computed the rows, then one
-        backward per encoder (a frozen encoder's rows need none)."""
+        backward per encoder (a frozen encoder's rows need none), or one per recomputed
+        microbatch."""
         for name, route in routed.items():
             if not hosted.encoders[name].trains:
                 continue
             grad = route.leaf.grad if route.leaf.grad is not None else torch.zeros_like(route.leaf)
             rows = route_backward(grad, route.plan)
-            if route.computed.requires_grad:
+            if route.replays:
+                _replay(mimo, hosted, name, route, rows)
+            elif route.computed.requires_grad:
                 with hosted.rng.enter(name):
                     torch.autograd.backward(route.computed, rows)
+
+
+def _replay(mimo: torch.nn.Module, hosted: ColocatedEncoders, name: str, route: _Routed,
+            rows: torch.Tensor) -> None:
+    """Each microbatch's encoder forward again from the RNG state phase 1 started it with (same
+    dropout draws), backed up at once with its rows' gradients; all but the last microbatch with
+    inputs under the encoder's no-sync, so its DDP reduces once, as after one backward."""
+    live = [index for index, (inputs, _) in enumerate(route.replays)
+            if _encoder_inputs(name, inputs) is not None]
+    no_sync = getattr(mimo.modality_submodules[name], "no_sync", contextlib.nullcontext)
+
+    def backward(index: int) -> None:
+        inputs, state = route.replays[index]
+        hosted.rng.load_state_dict(state)
+        output = _encoder_rows(mimo, name, hosted.encoders[name].width, inputs)
+        if output.requires_grad:
+            torch.autograd.backward(output, rows[slice(*route.plan.computed_microbatches[index])])
+
+    with hosted.rng.enter(name):
+        with no_sync():
+            for index in live[:-1]:
+                backward(index)
+        for index in live[-1:]:
+            backward(index)
 

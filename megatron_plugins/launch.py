@@ -192,6 +192,7 @@ def start(run: MimoRun) -> MimoSession:
         freeze_encoders=list(args.freeze_encoder),
         freeze_projections=list(args.freeze_projection),
         encoder_overlap_grad_reduce=args.encoder_overlap_grad_reduce,
+        colocated_encoder_recompute=args.colocated_encoder_recompute,
         language_hf_weights=args.language_hf_weights,
         encoder_hf_weights=dict(args.encoder_hf_weights),
         hf_model=args.hf_model,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_plugins.errors import UsageError
+from megatron_plugins.errors import FlagError, UsageError
 
 __all__ = [
     "DENSE_DIMS", "EXPERT_DIMS", "GRID_EXAMPLE", "GRID_KEYS", "LANGUAGE", "LayoutError",
@@ -412,7 +412,14 @@ def _check_encoder(encoder: ModulePlacement, language: ModulePlacement, heads: i
 
 def _check_colocation_flags(layout: ParallelLayout, args: Any) -> None:
     """What colocated encoders cannot run with yet: the language model's CP (the row gradients
-    of the CP lanes are not summed on the way back) and fan-in work balancing."""
+    of the CP lanes are not summed on the way back) and fan-in work balancing; and
+    ``--colocated-encoder-recompute`` without any of them."""
+    if getattr(args, "colocated_encoder_recompute", False) and not layout.hosted:
+        raise FlagError(
+            "--colocated-encoder-recompute: no encoder is on the language model's ranks, so no "
+            "encoder forward is kept until the backward; drop the flag or colocate an encoder "
+            "with --grid NAME:...@language"
+        )
     for module in layout.hosted:
         if layout.language.cp > 1:
             raise LayoutError(
@@ -438,7 +445,7 @@ def check_layout(
     ``tensor_parallel_num_weight_shards``, ``expert_tensor_parallel_num_weight_shards``; with a
     language ``cp > 1`` also ``seq_length``, ``sequence_parallel``, ``pack_sequences``,
     ``cp_comm_type`` and ``hybrid_context_parallel``; with a hosted encoder
-    ``balance_encoder_work``).
+    ``balance_encoder_work``; ``colocated_encoder_recompute``).
     ``encoder_heads`` maps encoder names to attention-head counts known from the encoder plugins.
     """
     for module in layout.modules:

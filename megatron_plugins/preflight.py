@@ -97,6 +97,11 @@ def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        action="store_const", const=True,
                        help="Upstream spelling of --encoder-overlap-grad-reduce; like upstream, "
                             "needs --overlap-grad-reduce.")
+    group.add_argument("--colocated-encoder-recompute", action="store_true",
+                       help="On ranks hosting an encoder (--grid NAME:...@language), keep only "
+                            "each microbatch's encoder inputs until the backward and run the "
+                            "encoder forward again there: one more encoder forward per step, one "
+                            "microbatch's encoder activations held instead of the whole step's.")
     group.add_argument("--dataset-provider", choices=["mock"], default="mock",
                        help="Upstream examples/mimo flag; the mock data is the only provider.")
     return parser

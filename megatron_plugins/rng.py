@@ -236,10 +236,14 @@ class ModuleRng:
     def _streams(self, name: str) -> _Streams:
         return _read_streams(clone_cuda=False) if name == self._live else self._stored[name]
 
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Every hosted module's states, picklable, under stock's checkpoint RNG keys."""
+    def state_dict(self, modules: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Every hosted module's states (or those of ``modules``: a replay of a module's work
+        restores its own), copied and picklable, under stock's checkpoint RNG keys."""
+        names = self.modules if modules is None else modules
+        for name in names:
+            self._check(name)
         states = {}
-        for name in self.modules:
+        for name in names:
             streams = self._streams(name)
             states[name] = {
                 "random_rng_state": streams.python,

@@ -8,11 +8,16 @@ around it (text embeddings, combining encoder rows, the CP split). The process's
 the training steps is read from ``/proc/self/status`` (VmHWM, reset before the first forward).
 
     PYTHONPATH=. .venv/bin/python -m tests.activation_memory --seq-length 4096 --cp 1 2 | grep '^|'
+
+:class:`HeldActivations` measures a whole training step instead (colocated layouts keep encoder
+activations across the step's microbatches): the saved-for-backward bytes held at once, by
+whether an encoder or the rest of the model saved them, and their peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +95,102 @@ class SavedActivations:
         if pointer not in self.parameter_storages and pointer not in self._storages:
             self._storages[pointer] = (self._regions[-1], storage.nbytes())
         return tensor
+
+
+class _Held:
+    """One saved tensor as autograd keeps it; tells the meter when the graph lets it go."""
+
+    __slots__ = ("tensor", "_release")
+
+    def __init__(self, tensor: torch.Tensor, release: Any) -> None:
+        self.tensor = tensor
+        self._release = release
+
+    def __del__(self) -> None:
+        self._release()
+
+
+@dataclass
+class HeldActivations:
+    """Saved-for-backward bytes a rank holds at once over training, and their peak.
+
+    Unique storages (parameters excluded) count from the first save until autograd frees the
+    last graph node keeping them; each is attributed to ``encoder`` when first saved inside an
+    encoder's forward, else to ``model``. ``encoder_forwards``: the bytes each encoder forward
+    saved (one microbatch's)."""
+
+    parameter_storages: set[int]
+    held: dict[str, int] = field(default_factory=lambda: {"encoder": 0, "model": 0})
+    peak: dict[str, int] = field(default_factory=lambda: {"encoder": 0, "model": 0, "total": 0})
+    encoder_forwards: list[int] = field(default_factory=list)
+    _storages: dict[int, list] = field(default_factory=dict)
+    _grad_modes: list[bool] = field(default_factory=list)
+    """Per encoder forward entered, whether grad was on: without it some kernels (dropout)
+    still pack, for a graph that is never kept (pack hooks run with grad off, so they cannot
+    tell)."""
+    _context: Any = None
+
+    @classmethod
+    def install(cls, mimo: torch.nn.Module) -> "HeldActivations":
+        """Count from now on, for the MimoModel ``mimo`` of this rank (its encoders hooked)."""
+        meter = cls({p.untyped_storage().data_ptr() for p in mimo.parameters()})
+        for encoder in mimo.modality_submodules.values():
+            # MimoModel calls an encoder's DDP wrapper by ``.forward``: hook the wrapped module
+            # too (the colocated step calls the wrapper; nested entries count once).
+            for module in {encoder, getattr(encoder, "module", encoder)}:
+                module.register_forward_pre_hook(lambda module, args: meter._enter_encoder())
+                module.register_forward_hook(
+                    lambda module, args, output: meter._leave_encoder())
+        meter._context = torch.autograd.graph.saved_tensors_hooks(meter._pack,
+                                                                  lambda held: held.tensor)
+        meter._context.__enter__()
+        return meter
+
+    def stop(self) -> None:
+        """Stop counting (the run is over)."""
+        self._context.__exit__(None, None, None)
+
+    def _enter_encoder(self) -> None:
+        if not self._grad_modes:
+            self.encoder_forwards.append(0)
+        self._grad_modes.append(torch.is_grad_enabled())
+
+    def _leave_encoder(self) -> None:
+        self._grad_modes.pop()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in self.parameter_storages or self._grad_modes[-1:] == [False]:
+            return _Held(tensor, lambda: None)
+        entry = self._storages.get(pointer)
+        if entry is None:
+            region = "encoder" if self._grad_modes else "model"
+            entry = self._storages[pointer] = [region, storage.nbytes(), 0]
+            self.held[region] += entry[1]
+            if self._grad_modes:
+                self.encoder_forwards[-1] += entry[1]
+            self._note_peak()
+        entry[2] += 1
+        return _Held(tensor, lambda: self._release(pointer))
+
+    def _release(self, pointer: int) -> None:
+        entry = self._storages[pointer]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._storages[pointer]
+            self.held[entry[0]] -= entry[1]
+
+    def _note_peak(self) -> None:
+        for region, held in self.held.items():
+            self.peak[region] = max(self.peak[region], held)
+        self.peak["total"] = max(self.peak["total"], sum(self.held.values()))
+
+    def report(self) -> dict[str, Any]:
+        """Peak bytes (encoder, model, total), each encoder forward's bytes, and the process's
+        peak RSS (``ru_maxrss``, KiB)."""
+        return {"peak": dict(self.peak), "encoder_forwards": list(self.encoder_forwards),
+                "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
 def activation_rank(argv: list[str]) -> dict[str, Any]:

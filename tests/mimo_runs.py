@@ -2,7 +2,8 @@
 
 ``train_mimo`` runs the entry point's own steps (parse, start, stock ``pretrain()``) in N spawned
 gloo processes and returns the logged ``lm loss`` per iteration plus, per rank, what the test
-asked to observe (trained parameters of the rank's module, gradient reductions per step).
+asked to observe (trained parameters of the rank's module, gradient reductions per step, the
+activations it held for backward).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.activation_memory import HeldActivations
 from tests.multiprocess import run_in_processes
 from tests.tensorboard_scalars import read_scalars
 from tests.tiny_model import TINY_TRANSFORMER
@@ -73,10 +75,12 @@ def count_routings() -> dict[str, int]:
 
 
 def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: bool,
-                    observe_keys: bool = False, misalign: bool = False) -> list[dict[str, Any]]:
+                    observe_keys: bool = False, misalign: bool = False,
+                    observe_memory: bool = False) -> list[dict[str, Any]]:
     """One rank of a MiMo run; returns, per module the rank runs (two on a rank hosting an
     encoder), its coordinates and what was asked to observe (with ``count_reductions``, on a
-    hosted encoder's entry also its row exchanges and the bytes of the last step)."""
+    hosted encoder's entry also its row exchanges and the bytes of the last step; with
+    ``observe_memory``, the rank's :meth:`HeldActivations.report` on each of its entries)."""
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
@@ -84,6 +88,7 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
     from megatron_plugins.launch import parse_mimo_args, train
 
     models: list[Any] = []
+    meters: list[HeldActivations] = []
     results: dict[str, dict[str, Any]] = {}
 
     def observe(session: Any) -> None:
@@ -92,6 +97,9 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
             results[module] = {"module": module, "tp_rank": pgc.tp.rank(),
                                "cp_rank": pgc.cp.rank(), "dp_rank": pgc.dp.rank()}
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
+        if observe_memory:
+            session.config.model.post_wrap_hooks.append(
+                lambda chunks: meters.append(HeldActivations.install(chunks[0])) or chunks)
         if misalign and any(module != "language" for module in results):
             _misalign_encoder_batches()
         if observe_keys:
@@ -102,7 +110,11 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
     reductions = count_grad_reductions() if count_reductions else None
     routings = count_routings() if count_reductions else None
     train(run, observe)
+    for meter in meters:
+        meter.stop()
     for module, result in results.items():
+        if meters:
+            result["memory"] = meters[0].report()
         if observe_params:
             [mimo] = models
             part = (mimo.language_model if module == "language"
@@ -139,7 +151,8 @@ def _record_keys(guard: Any, result: dict[str, Any]) -> None:
 
 def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (),
                observe_params: bool = False, count_reductions: bool = False,
-               observe_keys: bool = False, misalign: bool = False, timeout: float = 150.0
+               observe_keys: bool = False, misalign: bool = False, observe_memory: bool = False,
+               timeout: float = 150.0
                ) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
     """Train the tiny MiMo model on ``nproc`` ranks.
 
@@ -150,7 +163,7 @@ def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (
     argv = [*TINY_MIMO, *extra, *flags, "--tensorboard-dir", logdir]
     per_rank = run_in_processes(train_mimo_rank, nproc, timeout=timeout, simulated=True,
                                 args=(argv, observe_params, count_reductions, observe_keys,
-                                      misalign))
+                                      misalign, observe_memory))
     results = [entry for entries in per_rank for entry in entries]
     return {tag: read_scalars(logdir, tag) for tag in ("lm loss", "grad-norm")}, results
 

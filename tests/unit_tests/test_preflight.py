@@ -167,6 +167,17 @@ def test_colocated_refusals_read_the_raw_command_line():
         check_run([*COLOCATED[:4], "--grid", "language:dp=2"], 2)
 
 
+def test_encoder_recompute_needs_an_encoder_on_the_language_ranks():
+    assert check_run([*COLOCATED, "--colocated-encoder-recompute"], 4).layout.hosted
+    separate = ["--encoder", "vision=vit", "--grid", "vision:dp=2", "--grid", "language:dp=2"]
+    with pytest.raises(FlagError) as refused:
+        check_run([*separate, "--colocated-encoder-recompute"], 4)
+    assert str(refused.value) == (
+        "--colocated-encoder-recompute: no encoder is on the language model's ranks, so no "
+        "encoder forward is kept until the backward; drop the flag or colocate an encoder with "
+        "--grid NAME:...@language")
+
+
 def test_the_entry_point_refuses_a_colocated_grid_of_the_wrong_size_before_torch_is_imported():
     result = _entry_point([*COLOCATED[:4], "--grid", "language:dp=2"], 2)
     assert result.returncode == 2

@@ -426,6 +426,25 @@ def test_module_rng_state_dict_pickles_and_loads_per_module():
     assert _draw(cuda) == expected["language"]
 
 
+def test_module_rng_replays_a_module_from_the_state_it_saved_inside_its_context():
+    """--colocated-encoder-recompute: phase 3 restores an encoder's streams of a microbatch's
+    start and draws what phase 1 drew; the resident module's streams go on untouched."""
+    from megatron_plugins.rng import ModuleRng
+
+    topology, cuda = _in_process_topology(), _cuda_present()
+    module_rng = ModuleRng.seed(topology, SEED, _options())
+    with module_rng.enter("vision"):
+        start = module_rng.state_dict(["vision"])
+        first = [_draw(cuda) for _ in range(2)]
+    with module_rng.enter("vision"):
+        module_rng.load_state_dict(start)
+        assert [_draw(cuda) for _ in range(2)] == first
+    assert set(start) == {"vision"}
+    language = _draw(cuda)
+    ModuleRng.seed(topology, SEED, _options())
+    assert _draw(cuda) == language
+
+
 def test_module_rng_refuses_modules_the_rank_does_not_host():
     from megatron_plugins.rng import ModuleRng
 

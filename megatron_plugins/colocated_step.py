@@ -11,8 +11,7 @@
    become one detached leaf;
 2. the stock schedule runs the language model (any pipeline depth) on the step's language
    batches, each carrying its microbatch's view of the leaf (``training_step.COLOCATED_ROWS``),
-   with the
-   model's gradient finalization held back;
+   with the model's gradient finalization held back;
 3. the leaf's gradient is routed back to the ranks that computed the rows, one backward per
    encoder runs, and the held-back finalization reduces every module on its own groups and
    divides by the global token count, as on disjoint grids.

@@ -192,23 +192,34 @@ def train_and_export(folder: str | Path, root: Path, extra: tuple[str, ...] = ()
                      ) -> list[list[Any]]:
     """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``
     (its scalars in ``root/tensorboard``); the same weights re-saved at encoder TP 2 + language
-    PP 2 (loaded, one step at lr 0) under ``root/second``; both exported to ``root/out_first``,
+    PP 2 (:func:`resave`) under ``root/second``; both exported to ``root/out_first``,
     ``root/out_second``. Returns the first run's streamed pieces of the trained model.
     ``extra``: flags of both runs."""
+    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
+        *extra, "--train-iters", "2", "--save", str(root / "first"), "--save-interval", "2",
+        "--tensorboard-dir", str(root / "tensorboard")))
+    resave(folder, root, "second", 4, ("image:tp=2", "language:pp=2"), extra)
+    export(root, ("first", "second"))
+    return pieces
+
+
+def resave(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple[str, ...],
+           extra: tuple[str, ...] = ()) -> None:
+    """The weights :func:`train_and_export` saved under ``root/first``, loaded at ``grids`` (one
+    step at lr 0) and saved under ``root/name``."""
+    vlm_train(nproc, folder, grids, (
+        *extra, "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(root / "first"),
+        "--finetune", "--no-load-optim", "--no-load-rng", "--save", str(root / name),
+        "--save-interval", "1"))
+
+
+def export(root: Path, names: tuple[str, ...]) -> None:
+    """``tools/export_hf.py`` of each checkpoint ``root/name`` to ``root/out_name``."""
     from tests.hf_models import export_rank
     from tests.multiprocess import run_in_processes
 
-    first, second = root / "first", root / "second"
-    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
-        *extra, "--train-iters", "2", "--save", str(first), "--save-interval", "2",
-        "--tensorboard-dir", str(root / "tensorboard")))
-    vlm_train(4, folder, ("image:tp=2", "language:pp=2"), (
-        *extra, "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--load", str(first), "--finetune",
-        "--no-load-optim", "--no-load-rng", "--save", str(second), "--save-interval", "1"))
-    jobs = [(str(first), str(root / "out_first"), {"progress": False}),
-            (str(second), str(root / "out_second"), {"progress": False})]
+    jobs = [(str(root / name), str(root / f"out_{name}"), {"progress": False}) for name in names]
     run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
-    return pieces
 
 
 def bad_input(argv: list[str], monkeypatch: Any, world_size: int = 2) -> str:
@@ -256,13 +267,13 @@ def built_forward(after: Any, nproc: int, argv: list[str]) -> list[dict[str, Any
     return results
 
 
-def identical_exports(root: Path) -> list[str]:
-    """The files of ``root/out_first`` (sorted), each byte-identical in ``root/out_second``: the
-    two saving layouts of :func:`train_and_export` export one folder."""
+def identical_exports(root: Path, other: str = "out_second") -> list[str]:
+    """The files of ``root/out_first`` (sorted), each byte-identical in ``root/other``: the
+    saving layouts of :func:`train_and_export` (or :func:`resave`) export one folder."""
     out = root / "out_first"
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     for file in files:
-        assert (out / file).read_bytes() == (root / "out_second" / file).read_bytes(), file
+        assert (out / file).read_bytes() == (root / other / file).read_bytes(), file
     return files
 
 

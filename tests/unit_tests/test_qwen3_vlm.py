@@ -22,7 +22,9 @@ from tests.hf_vlm_models import (
     bad_input,
     check_export,
     edited,
+    export,
     identical_exports,
+    resave,
     train_and_export,
     vlm_flags,
 )
@@ -55,6 +57,16 @@ def exported(qwen3, tmp_path_factory):
     folder = qwen3[0]
     root = tmp_path_factory.mktemp("qwen3_export")
     return root, folder, train_and_export(folder, root)
+
+
+@pytest.mark.timeout(600)
+def test_a_colocated_saving_layout_exports_the_same_qwen3_vl_folder(exported):
+    """The trained weights re-saved with the tower on the language ranks (tower TP 2 on language
+    DP 2) export byte-identical files: checkpoint keys do not depend on where modules ran."""
+    root, folder, _ = exported
+    resave(folder, root, "colocated", 2, ("image:tp=2@language", "language:dp=2"))
+    export(root, ("colocated",))
+    assert "model.safetensors" in identical_exports(root, "out_colocated")
 
 
 @pytest.mark.timeout(600)

@@ -37,9 +37,11 @@ def runs(tmp_path_factory):
         f"vision={first}", "--save", str(init), "--save-interval", "1"))
     # Resumed at its last iteration, it trains no step (and logs no loss): what it holds is what
     # stock --load left after the init.
-    resumed = run_in_processes(train_mimo_rank, 3, timeout=150, simulated=True, args=([
-        *TINY_MIMO, *ENCODER_TP2, *TWO_STEPS, "--load", str(first),
-        "--language-megatron-checkpoint", str(stock)], True, False))
+    resumed = [entry for entries in run_in_processes(
+        train_mimo_rank, 3, timeout=150, simulated=True, args=([
+            *TINY_MIMO, *ENCODER_TP2, *TWO_STEPS, "--load", str(first),
+            "--language-megatron-checkpoint", str(stock)], True, False))
+        for entry in entries]  # one entry per module of each rank
     tensors = read_modules([(str(stock), "language"), (str(init), "language"),
                             (str(first), "vision"), (str(init), "vision"),
                             (str(first), "vision:projection"), (str(init), "vision:projection")])

@@ -332,10 +332,11 @@ def _install_module_rng_states() -> None:
     def _load_base_checkpoint(*args: Any, **kwargs: Any) -> Any:
         loaded = stock_load(*args, **kwargs)
         state_dict = loaded[0]
-        options = checkpointing.get_args()
         entries = state_dict.get("rng_state") if isinstance(state_dict, dict) else None
-        if (_module_rng is None or not isinstance(entries, list) or options.finetune
-                or options.no_load_rng):
+        if _module_rng is None or not isinstance(entries, list):
+            return loaded
+        options = checkpointing.get_args()
+        if options.finetune or options.no_load_rng:
             return loaded
         entry = entries[_module_rng_replica if options.data_parallel_random_init
                         and len(entries) > 1 else 0]

@@ -155,5 +155,9 @@ GAPS: tuple[Gap, ...] = (
         "colocation", _BUILD,
         _canary("colocation", "test_gap25_canary_stock_optimizer_build_gathers_group_keys_over_"
                               "the_world_twice")),
+    Gap("26", "checkpoints hold one RNG state per rank, not a colocated rank's hosted encoders'",
+        "checkpointing", _BUILD,
+        _canary("checkpointing", "test_gap26_canary_stock_rng_state_holds_the_process_"
+                                 "generators_only")),
 )
 """Every gap in the order the bridges were added."""

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["carry_module_rng", "install_checkpoint_bridges", "plain_values", "put_plain_values"]
+__all__ = ["MODULE_RNG_STATES", "carry_module_rng", "install_checkpoint_bridges", "plain_values",
+           "put_plain_values", "restore_module_rng"]
 
 MODULE_RNG_STATES = "module_rng_states"
 """Key of a colocated rank's RNG object that holds the streams of the encoders it hosts."""
@@ -296,6 +297,23 @@ def carry_module_rng(rng: Any, data_parallel_rank: int) -> None:
     _module_rng, _module_rng_replica = rng, data_parallel_rank
 
 
+def restore_module_rng(state_dict: Any) -> None:
+    """The hosted encoders' streams of a loaded ``state_dict`` back into their contexts, where
+    stock restores RNG state too (Gap 26)."""
+    from megatron.training import checkpointing
+
+    entries = state_dict.get("rng_state") if isinstance(state_dict, dict) else None
+    if _module_rng is None or not isinstance(entries, list):
+        return
+    options = checkpointing.get_args()
+    if options.finetune or options.no_load_rng:
+        return
+    entry = entries[_module_rng_replica if options.data_parallel_random_init
+                    and len(entries) > 1 else 0]
+    if isinstance(entry, dict) and MODULE_RNG_STATES in entry:
+        _module_rng.load_state_dict(entry[MODULE_RNG_STATES])
+
+
 def _install_module_rng_states() -> None:
     """Gap 26 (one RNG state per rank): a rank hosting encoders keeps their streams too.
 
@@ -331,17 +349,7 @@ def _install_module_rng_states() -> None:
 
     def _load_base_checkpoint(*args: Any, **kwargs: Any) -> Any:
         loaded = stock_load(*args, **kwargs)
-        state_dict = loaded[0]
-        entries = state_dict.get("rng_state") if isinstance(state_dict, dict) else None
-        if _module_rng is None or not isinstance(entries, list):
-            return loaded
-        options = checkpointing.get_args()
-        if options.finetune or options.no_load_rng:
-            return loaded
-        entry = entries[_module_rng_replica if options.data_parallel_random_init
-                        and len(entries) > 1 else 0]
-        if isinstance(entry, dict) and MODULE_RNG_STATES in entry:
-            _module_rng.load_state_dict(entry[MODULE_RNG_STATES])
+        restore_module_rng(loaded[0])
         return loaded
 
     get_rng_state.__doc__ = stock_state.__doc__

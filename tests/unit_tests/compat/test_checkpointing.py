@@ -10,9 +10,12 @@ import sys
 from types import SimpleNamespace
 
 from megatron_plugins.compat.checkpointing import (
+    MODULE_RNG_STATES,
+    carry_module_rng,
     install_checkpoint_bridges,
     plain_values,
     put_plain_values,
+    restore_module_rng,
 )
 from tests.multiprocess import REPO_ROOT, run_in_processes
 
@@ -195,6 +198,62 @@ def test_gap16_bridge_shards_the_rng_state_over_data_parallel_replicas(monkeypat
     alone = checkpointing.get_rng_state("torch_dist", None, None, dp_cp_group=group(1, 0),
                                         dp_group=group(1, 0), key_prefix="language.")
     assert (alone.global_shape, alone.global_offset) == ((1, 1), (0, 0))  # stock's, one replica
+
+
+def test_gap26_canary_stock_rng_state_holds_the_process_generators_only():
+    from megatron.training import checkpointing
+
+    source = inspect.getsource(checkpointing)  # the module's text: bridges replace its names
+    saved = source.split("def get_rng_state(")[1].split("\ndef ")[0]
+    assert "rng_state = {\n        'random_rng_state': random.getstate()," in saved
+    assert saved.count("rng_state = {") == 1 and "module" not in saved.split("rng_state = {")[1]
+    restored = source.split("def load_checkpoint(")[1].split("\ndef ")[0]
+    assert "random.setstate(rng_state['random_rng_state'])" in restored
+    assert "_load_base_checkpoint(" in restored
+
+
+class _HostedRng:
+    """What the bridge needs of a ``ModuleRng``: the live module and every module's streams."""
+
+    live = "language"
+
+    def __init__(self) -> None:
+        self.loaded: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"language": {"seed": 1}, "vision": {"seed": 2}}
+
+    def load_state_dict(self, states: dict) -> None:
+        self.loaded.append(states)
+
+
+def test_gap26_bridge_carries_and_restores_the_hosted_encoders_streams(monkeypatch):
+    import torch
+    from megatron.training import checkpointing
+
+    install_checkpoint_bridges()
+    monkeypatch.setattr(checkpointing, "get_args", lambda: SimpleNamespace(
+        data_parallel_random_init=False, finetune=False, no_load_rng=False))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(4, dtype=torch.uint8))
+    one = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    hosted = _HostedRng()
+    try:
+        carry_module_rng(None, 0)
+        plain = checkpointing.get_rng_state("torch_dist", one, one, dp_cp_group=one,
+                                            dp_group=one, key_prefix="language.")
+        assert MODULE_RNG_STATES not in plain.data[0]
+        carry_module_rng(hosted, 0)
+        saved = checkpointing.get_rng_state("torch_dist", one, one, dp_cp_group=one,
+                                            dp_group=one, key_prefix="language.")
+        assert saved.data[0][MODULE_RNG_STATES] == {"vision": {"seed": 2}}
+        restore_module_rng({"rng_state": saved.data})
+        assert hosted.loaded == [{"vision": {"seed": 2}}]
+        monkeypatch.setattr(checkpointing, "get_args", lambda: SimpleNamespace(
+            data_parallel_random_init=False, finetune=True, no_load_rng=False))
+        restore_module_rng({"rng_state": saved.data})  # --finetune: stock restores no RNG
+        assert len(hosted.loaded) == 1
+    finally:
+        carry_module_rng(None, 0)
 
 
 def _groups(tp: int = 0, pp: int = 0, dp: int = 0, dp_cp: int = 0) -> SimpleNamespace:

@@ -50,6 +50,6 @@ setup(
         ],
     },
     entry_points={
-        "console_scripts": ["mimo-plan=megatron_plugins.plan:main"],
+        "console_scripts": ["mimo-plan=megatron_plugins.launch.plan:main"],
     },
 )

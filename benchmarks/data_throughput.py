@@ -53,7 +53,7 @@ def _sources(root: Path, workers: int) -> tuple[Any, Any, Any]:
     from megatron_plugins.data.sources import build_source
     from megatron_plugins.encoders.audio import AudioFrameEncoder
     from megatron_plugins.encoders.vit import ViTEncoder
-    from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 
     layout = ParallelLayout((
         ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),

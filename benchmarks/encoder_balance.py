@@ -36,7 +36,7 @@ SAMPLES_PER_REPLICA = 4
 def _vit_item_tokens():
     """The native vit's ``item_tokens`` at patch 14, 4*14*14 .. 1024*14*14 pixels."""
     from megatron_plugins.encoders.vit import ViTEncoder
-    from megatron_plugins.layout import ModulePlacement
+    from megatron_plugins.parallel.layout import ModulePlacement
 
     parser = argparse.ArgumentParser()
     ViTEncoder.add_arguments(parser)

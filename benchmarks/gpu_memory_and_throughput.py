@@ -94,8 +94,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron_plugins.compat import model_build  # noqa: E402
 from megatron_plugins.encoders.audio import AudioFrameEncoder  # noqa: E402
 from megatron_plugins.encoders.vit import ViTEncoder  # noqa: E402
-from megatron_plugins.layout import ModulePlacement  # noqa: E402
-from megatron_plugins.lifecycle import EncoderPrecisionWrapper  # noqa: E402
+from megatron_plugins.parallel.layout import ModulePlacement  # noqa: E402
+from megatron_plugins.model.lifecycle import EncoderPrecisionWrapper  # noqa: E402
 
 MiB = 2**20
 

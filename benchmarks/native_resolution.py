@@ -71,7 +71,7 @@ def main() -> None:
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_plugins.encoders.vit import ViTEncoder
-    from megatron_plugins.layout import ModulePlacement
+    from megatron_plugins.parallel.layout import ModulePlacement
     from tests.hf_vision_models import language_config
 
     torch.set_num_threads(1)

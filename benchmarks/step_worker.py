@@ -59,10 +59,10 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     from megatron_plugins.compat import model_build
     from megatron_plugins.data.addressing import RankSlice
     from megatron_plugins.data.sources import build_source
-    from megatron_plugins.language import language_config_from_args
-    from megatron_plugins.launch import parse_mimo_args
-    from megatron_plugins.lifecycle import prepare_module
-    from megatron_plugins.topology import _collection, _grid, groups_of
+    from megatron_plugins.model.language import language_config_from_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
+    from megatron_plugins.model.lifecycle import prepare_module
+    from megatron_plugins.parallel.topology import _collection, _grid, groups_of
 
     run = parse_mimo_args(argv)
     args = run.args

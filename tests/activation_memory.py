@@ -199,7 +199,7 @@ def activation_rank(argv: list[str]) -> dict[str, Any]:
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
-    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.launch.pretrain import parse_mimo_args, train
 
     result: dict[str, Any] = {}
     meters: list[SavedActivations] = []

@@ -163,7 +163,7 @@ def build_stock_gpt(folder: str, tp: int, pp: int, extra: list[str]) -> tuple[An
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.training.global_vars import set_global_variables
 
-    from megatron_plugins.language import StockLanguageModel, language_config_from_args
+    from megatron_plugins.model.language import StockLanguageModel, language_config_from_args
 
     args = stock_args([*BASE_FLAGS, "--tensor-model-parallel-size", str(tp),
                        "--pipeline-model-parallel-size", str(pp),
@@ -223,7 +223,7 @@ def built_then(argv: list[str], after: Any) -> dict[str, Any]:
 
     patches.activate()
     from megatron_plugins.compat import startup
-    from megatron_plugins.launch import parse_mimo_args, start
+    from megatron_plugins.launch.pretrain import parse_mimo_args, start
 
     startup.install()
     session = start(parse_mimo_args(argv))
@@ -305,7 +305,7 @@ def train_then(argv: list[str], after: Any) -> dict[str, Any]:
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
-    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.launch.pretrain import parse_mimo_args, train
 
     result: dict[str, Any] = {}
 

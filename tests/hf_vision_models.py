@@ -83,7 +83,7 @@ def language_config(**overrides: Any) -> Any:
 def plugin(provider: str, folder: str | Path, tp: int = 1) -> Any:
     """Our encoder plugin for ``--encoder vision=PROVIDER --encoder-hf-weights vision=FOLDER``."""
     from megatron_plugins.encoders import instantiate
-    from megatron_plugins.layout import ModulePlacement
+    from megatron_plugins.parallel.layout import ModulePlacement
 
     grid = ModulePlacement(name="vision", tp=tp, pp=1, cp=1, dp=1, rank_offset=0,
                            provider=provider)

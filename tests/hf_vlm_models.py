@@ -227,7 +227,7 @@ def bad_input(argv: list[str], monkeypatch: Any, world_size: int = 2) -> str:
     import pytest
 
     from megatron_plugins.errors import UsageError
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     with pytest.raises(UsageError) as error:

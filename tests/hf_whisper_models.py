@@ -91,7 +91,7 @@ def hf_hidden_states(folder: str | Path, features: np.ndarray) -> np.ndarray:
 def plugin(folder: str | Path, tp: int = 1) -> Any:
     """Our encoder plugin for ``--encoder audio=whisper --encoder-hf-weights audio=FOLDER``."""
     from megatron_plugins.encoders import instantiate
-    from megatron_plugins.layout import ModulePlacement
+    from megatron_plugins.parallel.layout import ModulePlacement
 
     grid = ModulePlacement(name="audio", tp=tp, pp=1, cp=1, dp=1, rank_offset=0,
                            provider="whisper")

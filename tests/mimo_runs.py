@@ -60,7 +60,7 @@ def _misalign_encoder_batches() -> None:
 
 def count_routings() -> dict[str, int]:
     """Count the colocated step's row exchanges (each one ``batch_isend_irecv``) per direction."""
-    from megatron_plugins import colocated_step
+    from megatron_plugins.step import colocated as colocated_step
 
     counts = {"forward": 0, "backward": 0}
     for direction in counts:
@@ -84,8 +84,8 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
-    from megatron_plugins.colocated_step import colocated_encoders
-    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.step.colocated import colocated_encoders
+    from megatron_plugins.launch.pretrain import parse_mimo_args, train
 
     models: list[Any] = []
     meters: list[HeldActivations] = []

@@ -5,7 +5,7 @@ The HF side is ``model.language_model`` fed ``inputs_embeds``, 3D ``position_ids
 ``deepstack_visual_embeds`` at ``visual_pos_masks``, then ``lm_head``. The Megatron side is the
 stock GPT built and imported from the folder (``--position-embedding-type mrope
 --mrope-interleaved`` implied), its image positions' embeddings replaced by the main features and
-the DeepStack levels added by :class:`megatron_plugins.deepstack.DeepStack`, as the first language
+the DeepStack levels added by :class:`megatron_plugins.model.deepstack.DeepStack`, as the first language
 stage of a MiMo model does with an encoder's rows ``[main, level 0, ..., level L-1]``.
 """
 
@@ -89,7 +89,7 @@ def hf_language_logits(folder: str | Path, embeddings: torch.Tensor, positions: 
 
 
 class _Language(torch.nn.Module):
-    """What :class:`~megatron_plugins.deepstack.DeepStack` reads of a ``MimoModel`` with no
+    """What :class:`~megatron_plugins.model.deepstack.DeepStack` reads of a ``MimoModel`` with no
     sequence or context parallelism: the received rows and the image token."""
 
     def __init__(self, rows: torch.Tensor) -> None:
@@ -114,7 +114,7 @@ def megatron_rank(folder: str, tokens: torch.Tensor, text: torch.Tensor, rows: t
     from megatron.core import parallel_state
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_plugins.deepstack import DeepStack
+    from megatron_plugins.model.deepstack import DeepStack
     from megatron_plugins.weights.hf_import import load_hf_weights
     from megatron_plugins.weights.language_families import FAMILIES
 

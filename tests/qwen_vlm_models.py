@@ -76,9 +76,9 @@ def sample(folder: str | Path, pictures: list[np.ndarray]) -> torch.Tensor:
 
 def video_sample(folder: str | Path, items: list[Any]) -> torch.Tensor:
     """``[1, S]`` ids: text with one ``<|image_pad|>`` run per item (image or
-    :class:`~megatron_plugins.data.media.Video`), as long as the encoder's item_tokens, text
+    :class:`~megatron_plugins.media.codec.Video`), as long as the encoder's item_tokens, text
     between every two runs."""
-    from megatron_plugins.data.media import media_size
+    from megatron_plugins.media.codec import media_size
     from tests.hf_vision_models import plugin
 
     encoder = plugin("qwen2_5_vl", folder)
@@ -120,10 +120,10 @@ def _hf_video_inputs(folder: str | Path, ids: torch.Tensor, videos: list[Any]
 def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[Any]) -> np.ndarray:
     """transformers' own forward of the saved Qwen2.5-VL, fp32: its processor's pixel values
     and grids, its own mrope positions (from the tokens' types); a
-    :class:`~megatron_plugins.data.media.Video` among the items goes in as a video."""
+    :class:`~megatron_plugins.media.codec.Video` among the items goes in as a video."""
     import transformers
 
-    from megatron_plugins.data.media import Video
+    from megatron_plugins.media.codec import Video
 
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32)
@@ -139,7 +139,7 @@ def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[Any]) -> np.
 
 def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
                         pictures: list[np.ndarray]) -> dict[str, Any]:
-    from megatron_plugins.data.media import media_size
+    from megatron_plugins.media.codec import media_size
     from megatron_plugins.data.positions import item_layout, mrope_position_ids
 
     [module] = session.topology.active_modules
@@ -213,7 +213,7 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
     side, which the mock makes)."""
     import transformers
 
-    from megatron_plugins.data.media import Video
+    from megatron_plugins.media.codec import Video
     from megatron_plugins.data.mock import MockSource
     from megatron_plugins.weights.flags import checkpoint_item_wrapping
     from megatron_plugins.weights.vlm_families import read_vlm

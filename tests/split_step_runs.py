@@ -1,5 +1,5 @@
 """Stock GPT and MiMo runs whose training loop is a script of stock ``train_step`` calls or split
-steps (:class:`megatron_plugins.split_step.SplitTrainStep`), for tests.
+steps (:class:`megatron_plugins.step.split.SplitTrainStep`), for tests.
 
 Each rank runs stock ``pretrain()`` (the GPT example, or the MiMo entry point's code path) with
 ``megatron.training.training.train`` replaced by :func:`_drive`, which receives the model,
@@ -144,7 +144,7 @@ def _sequence_level(forward_step_func: Any) -> Any:
     GPT example's and MiMo's loss functions are ``partial(loss_func, loss_mask)``)."""
     from functools import partial
 
-    from megatron_plugins.split_step import sequence_loss_func
+    from megatron_plugins.step.split import sequence_loss_func
 
     def forward_step(data_iterator, model, *args):
         output, loss_func = forward_step_func(data_iterator, model, *args)
@@ -155,7 +155,7 @@ def _sequence_level(forward_step_func: Any) -> Any:
 def _misuse(api: Any, batches: list, failing: dict[str, bool]) -> list[str]:
     """The errors of every misuse, in order: microbatch and finish before begin, begin twice, a
     step with no valid token, microbatch after a failed one. Leaves no step open."""
-    from megatron_plugins.split_step import SplitStepError
+    from megatron_plugins.step.split import SplitStepError
 
     errors = []
 
@@ -193,7 +193,7 @@ def _run_plan(plan: tuple, batches: list, model, optimizer, scheduler, forward_s
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training.training import train_step
 
-    from megatron_plugins.split_step import SplitTrainStep
+    from megatron_plugins.step.split import SplitTrainStep
 
     # The name stock train() calls: MiMo's colocated layouts wrap it (compat Gap 24).
     forward_backward = training.get_forward_backward_func(
@@ -314,7 +314,7 @@ def mimo_rank(argv: list[str], plans: dict[str, tuple]) -> dict[str, Any]:
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
-    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.launch.pretrain import parse_mimo_args, train
 
     _install_driver(plans)
     train(parse_mimo_args(argv))

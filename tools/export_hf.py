@@ -58,7 +58,7 @@ def parse_size(text: str) -> int:
 
 def iteration_folder(checkpoint: Path, iteration: int | None) -> Path:
     """The complete iteration folder to export: the one given, or the tracker's newest."""
-    from megatron_plugins.checkpoint_guards import (
+    from megatron_plugins.weights.megatron_folder import (
         TRACKER_FILE,
         FolderFlags,
         is_complete,
@@ -286,7 +286,7 @@ WHOLE_WEIGHTS = re.compile(r"(model|pytorch_model).*\.(safetensors|bin)(\.index\
 def export_whole(ckpt: Checkpoint, out: Path, max_shard_size: int, progress: bool) -> list[Path]:
     """One HF folder of the ``--hf-model`` architecture the run started from: every module's
     tensors under the folder's own names, its untrained tensors and other files copied."""
-    from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.parallel.layout import LANGUAGE
     from megatron_plugins.weights.flags import hf_model_encoder
     from megatron_plugins.weights.hf_folder import HFCheckpoint
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, part_families, read_vlm

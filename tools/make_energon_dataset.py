@@ -55,7 +55,7 @@ from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
 from tqdm import tqdm
 from webdataset import ShardWriter
 
-from megatron_plugins.data.media import DECODERS, BadSampleError
+from megatron_plugins.media.codec import DECODERS, BadSampleError
 from megatron_plugins.data.samples import (
     AUDIO_PART,
     LOADERS,

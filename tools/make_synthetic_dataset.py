@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_plugins.data.media import Waveform, encode_png, encode_wav
+from megatron_plugins.media.codec import Waveform, encode_png, encode_wav
 from megatron_plugins.errors import UsageError, report
 from tools.make_energon_dataset import KINDS, DatasetError, make_dataset
 

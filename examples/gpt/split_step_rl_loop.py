@@ -33,7 +33,7 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, pretrain  # noqa: E402
 
 from megatron_plugins.compat import startup  # noqa: E402
-from megatron_plugins.split_step import SplitTrainStep  # noqa: E402
+from megatron_plugins.step.split import SplitTrainStep  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import pretrain_gpt  # noqa: E402

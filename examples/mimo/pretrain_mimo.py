@@ -15,7 +15,8 @@ at the first save), and it must start in a moment, not import torch and Megatron
 
 import sys
 
-from megatron_plugins import cpu_simulation, preflight
+from megatron_plugins import cpu_simulation
+from megatron_plugins.launch import preflight
 
 
 def main() -> int:
@@ -30,7 +31,7 @@ def main() -> int:
         patches.activate()
 
     from megatron_plugins.errors import UsageError, report
-    from megatron_plugins.launch import parse_mimo_args, train
+    from megatron_plugins.launch.pretrain import parse_mimo_args, train
 
     try:
         run = parse_mimo_args(checked=checked)

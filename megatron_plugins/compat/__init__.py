@@ -42,34 +42,34 @@ def _canary(area: str, test: str) -> str:
     return f"tests/unit_tests/compat/test_{area}.py::{test}"
 
 
-_BUILD = "builder.MimoModelBuilder.build_distributed_models"
+_BUILD = "model.builder.MimoModelBuilder.build_distributed_models"
 
 GAPS: tuple[Gap, ...] = (
     Gap("1", "stock pretrain() runs make for the dataset helpers; the wheel ships no Makefile",
-        "startup", "launch.train",
+        "startup", "launch.pretrain.train",
         _canary("startup", "test_gap1_canary_wheel_ships_prebuilt_helpers_but_no_makefile")),
     Gap("2", "local attention needs the global memory buffer only initialize_model_parallel makes",
-        "model_build", "launch.start",
+        "model_build", "launch.pretrain.start",
         _canary("model_build", "test_gap2_canary_stock_local_attention_needs_the_buffer_only_"
                                "model_parallel_init_creates")),
     Gap("3", "modules without their own tp_group shard checkpoints on parallel_state's TP group",
-        "model_build", "lifecycle.prepare_module, weights.megatron_init.load_module",
+        "model_build", "model.lifecycle.prepare_module, weights.megatron_init.load_module",
         _canary("model_build", "test_gap3_canary_vit_has_no_explicit_tp_group_and_the_bridge_"
                                "binds_one")),
     Gap("4", "the stock MoE GPT block spec reads parallel_state's pipeline rank",
-        "model_build", "language.StockLanguageModel.__new__",
+        "model_build", "model.language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap4_canary_stock_moe_spec_consults_the_global_pipeline_"
                                "rank")),
     Gap("4a", "expert bias added in place into the identity TP reduce's view (one expert rank)",
-        "model_build", "language.StockLanguageModel.__new__",
+        "model_build", "model.language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap4a_canary_expert_bias_add_on_one_expert_rank_hits_the_"
                                "identity_reduce_view")),
     Gap("4b", "CPU initialization gives every expert-parallel rank the same expert weights",
-        "model_build", "language.StockLanguageModel.__new__",
+        "model_build", "model.language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap4b_canary_stock_cpu_init_copies_the_experts_of_every_"
                                "expert_rank")),
     Gap("4c", "the stock hybrid stack spec and final norm are Transformer Engine only",
-        "model_build", "language.StockLanguageModel.__new__",
+        "model_build", "model.language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap4c_canary_stock_hybrid_stack_is_transformer_engine_"
                                "only")),
     Gap("5", "plain optimizer values of every module but rank 0's are lost in MiMo checkpoints",
@@ -81,15 +81,15 @@ GAPS: tuple[Gap, ...] = (
         _canary("checkpointing", "test_gap6_canary_stock_distributed_optimizer_resume_without_"
                                  "te_or_apex")),
     Gap("7", "a bare % in one stock help string makes --help raise",
-        "startup", "launch._parse_flags",
+        "startup", "launch.pretrain._parse_flags",
         _canary("startup", "test_gap7_canary_stock_help_breaks_argparse_and_the_bridge_"
                            "escapes_only_that_string")),
     Gap("8", "MimoOptimizer.step makes three world-wide all-reduces per step",
-        "training_step", _BUILD,
-        _canary("training_step", "test_gap8_canary_mimo_optimizer_issues_separate_world_"
+        "step_reductions", _BUILD,
+        _canary("step_reductions", "test_gap8_canary_mimo_optimizer_issues_separate_world_"
                                  "reductions")),
     Gap("9", "cross-grid bridges exchange shapes before every transfer",
-        "communication", "topology.pipeline_communicator",
+        "communication", "parallel.topology.pipeline_communicator",
         _canary("communication", "test_gap9_canary_bridge_exchanges_shapes_on_every_"
                                  "transfer")),
     Gap("10", "every module's DP rank writes the same data loader state file",
@@ -97,23 +97,23 @@ GAPS: tuple[Gap, ...] = (
         _canary("checkpointing", "test_gap10_canary_stock_names_dataloader_state_by_dp_rank_"
                                  "only")),
     Gap("11", "the rerun state machine all-reduces its flag over the world every step",
-        "training_step", f"{_BUILD}, grad_sync.CrossGridGradSync.global_token_count",
-        _canary("training_step", "test_gap11_canary_stock_rerun_check_is_a_world_all_reduce_"
+        "step_reductions", f"{_BUILD}, step.grad_sync.CrossGridGradSync.global_token_count",
+        _canary("step_reductions", "test_gap11_canary_stock_rerun_check_is_a_world_all_reduce_"
                                  "after_the_result_checks")),
     Gap("12", "bridges broadcast received tensors inside one-rank grids",
-        "communication", "topology.pipeline_communicator",
+        "communication", "parallel.topology.pipeline_communicator",
         _canary("communication", "test_gap12_canary_bridge_broadcasts_after_every_transfer_in_"
                                  "its_grid_group")),
     Gap("13", "pipeline-stage links exchange shapes before every transfer",
-        "communication", "topology.pipeline_communicator",
+        "communication", "parallel.topology.pipeline_communicator",
         _canary("communication", "test_gap13_canary_stage_links_exchange_shapes_on_every_"
                                  "transfer")),
     Gap("14", "the precision wrapper rounds fp32 router buffers set before the wrap",
-        "model_build", "lifecycle.prepare_module",
+        "model_build", "model.lifecycle.prepare_module",
         _canary("model_build", "test_gap14_canary_float16_module_rounds_a_router_bias_set_"
                                "before_the_wrap")),
     Gap("15", "a fan-in bridge splits gradients equally, not as it received variable outputs",
-        "communication", "topology.pipeline_communicator",
+        "communication", "parallel.topology.pipeline_communicator",
         _canary("communication", "test_gap15_canary_fan_in_gradients_split_equally_whatever_"
                                  "was_received")),
     Gap("16", "checkpoints keep data-parallel replica 0's RNG state for every replica",
@@ -121,22 +121,22 @@ GAPS: tuple[Gap, ...] = (
         _canary("checkpointing", "test_gap16_canary_stock_saves_one_rng_state_replicated_over_"
                                  "data_parallel_ranks")),
     Gap("17", "multimodal RoPE has only contiguous per-axis sections, not Qwen3-VL's interleaved",
-        "model_build", "language.StockLanguageModel.__new__",
+        "model_build", "model.language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap17_canary_stock_mrope_has_no_interleaved_layout")),
     Gap("18", "bridges refuse a CP destination grid and send back only its leader's gradient",
-        "communication", "topology.pipeline_communicator",
+        "communication", "parallel.topology.pipeline_communicator",
         _canary("communication", "test_gap18_canary_bridge_refuses_a_destination_grid_with_"
                                  "context_parallelism")),
     Gap("19", "MiMo's context-parallel split of packed (THD) rows needs Transformer Engine",
-        "context_parallel", "builder.MimoModelBuilder.build_model",
+        "context_parallel", "model.builder.MimoModelBuilder.build_model",
         _canary("context_parallel", "test_gap19_canary_stock_thd_split_asserts_without_"
                                     "transformer_engine")),
     Gap("20", "GPT builds its multimodal RoPE without the model's context parallel group",
-        "context_parallel", "language.StockLanguageModel.__new__",
+        "context_parallel", "model.language.StockLanguageModel.__new__",
         _canary("context_parallel", "test_gap20_canary_gpt_mrope_falls_back_to_parallel_"
                                     "state_cp_group")),
     Gap("21", "multimodal RoPE splits a packed row over CP ranks as one sequence",
-        "context_parallel", "language.StockLanguageModel.__new__",
+        "context_parallel", "model.language.StockLanguageModel.__new__",
         _canary("context_parallel", "test_gap21_canary_stock_mrope_splits_every_row_it_has_a_"
                                     "cp_group_for")),
     Gap("22", "MiMo optimizer checkpoint objects are main replicas on every context-parallel rank",
@@ -144,11 +144,11 @@ GAPS: tuple[Gap, ...] = (
         _canary("checkpointing", "test_gap22_canary_stock_mimo_replica_id_ignores_context_"
                                  "parallel_rank")),
     Gap("23", "MiMo calls an encoder on the language ranks colocated, or encoder-only if mixed",
-        "colocation", "builder.MimoModelBuilder.build_model",
+        "colocation", "model.builder.MimoModelBuilder.build_model",
         _canary("colocation", "test_gap23_canary_stock_role_is_colocated_or_encoder_only_for_an_"
                               "encoder_on_the_language_ranks")),
     Gap("24", "stock train() runs the plain pipelining schedule for a multi-module collection",
-        "colocation", "launch.start",
+        "colocation", "launch.pretrain.start",
         _canary("colocation", "test_gap24_canary_stock_train_takes_the_plain_pipelining_schedule_"
                               "for_a_multi_module_collection")),
     Gap("25", "each module's optimizer build gathers group keys over the world (hangs if uneven)",

@@ -290,7 +290,7 @@ _module_rng_replica = 0
 
 def carry_module_rng(rng: Any, data_parallel_rank: int) -> None:
     """Save and restore, with the rank's RNG object, the streams of every module of ``rng`` (a
-    :class:`~megatron_plugins.rng.ModuleRng`) but the live one, which stock handles (Gap 26);
+    :class:`~megatron_plugins.parallel.rng.ModuleRng`) but the live one, which stock handles (Gap 26);
     ``data_parallel_rank``: the live module's, which picks this rank's entry of a checkpoint
     with one entry per replica (``--data-parallel-random-init``)."""
     global _module_rng, _module_rng_replica
@@ -320,7 +320,7 @@ def _install_module_rng_states() -> None:
     Stock checkpoints one RNG state per rank, read from the process generators (``get_rng_state``,
     training/checkpointing.py:398-450) and written back into them on load (:2655-2685). A rank
     that hosts an encoder next to the language model runs the encoder inside its own streams
-    (:class:`~megatron_plugins.rng.ModuleRng`), which stock neither sees nor restores, so a resume
+    (:class:`~megatron_plugins.parallel.rng.ModuleRng`), which stock neither sees nor restores, so a resume
     with encoder dropout would not be bit-identical. Bridge: the rank's RNG object (per data-
     parallel replica, Gap 16) carries the other modules' streams under :data:`MODULE_RNG_STATES`,
     and when the loaded object has them and stock restores RNG state (no ``--finetune`` or

@@ -11,7 +11,7 @@ map is NON_COLOCATED and is sent to the encoders only (base.py:462-464). Bridge
 language rank (its stage flags from the grid map, not COLOCATED), so its forward is the language
 path and no bridge communicator is created; the hosted encoders are built next to it, each inside
 the caller's context (its RNG streams), and run by our colocated step
-(:mod:`megatron_plugins.colocated_step`), whose own routing moves their rows.
+(:mod:`megatron_plugins.step.colocated`), whose own routing moves their rows.
 
 Gap 25 (world gathers per module optimizer): ``get_mimo_optimizer`` builds one optimizer per
 module the rank is in (core/models/mimo/optimizer.py:376-404), and each build all-gathers its

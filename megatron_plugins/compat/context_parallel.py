@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_plugins.cp_positions import thd_partitioned_indices
+from megatron_plugins.ops.cp_positions import thd_partitioned_indices
 
 __all__ = ["bind_mrope_cp_group", "split_packed_rows_without_te", "whole_packed_mrope_rows"]
 
@@ -28,7 +28,7 @@ def _partition_adapter_class() -> type:
 
     class TorchThdPartitionAdapter(PartitionAdapter):
         """MiMo's partition adapter splitting packed (THD) rows with
-        :func:`~megatron_plugins.cp_positions.thd_partitioned_indices` (Gap 19); one sequence
+        :func:`~megatron_plugins.ops.cp_positions.thd_partitioned_indices` (Gap 19); one sequence
         per row goes through stock's split."""
 
         def _apply_context_parallel(self, embeddings, labels, loss_mask, packed_seq_params):

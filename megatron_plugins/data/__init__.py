@@ -5,12 +5,11 @@
 - :mod:`.streams`: batching, the per-rank stream stock ``pretrain()`` iterates, the provider;
 - :mod:`.sources`: the data flags and which source a run reads;
 - :mod:`.mock`: deterministic synthetic samples (the default, no ``--data-path``);
-- :mod:`.mock_media`: the mock's images and waveforms, which the encoders also use;
 - :mod:`.energon`: Energon datasets (``--data-path``), with :mod:`.text` (real tokenizer and
-  prompt layout), :mod:`.media` (decoding) and :mod:`.samples` (sample types Energon lacks).
+  prompt layout) and :mod:`.samples` (sample types Energon lacks); media decoding is
+  :mod:`megatron_plugins.media`.
 
-Nothing is imported here, so the dataset tools can use :mod:`.media` and :mod:`.samples`
-without loading Megatron.
+Nothing is imported here, so the dataset tools can use :mod:`.samples` without loading Megatron.
 """
 
 __all__ = []

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_plugins.data.balance import assign_samples, balanced_encoders
-from megatron_plugins.layout import LANGUAGE, ParallelLayout, encoder_micro_batch_size
+from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout, encoder_micro_batch_size
 
 __all__ = ["AlignmentGuard", "DataMisalignmentError", "GuardSet", "RankSlice"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_plugins.layout import ParallelLayout
+from megatron_plugins.parallel.layout import ParallelLayout
 
 __all__ = ["assign_samples", "balanced_encoders", "received_order", "sample_work"]
 

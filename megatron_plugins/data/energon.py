@@ -38,7 +38,7 @@ from megatron.energon import (
 )
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.media import (
+from megatron_plugins.media.codec import (
     BadSampleError,
     decode_item,
     decode_text,
@@ -65,7 +65,7 @@ from megatron_plugins.data.text import (
 )
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.parallel.layout import LANGUAGE
 from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
 
 __all__ = ["DataPathError", "EnergonSource", "SAMPLE_KINDS", "open_source"]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.mock_media import (
+from megatron_plugins.media.mock import (
     MOCK_KINDS,
     NUM_CLASSES,
     largest_video_size,
@@ -35,7 +35,7 @@ from megatron_plugins.data.streams import (
 )
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.parallel.layout import LANGUAGE
 
 __all__ = ["MockSource", "max_encoder_tokens"]
 

@@ -12,7 +12,7 @@ sample is padded to a ``multiple`` of ``2 x cp`` (pad token 0, out of the loss, 
 on as the sample's own padding has them) and the row carries Megatron's padded boundaries
 (``cu_seqlens_*_padded``) beside the real ones; the trailing padding is then a segment with no
 real tokens, so the padded boundaries end at the row's length, as Transformer Engine's split and
-:mod:`megatron_plugins.cp_positions` need.
+:mod:`megatron_plugins.ops.cp_positions` need.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_plugins.data.media import BadSampleError
+from megatron_plugins.media.codec import BadSampleError
 
 __all__ = ["PACKED_FIELDS", "PackedRow", "PackingError", "pack_row", "padding_share"]
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from megatron.energon import Sample
 from megatron.energon.edataclass import edataclass
 
-from megatron_plugins.data.media import BadSampleError, decode_text
+from megatron_plugins.media.codec import BadSampleError, decode_text
 
 __all__ = [
     "AUDIO_PART", "AudioTranscriptSample", "ConversationSample", "IMAGE_PARTS",

@@ -27,8 +27,8 @@ from megatron_plugins.data.addressing import AlignmentGuard, GuardSet, RankSlice
 from megatron_plugins.data.balance import balanced_encoders, received_order
 from megatron_plugins.data.packing import pack_row, padding_share
 from megatron_plugins.encoders.base import MediaPreprocessor
-from megatron_plugins.layout import LANGUAGE
-from megatron_plugins.topology import HeteroTopology
+from megatron_plugins.parallel.layout import LANGUAGE
+from megatron_plugins.parallel.topology import HeteroTopology
 
 __all__ = [
     "COLOCATED", "ColocatedStream", "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch",

@@ -23,7 +23,7 @@ from megatron_plugins.encoders.base import (
     encoder_config,
     is_replicated,
 )
-from megatron_plugins.layout import ModulePlacement
+from megatron_plugins.parallel.layout import ModulePlacement
 
 BUILTIN = {
     "vit": "megatron_plugins.encoders.vit:ViTEncoder",
@@ -123,7 +123,7 @@ def check_hooks(plugin: EncoderPlugin, language: TransformerConfig) -> str | Non
 def _check_preprocessor(flag: str, plugin: type, preprocessor: object) -> None:
     """What the loader workers rely on: a MediaPreprocessor of a known media kind that pickles."""
     # Imported here: the data package imports the encoders, not the other way round.
-    from megatron_plugins.data.media import MEDIA_KINDS
+    from megatron_plugins.media.codec import MEDIA_KINDS
 
     where = f"{flag}: {plugin.__name__}.preprocessor()"
     if not isinstance(preprocessor, MediaPreprocessor):

@@ -31,7 +31,7 @@ from megatron_plugins.encoders.base import (
 __all__ = ["AudioFrameEncoder", "LogMelPreprocessor", "hz_to_mel", "mel_filterbank", "mel_to_hz"]
 
 if TYPE_CHECKING:
-    from megatron_plugins.data.media import Waveform
+    from megatron_plugins.media.codec import Waveform
 
 DOWNSAMPLE = 2
 

@@ -26,9 +26,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from megatron_plugins.data.mock_media import example_size, mock_media
+from megatron_plugins.media.mock import example_size, mock_media
 from megatron_plugins.errors import UsageError
-from megatron_plugins.layout import ModulePlacement
+from megatron_plugins.parallel.layout import ModulePlacement
 
 __all__ = [
     "EncoderPlugin", "EncoderPluginError", "MediaPreprocessor", "TensorReplicated",
@@ -159,7 +159,7 @@ class MediaPreprocessor(abc.ABC):
     """Audio only: the rate waveforms must have (None: any); synthetic audio is made at it."""
 
     takes_video: ClassVar[bool] = False
-    """Image only: it also takes a :class:`megatron_plugins.data.media.Video` (frames of one
+    """Image only: it also takes a :class:`megatron_plugins.media.codec.Video` (frames of one
     size) as an item, which a sample gives as a list of frame images."""
 
     @abc.abstractmethod
@@ -167,8 +167,8 @@ class MediaPreprocessor(abc.ABC):
         """Keyword inputs of the encoder for one item, without a batch dimension.
 
         ``media`` is a uint8 ``[H, W, 3]`` RGB ``numpy.ndarray`` (or, with :attr:`takes_video`,
-        a :class:`megatron_plugins.data.media.Video`) for ``"image"`` and a
-        :class:`megatron_plugins.data.media.Waveform` for ``"audio"``. Raise ``ValueError`` for
+        a :class:`megatron_plugins.media.codec.Video`) for ``"image"`` and a
+        :class:`megatron_plugins.media.codec.Waveform` for ``"audio"``. Raise ``ValueError`` for
         media it cannot use; the data source reports it with the sample's key.
         """
 
@@ -216,7 +216,7 @@ class EncoderPlugin(abc.ABC):
         exact count for an encoder of a fixed input size."""
 
     def item_tokens(self, size: tuple[int, ...]) -> int:
-        """Positions one item of this ``size`` fills (:func:`megatron_plugins.data.media.
+        """Positions one item of this ``size`` fills (:func:`megatron_plugins.media.codec.
         media_size`: ``(height, width)`` of an image, ``(frames, height, width, fps)`` of a video,
         ``(samples, rate)`` of audio); for an image or audio at most
         :attr:`tokens_per_item`. A pure function of the size: the language ranks call it on

@@ -3,7 +3,7 @@
 An image is resized to the nearest patch multiples with its pixel count clamped into
 ``[--vit-min-pixels, --vit-max-pixels]`` (Qwen2-VL's :func:`smart_resize`), cut into patches row
 by row, and a microbatch's images run as one packed sequence: one attention segment per image
-(:mod:`megatron_plugins.encoders.packed_attention`), a learned position table bilinearly resized
+(:mod:`megatron_plugins.ops.packed_attention`), a learned position table bilinearly resized
 to each image's patch grid (as SigLIP2 NaFlex and Qwen3-VL do). An image fills as many language
 positions as it has patches, so small or wide images cost less than a fixed square crop.
 """
@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.base import MediaPreprocessor, encoder_norm
-from megatron_plugins.encoders.packed_attention import packed_layer_spec, packed_seq_params
+from megatron_plugins.ops.packed_attention import packed_layer_spec, packed_seq_params
 
 __all__ = [
     "MAX_ASPECT_RATIO", "NativeImagePreprocessor", "NativeViT", "native_vit_spec", "nearest_grid",

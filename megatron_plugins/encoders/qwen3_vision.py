@@ -32,7 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.hf_vision import HALF
-from megatron_plugins.encoders.packed_attention import packed_seq_params
+from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.encoders.qwen_vision import (
     QwenImagePreprocessor,
     QwenVisionEncoder,

@@ -5,7 +5,7 @@ The folder given as ``--encoder-hf-weights NAME=DIR`` (a whole Qwen2.5-VL folder
 its vision model) shapes the tower and holds its weights. Each image is resized to multiples of
 ``patch_size * spatial_merge_size`` within the processor's pixel range (Qwen2-VL's
 ``smart_resize``), cut into patches with each 2x2 merge block contiguous; a video (a
-:class:`~megatron_plugins.data.media.Video`, an item of the same encoder) is resized frame by
+:class:`~megatron_plugins.media.codec.Video`, an item of the same encoder) is resized frame by
 frame as HF's video processor does, its frames paired by ``temporal_patch_size``. A microbatch's
 images and videos run as one packed sequence: patches reordered by attention window, 2D rotary positions, window
 attention in most layers and whole-image attention in ``fullatt_block_indexes``, RMSNorm, SwiGLU,
@@ -31,7 +31,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.data.media import Video
+from megatron_plugins.media.codec import Video
 from megatron_plugins.encoders.base import (
     EncoderPluginError,
     MediaPreprocessor,
@@ -40,7 +40,7 @@ from megatron_plugins.encoders.base import (
 )
 from megatron_plugins.encoders.hf_vision import ACTIVATIONS, HFVisionEncoder, hf_normalized
 from megatron_plugins.encoders.native_vit import MAX_ASPECT_RATIO, nearest_grid
-from megatron_plugins.encoders.packed_attention import packed_layer_spec, packed_seq_params
+from megatron_plugins.ops.packed_attention import packed_layer_spec, packed_seq_params
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
 from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
 
@@ -109,7 +109,7 @@ class QwenImagePreprocessor(MediaPreprocessor):
 
     def item_grid(self, size: tuple[int | float, ...]) -> tuple[int, int, int]:
         """(temporal, rows, columns) patches of an item of this
-        :func:`~megatron_plugins.data.media.media_size`: ``(height, width)`` or a video's
+        :func:`~megatron_plugins.media.codec.media_size`: ``(height, width)`` or a video's
         ``(frames, height, width, fps)``."""
         if len(size) == 2:
             return (1, *self.grid(int(size[0]), int(size[1])))

@@ -40,7 +40,7 @@ from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
 if TYPE_CHECKING:
-    from megatron_plugins.data.media import Waveform
+    from megatron_plugins.media.codec import Waveform
 
 __all__ = ["WhisperEncoder", "WhisperFeatures", "WhisperNetwork", "sinusoids",
            "whisper_mel_filters"]

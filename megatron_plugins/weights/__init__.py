@@ -23,7 +23,7 @@ def load_pretrained(model: Any, module_pgs: Mapping[str, Any], language_folder: 
     """Load each HF folder into this rank's module of the (unwrapped) ``MimoModel``; a whole
     VLM folder (``hf_model``) into the encoder holding it, its projection and the language
     model, each rank reading only its slices."""
-    from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.parallel.layout import LANGUAGE
     from megatron_plugins.weights.encoder_view import encoder_module
     from megatron_plugins.weights.flags import ENCODER_FLAG, LANGUAGE_FLAG, encoder_family
     from megatron_plugins.weights.hf_import import load_hf_weights
@@ -45,7 +45,7 @@ def load_pretrained(model: Any, module_pgs: Mapping[str, Any], language_folder: 
 def _load_whole(model: Any, name: str, pgc: Any, folder: str, tower: Family) -> None:
     """This rank's module of a whole VLM folder: the language model, or the tower and the
     projector of the encoder holding it."""
-    from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.parallel.layout import LANGUAGE
     from megatron_plugins.weights.hf_folder import HFCheckpoint
     from megatron_plugins.weights.hf_import import load_hf_weights
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, find_vlm, part_families

@@ -21,9 +21,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_plugins.checkpoint_guards import DONE_FILE, TRACKER_FILE, is_complete
+from megatron_plugins.weights.megatron_folder import DONE_FILE, TRACKER_FILE, is_complete
 from megatron_plugins.errors import UsageError
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.parallel.layout import LANGUAGE
 
 __all__ = [
     "CheckpointInitError", "SHAPE_FLAGS", "add_checkpoint_init_args", "check_init_flags",

@@ -112,7 +112,7 @@ def iter_whole_weights(mimo: torch.nn.Module, module: str, pg_collection: object
     """This rank's pieces of the whole VLM folder ``folder`` (``--hf-model``) the (unwrapped)
     ``MimoModel`` was started from: the language model's, or the tower's and projector's of the
     encoder ``module`` (``tower`` is its provider's ``hf_family``), under the folder's names."""
-    from megatron_plugins.layout import LANGUAGE
+    from megatron_plugins.parallel.layout import LANGUAGE
     from megatron_plugins.weights.hf_folder import HFCheckpoint
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, part_families, read_vlm
 

@@ -90,7 +90,7 @@ def _parse_on_rank(flags: list[str]) -> str:
 
     patches.activate()
     from megatron_plugins.errors import UsageError
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     try:
         parse_mimo_args([*TINY_MIMO, *flags])
@@ -187,7 +187,7 @@ def _verdicts(cases: list[list[str]]) -> list[str]:
 
     patches.activate()
     from megatron_plugins.errors import UsageError
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     stripped = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "NullTokenizer")]
     verdicts = []

@@ -12,7 +12,7 @@ from megatron_plugins.data.balance import (
     assign_samples, balanced_encoders, received_order, sample_work
 )
 from megatron_plugins.data.streams import ITEM_TOKENS, POSITIONS, MicrobatchStream, RECEIVED_ORDER
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.parallel.layout import LANGUAGE
 from tests.unit_tests.test_data import _layout, _source
 
 

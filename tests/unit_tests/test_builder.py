@@ -7,7 +7,7 @@ import json
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.models.gpt import GPTModelConfig
 
-from megatron_plugins.builder import MimoBuildConfig, MimoModelBuilder
+from megatron_plugins.model.builder import MimoBuildConfig, MimoModelBuilder
 
 
 def _config() -> MimoBuildConfig:
@@ -24,13 +24,13 @@ def _config() -> MimoBuildConfig:
 
 def test_stock_finds_the_builder_through_the_config():
     assert _config().get_builder_cls() is MimoModelBuilder
-    assert MimoBuildConfig.builder == "megatron_plugins.builder.MimoModelBuilder"
+    assert MimoBuildConfig.builder == "megatron_plugins.model.builder.MimoModelBuilder"
 
 
 def test_runtime_state_never_reaches_the_checkpointed_config():
     saved = _config().as_dict()
     assert not [key for key in saved if key.startswith("_") and key not in ("_target_", "_builder_")]
-    assert saved["_target_"] == "megatron_plugins.builder.MimoBuildConfig"
+    assert saved["_target_"] == "megatron_plugins.model.builder.MimoBuildConfig"
     assert saved["special_token_ids"] == {"vision": 127} and saved["freeze_encoders"] == ["vision"]
     assert saved["language"]["vocab_size"] == 128
     text = json.dumps(saved, default=str)

@@ -8,14 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_plugins.checkpoint_guards import (
+from megatron_plugins.launch.checkpoint_guards import (
     check_checkpoint_flags,
-    is_complete,
     layout_record,
     write_layout,
 )
-from megatron_plugins.checkpoint_guards import CheckpointError
-from megatron_plugins.layout import ModulePlacement, ParallelLayout
+from megatron_plugins.weights.megatron_folder import CheckpointError, is_complete
+from megatron_plugins.parallel.layout import ModulePlacement, ParallelLayout
 
 LAYOUT = ParallelLayout((
     ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),

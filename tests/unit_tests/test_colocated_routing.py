@@ -16,9 +16,9 @@ import re
 import pytest
 import torch
 
-from megatron_plugins.colocated_routing import RoutingPlan, RoutingSummary, summarize
+from megatron_plugins.parallel.routing import RoutingPlan, RoutingSummary, summarize
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.layout import LayoutError, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.layout import LayoutError, ModulePlacement, ParallelLayout
 from tests.multiprocess import run_in_processes
 
 
@@ -289,7 +289,7 @@ def _routing_rank(cases: list[tuple[ModulePlacement, ModulePlacement, list[list[
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
 
-    from megatron_plugins.colocated_step import route_backward, route_forward
+    from megatron_plugins.step.colocated import route_backward, route_forward
 
     rank = dist.get_rank()
     calls = []

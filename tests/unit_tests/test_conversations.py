@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
-from megatron_plugins.data.media import BadSampleError, encode_png
+from megatron_plugins.media.codec import BadSampleError, encode_png
 from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
 from megatron_plugins.data.text import (Conversation, PromptTokenizer, SampleText,
                                         media_marker, read_chat_template)
@@ -377,7 +377,7 @@ def _native_vit(*flags: str):
     import argparse
 
     from megatron_plugins.encoders.vit import ViTEncoder
-    from megatron_plugins.layout import ModulePlacement
+    from megatron_plugins.parallel.layout import ModulePlacement
 
     parser = argparse.ArgumentParser()
     ViTEncoder.add_arguments(parser)
@@ -536,7 +536,7 @@ def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, 
     from megatron_plugins.data.balance import assign_samples
     from megatron_plugins.data.energon import EnergonSource
     from megatron_plugins.data.streams import ITEM_TOKENS, POSITIONS
-    from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 
     images = [[f"img{i % 10}.png", f"img{(i + 3) % 10}.png"][: i % 3] for i in range(20)]
     records = [_llava(i, image=names, conversations=[

@@ -15,9 +15,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.cp_attention import ContextParallelAttention
-from megatron_plugins.cp_positions import local_positions
-from megatron_plugins.encoders.packed_attention import PackedAttention
+from megatron_plugins.ops.cp_attention import ContextParallelAttention
+from megatron_plugins.ops.cp_positions import local_positions
+from megatron_plugins.ops.packed_attention import PackedAttention
 from tests.multiprocess import run_in_processes
 
 HEADS, GROUPS, DIM = 4, 2, 8

@@ -86,10 +86,10 @@ def _inputs(rope: str, packed: bool) -> dict[str, object]:
 
 
 def _model(topology, rope: str, cp: int, packed: bool):
-    from megatron_plugins.builder import MimoBuildConfig, MimoModelBuilder
-    from megatron_plugins.language import language_config_from_args
-    from megatron_plugins.layout import LANGUAGE
-    from megatron_plugins.rng import seed_module
+    from megatron_plugins.model.builder import MimoBuildConfig, MimoModelBuilder
+    from megatron_plugins.model.language import language_config_from_args
+    from megatron_plugins.parallel.layout import LANGUAGE
+    from megatron_plugins.parallel.rng import seed_module
 
     seed_module(topology, LANGUAGE, 1234, SimpleNamespace(
         data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False,
@@ -122,9 +122,9 @@ def _rank() -> dict[str, object]:
     from megatron.core.models.mimo.partition import utils as partition
 
     from megatron_plugins.compat import model_build
-    from megatron_plugins.cp_attention import ContextParallelAttention
-    from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
-    from megatron_plugins.topology import build_topology
+    from megatron_plugins.ops.cp_attention import ContextParallelAttention
+    from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.topology import build_topology
 
     model_build.ensure_global_memory_buffer()
     started = time.perf_counter()
@@ -174,7 +174,7 @@ def cp2_ranks() -> list[dict[str, object]]:
 def test_cp2_language_model_equals_cp1(cp2_ranks, case):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_plugins.cp_positions import local_positions
+    from megatron_plugins.ops.cp_positions import local_positions
 
     rope, packed = CASES[case]
     inputs = _inputs(rope, packed)
@@ -209,7 +209,7 @@ def test_cp2_language_model_equals_cp1(cp2_ranks, case):
     (dict(attention_dropout=0.1), r"--attention-dropout 0.1: .* pass --attention-dropout 0"),
 ], ids=["hybrid", "mtp", "dropout"])
 def test_what_cp_does_not_cover_is_refused_in_one_line(flags, message):
-    from megatron_plugins.language import LanguageModelError, language_config_from_args
+    from megatron_plugins.model.language import LanguageModelError, language_config_from_args
 
     args = SimpleNamespace(**{"context_parallel_size": 2, "transformer_impl": "local",
                               "attention_dropout": 0.0, **flags})
@@ -219,7 +219,7 @@ def test_what_cp_does_not_cover_is_refused_in_one_line(flags, message):
 
 
 def test_attention_dropout_stays_with_transformer_engine_or_cp1():
-    from megatron_plugins.language import language_config_from_args
+    from megatron_plugins.model.language import language_config_from_args
 
     for cp, impl in ((2, "transformer_engine"), (1, "local")):
         args = _args("rope", 1, packed=False)

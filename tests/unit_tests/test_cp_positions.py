@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_plugins.cp_positions import (
+from megatron_plugins.ops.cp_positions import (
     local_positions,
     thd_partitioned_indices,
     zigzag_indices,

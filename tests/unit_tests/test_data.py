@@ -26,7 +26,7 @@ from megatron_plugins.data.streams import (
 )
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
-from megatron_plugins.layout import (
+from megatron_plugins.parallel.layout import (
     LANGUAGE,
     LayoutError,
     ModulePlacement,

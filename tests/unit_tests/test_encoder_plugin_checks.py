@@ -10,7 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders import EncoderPluginError, check_hooks, instantiate
 from megatron_plugins.encoders.base import TensorReplicated
-from megatron_plugins.layout import ModulePlacement
+from megatron_plugins.parallel.layout import ModulePlacement
 
 PATH = "tests.fixtures.plain_encoder"
 LANGUAGE = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4)

@@ -13,11 +13,11 @@ import pytest
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.energon import DataPathError
-from megatron_plugins.data.media import BadSampleError
+from megatron_plugins.media.codec import BadSampleError
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.errors import UsageError
-from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from tests.energon_data import source_args, synthetic_dataset
 
 LAYOUT = ParallelLayout((

@@ -17,12 +17,12 @@ from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_v
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.energon import SAMPLE_KINDS, DataPathError, _check_dataset
-from megatron_plugins.data.media import BadSampleError
+from megatron_plugins.media.codec import BadSampleError
 from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.text import SampleText
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
-from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from tests.energon_data import (
     STOCK_FIELD_MAPS,
     energon_prepare,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from megatron_plugins.grad_sync import CrossGridGradSync
+from megatron_plugins.step.grad_sync import CrossGridGradSync
 
 
 class _FakeMimo:

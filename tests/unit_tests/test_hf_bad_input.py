@@ -55,7 +55,7 @@ def test_config_features_without_a_mapping_are_refused(tmp_path):
 
 
 def test_stock_flags_contradicting_config_json_name_both_values(tmp_path, monkeypatch):
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     folder = save_tiny("llama", tmp_path / "m")
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -9,8 +9,8 @@ import shlex
 
 import pytest
 
-from megatron_plugins.layout import LANGUAGE, LayoutError, ModulePlacement, ParallelLayout
-from megatron_plugins.layout_flags import (
+from megatron_plugins.parallel.layout import LANGUAGE, LayoutError, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.flags import (
     add_layout_args,
     language_grid_flags,
     language_world_size,

@@ -9,7 +9,7 @@ import wave
 import numpy as np
 import pytest
 
-from megatron_plugins.data.media import (
+from megatron_plugins.media.codec import (
     DEFAULT_VIDEO_FPS,
     BadSampleError,
     Video,

@@ -28,7 +28,7 @@ VIT = {"vision": SimpleNamespace(grid=SimpleNamespace(provider="vit"))}
 
 
 def _parse(monkeypatch, *extra: str):
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     return parse_mimo_args([*TINY_MIMO, *LAYOUT, *extra])
@@ -38,7 +38,7 @@ def _parse(monkeypatch, *extra: str):
 def checkpoints(tmp_path_factory):
     """A stock-GPT-like checkpoint (the embedding and the tiny model's saved args) and a MiMo-like
     one whose encoder 'vision' was an audio encoder."""
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     root = tmp_path_factory.mktemp("ckpts")
     with pytest.MonkeyPatch.context() as patch:

@@ -15,7 +15,7 @@ from megatron_plugins.data.packing import pack_row
 from megatron_plugins.data.positions import item_layout, mrope_position_ids
 from megatron_plugins.encoders.base import EncoderPluginError
 from megatron_plugins.encoders.vit import ViTEncoder
-from megatron_plugins.layout import ModulePlacement
+from megatron_plugins.parallel.layout import ModulePlacement
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import HFWeightsError
@@ -181,7 +181,7 @@ def test_video_and_image_positions_equal_transformers_get_rope_index(tmp_path) -
 def test_mock_video_items_are_laid_out_and_embedded_alike(tmp_path) -> None:
     """``--mock-video-frames 3``: about half the items are 3-frame videos; each one's run, its
     positions and the encoder's preprocessed grid follow from its drawn size alone."""
-    from megatron_plugins.data.media import Video
+    from megatron_plugins.media.codec import Video
     from megatron_plugins.errors import DataFlagError
     from tests.hf_vision_models import plugin, save_tiny_qwen
 
@@ -328,7 +328,7 @@ def test_a_transformers_4_config_with_top_level_text_fields_imports_alike(tmp_pa
 
 def test_sections_that_do_not_split_a_heads_rotary_pairs_are_one_line() -> None:
     from megatron_plugins.errors import FlagError
-    from megatron_plugins.run_settings import check_mrope
+    from megatron_plugins.launch.settle import check_mrope
 
     def args(section):
         return argparse.Namespace(position_embedding_type="mrope", mrope_section=section,

@@ -18,7 +18,7 @@ from megatron_plugins.encoders.native_vit import (
     smart_resize,
 )
 from megatron_plugins.encoders.vit import ImagePreprocessor, ViTEncoder
-from megatron_plugins.layout import ModulePlacement
+from megatron_plugins.parallel.layout import ModulePlacement
 from tests.multiprocess import run_in_processes
 
 SIZES = [(20, 30), (16, 16), (37, 11), (64, 80)]

@@ -24,7 +24,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import add_megatron_arguments, validate_args
 from megatron.training.config.container import PretrainConfigContainer
 
-from megatron_plugins.optimizer_config import (
+from megatron_plugins.launch.optimizer_flags import (
     FLAG,
     OptimizerConfigError,
     add_optimizer_args,

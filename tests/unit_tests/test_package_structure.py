@@ -143,8 +143,8 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_the_cycle_finder_sees_lazy_imports(tmp_path):
-    lazy = ast.parse("def f():\n    from megatron_plugins.layout import LANGUAGE\n")
-    assert "megatron_plugins.layout" in _imports("megatron_plugins.plan", lazy)
+    lazy = ast.parse("def f():\n    from megatron_plugins.parallel.layout import LANGUAGE\n")
+    assert "megatron_plugins.parallel.layout" in _imports("megatron_plugins.launch.plan", lazy)
 
 
 def test_every_module_declares_its_public_names():
@@ -162,3 +162,40 @@ def test_other_modules_use_only_declared_names():
                       and not (name.startswith("__") and name.endswith("__"))
                       and not (name.startswith("_") and not user.startswith(PACKAGE))})
     assert outside == []
+
+
+LAYERS = ("errors", "cpu_simulation", "ops", "compat", "parallel", "media", "weights", "encoders",
+          "data", "step", "model", "launch", "builder")
+"""The package's rooms, lowest first: each may import only rooms before it (``builder`` is the
+import path older saved configs name, kept for them)."""
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if module != PACKAGE else PACKAGE
+
+
+def _room_imports() -> dict[tuple[str, str], list[str]]:
+    """``(room, imported room) -> [module -> module, ...]`` for every import across rooms."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, tree in TREES.items():
+        for target in _imports(name, tree):
+            if target != PACKAGE and _room(target) != _room(name):
+                found.setdefault((_room(name), _room(target)), []).append(f"{name} -> {target}")
+    return found
+
+
+def test_every_room_of_the_package_is_in_the_layer_order():
+    rooms = {_room(name) for name in MODULES if name != PACKAGE}
+    assert rooms == set(LAYERS)
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    upward = {pair: edges for pair, edges in _room_imports().items()
+              if LAYERS.index(pair[1]) > LAYERS.index(pair[0])}
+    assert upward == {}
+
+
+def test_the_layer_check_sees_an_upward_import():
+    tree = ast.parse("from megatron_plugins.launch.preflight import run\n")
+    assert "megatron_plugins.launch.preflight" in _imports("megatron_plugins.data.mock", tree)
+    assert LAYERS.index(_room("megatron_plugins.launch.preflight")) > LAYERS.index("data")

@@ -10,7 +10,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.encoders.packed_attention import (
+from megatron_plugins.ops.packed_attention import (
     PackedAttention,
     packed_layer_spec,
     packed_seq_params,

@@ -9,9 +9,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.cp_positions import local_positions, thd_partitioned_indices
+from megatron_plugins.ops.cp_positions import local_positions, thd_partitioned_indices
 from megatron_plugins.data.packing import PackingError, pack_row
-from megatron_plugins.encoders.packed_attention import PackedAttention
+from megatron_plugins.ops.packed_attention import PackedAttention
 from megatron_plugins.data.streams import (
     LENGTH, POSITIONS, MicrobatchStream, Packing, collate_text
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_plugins.plan import main
+from megatron_plugins.launch.plan import main
 from tests.multiprocess import REPO_ROOT
 
 GOOD = ["--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:pp=2,dp=2,ep=2",
@@ -47,7 +47,7 @@ def test_nnodes_multiplies_the_world_size(capsys):
 
 
 def test_bad_layout_prints_one_line_and_exits_2():
-    command = [sys.executable, "-m", "megatron_plugins.plan", "--encoder", "vision=vit",
+    command = [sys.executable, "-m", "megatron_plugins.launch.plan", "--encoder", "vision=vit",
                "--grid", "vision:dp=2", "--grid", "language:tp=3", "--num-attention-heads", "4",
                "--nproc-per-node", "5"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
@@ -142,7 +142,7 @@ def test_plan_refuses_what_the_launch_refuses(flags, message, capsys):
 
 
 def test_plan_launches_and_imports_nothing_heavy():
-    code = ("import sys; from megatron_plugins.plan import main; main(['--nproc-per-node', '1']); "
+    code = ("import sys; from megatron_plugins.launch.plan import main; main(['--nproc-per-node', '1']); "
             "heavy = {'torch', 'megatron', 'numpy'}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,

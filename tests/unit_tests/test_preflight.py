@@ -9,8 +9,8 @@ import time
 import pytest
 
 from megatron_plugins.errors import FlagError
-from megatron_plugins.layout import LayoutError
-from megatron_plugins.preflight import (
+from megatron_plugins.parallel.layout import LayoutError
+from megatron_plugins.launch.preflight import (
     EVERY_ENCODER,
     check_parser,
     check_run,

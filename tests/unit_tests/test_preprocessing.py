@@ -14,7 +14,7 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.data.media import Waveform
+from megatron_plugins.media.codec import Waveform
 from megatron_plugins.encoders import EncoderPluginError, check_hooks
 from megatron_plugins.encoders.audio import (
     AudioFrameEncoder,
@@ -24,7 +24,7 @@ from megatron_plugins.encoders.audio import (
     mel_to_hz,
 )
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, ImagePreprocessor, ViTEncoder
-from megatron_plugins.layout import ModulePlacement
+from megatron_plugins.parallel.layout import ModulePlacement
 from tests.multiprocess import REPO_ROOT
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)

@@ -85,7 +85,7 @@ def test_language_logits_with_deepstack_equal_transformers_at_3d_positions(tmp_p
 def test_deepstack_layers_off_the_first_stage_or_recomputed_are_one_line() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_plugins.deepstack import check_layers
+    from megatron_plugins.model.deepstack import check_layers
     from megatron_plugins.errors import FlagError
 
     def config(**parallel):
@@ -113,7 +113,7 @@ def test_deepstack_layers_off_the_first_stage_or_recomputed_are_one_line() -> No
 
 def test_interleaved_mrope_without_mrope_is_one_line() -> None:
     from megatron_plugins.errors import FlagError
-    from megatron_plugins.run_settings import check_mrope
+    from megatron_plugins.launch.settle import check_mrope
 
     args = argparse.Namespace(position_embedding_type="rope", mrope_interleaved=True)
     with pytest.raises(FlagError, match=r"^--mrope-interleaved lays out multimodal RoPE's "
@@ -125,7 +125,7 @@ def test_interleaved_mrope_without_mrope_is_one_line() -> None:
 def test_received_rows_of_another_width_name_the_encoder_and_an_empty_payload_adds_nothing():
     from types import SimpleNamespace
 
-    from megatron_plugins.deepstack import DeepStack
+    from megatron_plugins.model.deepstack import DeepStack
     from megatron_plugins.encoders.base import EncoderPluginError
 
     deepstack = DeepStack({"image": LEVELS}, HIDDEN)

@@ -112,7 +112,7 @@ def test_video_preprocessing_equals_hf_qwen2_vl_video_processor(config, tmp_path
     videos of several sizes and frame counts."""
     from transformers import AutoVideoProcessor
 
-    from megatron_plugins.data.media import Video
+    from megatron_plugins.media.codec import Video
 
     folder = save_tiny_qwen(tmp_path / "qwen")
     if config:
@@ -135,7 +135,7 @@ def test_a_video_at_grid_size_is_hf_image_processors_frames_paired(tmp_path):
     """Without a resize (frames already on the 8-pixel grid) a video's patches are HF's image
     processor's patches of its frames, frame ``2k`` and ``2k + 1`` in temporal step ``k``, the
     last frame repeated to fill the last step."""
-    from megatron_plugins.data.media import Video
+    from megatron_plugins.media.codec import Video
 
     folder = save_tiny_qwen(tmp_path / "qwen")
     frames = np.random.default_rng(3).integers(0, 256, (3, 16, 24, 3), np.uint8)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_plugins.data.media import Video
+from megatron_plugins.media.codec import Video
 from tests.hf_models import rel_diff, safetensors_of
 from tests.hf_vlm_models import LAYOUTS, check_export, identical_exports, train_and_export
 from tests.multiprocess import REPO_ROOT
@@ -243,7 +243,7 @@ def test_a_dataset_tokenizer_whose_image_token_is_not_the_checkpoints_is_one_lin
     import types
 
     from megatron_plugins.errors import UsageError
-    from megatron_plugins.run_settings import check_image_token
+    from megatron_plugins.launch.settle import check_image_token
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
 
     folder = str(qwen[0])

@@ -43,7 +43,7 @@ def stream_seed(stream: str, coords: tuple, dp_random_init: bool) -> int:
 
 
 def _parse(command: str) -> argparse.Namespace:
-    from megatron_plugins.layout_flags import add_layout_args
+    from megatron_plugins.parallel.flags import add_layout_args
 
     parser = add_layout_args(argparse.ArgumentParser(allow_abbrev=False))
     parser.add_argument("--num-experts", type=int)
@@ -66,9 +66,9 @@ def _seed_and_draw(command: str) -> dict:
     import torch.distributed as dist
     from megatron.core.tensor_parallel import random as tensor_parallel_random
 
-    import megatron_plugins.rng as rng
-    from megatron_plugins.layout_flags import layout_from_args
-    from megatron_plugins.topology import build_topology
+    import megatron_plugins.parallel.rng as rng
+    from megatron_plugins.parallel.flags import layout_from_args
+    from megatron_plugins.parallel.topology import build_topology
 
     layout = layout_from_args(_parse(command), dist.get_world_size())
     topology = build_topology(layout)
@@ -150,8 +150,8 @@ def test_streams_equal_exactly_where_stock_makes_them_equal():
 
 
 def test_module_seeds_are_offset_per_module():
-    from megatron_plugins.layout import ModulePlacement, ParallelLayout
-    from megatron_plugins.rng import MODULE_SEED_STRIDE, module_seed
+    from megatron_plugins.parallel.layout import ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.rng import MODULE_SEED_STRIDE, module_seed
 
     layout = ParallelLayout((
         ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),
@@ -168,7 +168,7 @@ def test_module_seeds_are_offset_per_module():
 
 
 def test_rng_checkpoint_keys_are_distinct_per_module():
-    from megatron_plugins.rng import rng_state_key_prefix
+    from megatron_plugins.parallel.rng import rng_state_key_prefix
 
     names = ["language", "vision", "audio", "vision2", "v"]
     keys = [f"{rng_state_key_prefix(name)}rng_state" for name in names]
@@ -260,9 +260,9 @@ def _colocated_streams(command: str) -> dict:
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
-    import megatron_plugins.rng as rng
-    from megatron_plugins.layout_flags import layout_from_args
-    from megatron_plugins.topology import build_topology
+    import megatron_plugins.parallel.rng as rng
+    from megatron_plugins.parallel.flags import layout_from_args
+    from megatron_plugins.parallel.topology import build_topology
 
     rank = dist.get_rank()
     topology = build_topology(layout_from_args(_parse(command), dist.get_world_size()))
@@ -345,7 +345,7 @@ def test_module_rng_state_dict_round_trips(colocated_results):
 
 
 def _in_process_topology() -> SimpleNamespace:
-    from megatron_plugins.layout import ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.layout import ModulePlacement, ParallelLayout
 
     layout = ParallelLayout((
         ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
@@ -363,7 +363,7 @@ def _cuda_present() -> bool:
 
 
 def test_one_module_rng_seeds_exactly_like_seed_module():
-    from megatron_plugins.rng import ModuleRng, seed_module
+    from megatron_plugins.parallel.rng import ModuleRng, seed_module
 
     topology, cuda = _in_process_topology(), _cuda_present()
     for name in HOSTED:
@@ -376,7 +376,7 @@ def test_one_module_rng_seeds_exactly_like_seed_module():
 
 
 def test_contexts_continue_each_stream_across_entries_in_process():
-    from megatron_plugins.rng import ModuleRng, seed_module
+    from megatron_plugins.parallel.rng import ModuleRng, seed_module
 
     topology, cuda = _in_process_topology(), _cuda_present()
     alone = {}
@@ -405,7 +405,7 @@ def test_contexts_continue_each_stream_across_entries_in_process():
 def test_module_rng_state_dict_pickles_and_loads_per_module():
     import pickle
 
-    from megatron_plugins.rng import ModuleRng
+    from megatron_plugins.parallel.rng import ModuleRng
 
     topology, cuda = _in_process_topology(), _cuda_present()
     module_rng = ModuleRng.seed(topology, SEED, _options())
@@ -429,7 +429,7 @@ def test_module_rng_state_dict_pickles_and_loads_per_module():
 def test_module_rng_replays_a_module_from_the_state_it_saved_inside_its_context():
     """--colocated-encoder-recompute: phase 3 restores an encoder's streams of a microbatch's
     start and draws what phase 1 drew; the resident module's streams go on untouched."""
-    from megatron_plugins.rng import ModuleRng
+    from megatron_plugins.parallel.rng import ModuleRng
 
     topology, cuda = _in_process_topology(), _cuda_present()
     module_rng = ModuleRng.seed(topology, SEED, _options())
@@ -446,7 +446,7 @@ def test_module_rng_replays_a_module_from_the_state_it_saved_inside_its_context(
 
 
 def test_module_rng_refuses_modules_the_rank_does_not_host():
-    from megatron_plugins.rng import ModuleRng
+    from megatron_plugins.parallel.rng import ModuleRng
 
     topology = _in_process_topology()
     with pytest.raises(ValueError, match="distinct module names"):

@@ -13,7 +13,7 @@ NO_TOKENIZER = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "
 
 
 def _error(monkeypatch, flags: list[str]) -> str:
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(UsageError) as error:
@@ -44,7 +44,7 @@ def test_language_cp_on_the_simulation_defaults_attention_dropout_to_zero(monkey
     """Stock's default attention dropout (0.1) would stop every CPU CP launch; unless given, it
     becomes 0 with a notice, while an explicit dropout is refused naming the flag."""
     from megatron_plugins.cpu_simulation import patches
-    from megatron_plugins.launch import parse_mimo_args
+    from megatron_plugins.launch.pretrain import parse_mimo_args
 
     patches.activate()  # stock validate_args reads the device's architecture at cp > 1
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -13,7 +13,7 @@ import shlex
 
 import pytest
 
-from megatron_plugins.plan import main as plan_main
+from megatron_plugins.launch.plan import main as plan_main
 from tests.multiprocess import run_in_processes
 
 DENSE = ("tp", "cp", "dp", "pp")
@@ -85,7 +85,7 @@ LAYOUTS = {
 
 
 def _parse(command: str) -> argparse.Namespace:
-    from megatron_plugins.layout_flags import add_layout_args
+    from megatron_plugins.parallel.flags import add_layout_args
 
     parser = add_layout_args(argparse.ArgumentParser(allow_abbrev=False))
     parser.add_argument("--num-experts", type=int)
@@ -101,9 +101,9 @@ def _build_and_inspect(commands: list[str]) -> dict:
     from megatron.core.models.mimo.config.role import ModuleLayout, RankRole
     from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer
 
-    from megatron_plugins.layout import LayoutError, ModulePlacement, ParallelLayout
-    from megatron_plugins.layout_flags import layout_from_args
-    from megatron_plugins.topology import build_topology
+    from megatron_plugins.parallel.layout import LayoutError, ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.flags import layout_from_args
+    from megatron_plugins.parallel.topology import build_topology
 
     registry = dist.distributed_c10d._world.pg_map
     too_big = ModulePlacement(name="language", tp=1, pp=1, cp=1, dp=dist.get_world_size() + 1,

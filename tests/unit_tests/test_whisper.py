@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_plugins.data.media import Waveform
+from megatron_plugins.media.codec import Waveform
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
 from tests.hf_models import pieces_from, safetensors_of

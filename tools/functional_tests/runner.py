@@ -63,7 +63,7 @@ class Case:
     @property
     def nproc(self) -> int:
         """Ranks the case's ``--grid`` flags need."""
-        from megatron_plugins.layout_flags import add_layout_args, required_world_size
+        from megatron_plugins.parallel.flags import add_layout_args, required_world_size
 
         parser = add_layout_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
         known, _ = parser.parse_known_args(self.argv(_placeholder_paths()))

@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.data.media import Waveform
+from megatron_plugins.media.codec import Waveform
 from megatron_plugins.encoders import EncoderPlugin, MediaPreprocessor, encoder_config
 
 

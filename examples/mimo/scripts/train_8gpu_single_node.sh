@@ -23,7 +23,7 @@ TRAINING=(--micro-batch-size 2 --global-batch-size 96 --train-iters 2000
           --save "${SAVE_DIR:-runs/mimo-8gpu}/checkpoints" --save-interval 500
           --tensorboard-dir "${SAVE_DIR:-runs/mimo-8gpu}/tensorboard")
 if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
-  exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --ranks \
+  exec python -m megatron_plugins.launch.plan --nproc-per-node "$NPROC" --ranks \
     "${LAYOUT[@]}" "${MODEL[@]}" "${TRAINING[@]}"
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -25,7 +25,7 @@ TRAINING=(--micro-batch-size 4 --global-batch-size 128 --train-iters 5000
           --save "${SAVE_DIR:-runs/mimo-multinode}/checkpoints" --save-interval 1000
           --tensorboard-dir "${SAVE_DIR:-runs/mimo-multinode}/tensorboard")
 if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
-  exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --nnodes "$NNODES" --ranks \
+  exec python -m megatron_plugins.launch.plan --nproc-per-node "$NPROC" --nnodes "$NNODES" --ranks \
     "${LAYOUT[@]}" "${MODEL[@]}" "${TRAINING[@]}"
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -305,7 +305,7 @@ def _cp2_language(topology, bf16: bool, distributed: bool, steps: int):
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_plugins.cp_attention import ContextParallelAttention
+    from megatron_plugins.ops.cp_attention import ContextParallelAttention
 
     pgc = topology.module_pgs["language"]
     torch.manual_seed(0)
@@ -363,8 +363,8 @@ def _language_cp2_checkpoints(folder: str) -> dict:
         validate_sharding_integrity,
     )
 
-    from megatron_plugins.layout import ModulePlacement, ParallelLayout
-    from megatron_plugins.topology import build_topology
+    from megatron_plugins.parallel.layout import ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.topology import build_topology
 
     # Built directly: the layout flags refuse language cp > 1 until the bridge CP work lands.
     topology = build_topology(ParallelLayout((ModulePlacement(

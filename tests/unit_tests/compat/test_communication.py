@@ -297,8 +297,8 @@ def _destination_cp_rank(encoder_grids: list[tuple[int, int]], rows: dict) -> li
     patches.activate()
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_plugins.layout import ModulePlacement, ParallelLayout
-    from megatron_plugins.topology import build_topology, pipeline_communicator
+    from megatron_plugins.parallel.layout import ModulePlacement, ParallelLayout
+    from megatron_plugins.parallel.topology import build_topology, pipeline_communicator
 
     rank = torch.distributed.get_rank()
     reports = []

@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
 from megatron_plugins.compat import context_parallel, model_build
-from megatron_plugins.cp_positions import thd_partitioned_indices
+from megatron_plugins.ops.cp_positions import thd_partitioned_indices
 
 SECTION = [4, 2, 2]  # pairs of a 16-dim head
 # Real lengths 5, 1, 3 padded to multiples of 2 x cp = 4 (8, 4, 4), no trailing padding.

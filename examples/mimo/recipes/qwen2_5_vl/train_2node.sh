@@ -15,7 +15,7 @@ LAYOUT=(--hf-model "$HF_MODEL" --grid image:tp=2,dp=2 --grid language:tp=2,pp=1,
 source "$HERE/finetune_flags.sh"
 TRAINING+=(--global-batch-size 96)
 if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
-  exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --nnodes "$NNODES" --ranks \
+  exec python -m megatron_plugins.launch.plan --nproc-per-node "$NPROC" --nnodes "$NNODES" --ranks \
     "${LAYOUT[@]}" "${TRAINING[@]}"
 fi
 : "${DATA:?set DATA to an Energon conversation dataset (tools/make_energon_dataset --kind conversation)}"

@@ -15,7 +15,7 @@ HF_MODEL="${HF_MODEL:-$HERE/qwen2_5_vl_7b_config}"
 LAYOUT=(--hf-model "$HF_MODEL" --grid image:tp=2,dp=1 --grid language:tp=2,pp=1,dp=3)
 source "$HERE/finetune_flags.sh"
 if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
-  exec python -m megatron_plugins.plan --nproc-per-node "$NPROC" --ranks \
+  exec python -m megatron_plugins.launch.plan --nproc-per-node "$NPROC" --ranks \
     "${LAYOUT[@]}" "${TRAINING[@]}"
 fi
 : "${DATA:?set DATA to an Energon conversation dataset (tools/make_energon_dataset --kind conversation)}"

@@ -7,7 +7,7 @@ sample, and pairs the wrong samples wherever a rank's encoder replica does not f
 language replica (with language PP > 1, as upstream's extension of it allows). Here a pure
 :class:`RoutingPlan` says, from the two placements and the row count of every sample position a
 rank holds, which rows it sends to and receives from which peer;
-:func:`~megatron_plugins.colocated_step.route_forward` and ``route_backward`` run it with one
+:func:`~megatron_plugins.step.colocated.route_forward` and ``route_backward`` run it with one
 ``batch_isend_irecv`` each and a local copy of the rows a rank already holds, never padding.
 Nothing here imports torch: ``mimo-plan`` prints a layout's :func:`summarize`.
 
@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from megatron_plugins.layout import LayoutError, ModulePlacement
+from megatron_plugins.parallel.layout import LayoutError, ModulePlacement
 
 __all__ = ["Exchange", "Message", "RoutingPlan", "RoutingSummary", "Span", "summarize"]
 

@@ -3,7 +3,7 @@
 Reinforcement-learning and streaming trainers do not hold a whole global batch: rollouts arrive one
 microbatch at a time, the number of valid tokens is known only at the end, and a step must be
 abandonable. :class:`SplitTrainStep` drives a model and optimizer built by stock Megatron (stock
-GPT, or the MiMo model of :mod:`megatron_plugins.builder`) through that state machine:
+GPT, or the MiMo model of :mod:`megatron_plugins.model.builder`) through that state machine:
 
 - ``begin(loss_kind)`` zeroes the grad buffers and holds back every DP reduction;
 - ``microbatch(batch)`` runs one forward-backward through the stock schedule (the pipeline
@@ -44,8 +44,8 @@ from megatron.training.utils.common_utils import (
     reduce_max_stat_across_model_parallel_group,
 )
 
-from megatron_plugins.colocated_step import ColocatedSchedule, colocated_encoders
-from megatron_plugins.grad_sync import CrossGridGradSync, counts_tokens, scale_module_gradients
+from megatron_plugins.step.colocated import ColocatedSchedule, colocated_encoders
+from megatron_plugins.step.grad_sync import CrossGridGradSync, counts_tokens, scale_module_gradients
 
 __all__ = ["SplitStepError", "SplitTrainStep", "StepMetrics", "StepState", "sequence_loss_func"]
 
@@ -167,7 +167,7 @@ class SplitTrainStep:
         self._schedule_kwargs = {"p2p_communicator": p2p_communicator,
                                  "pg_collection": pg_collection}
         # On a rank hosting encoders each microbatch runs their forward, the language schedule
-        # and their backward (megatron_plugins.colocated_step); elsewhere the stock schedule.
+        # and their backward (megatron_plugins.step.colocated); elsewhere the stock schedule.
         self._forward_backward = ColocatedSchedule(
             get_forward_backward_func(schedule_pg_collection=pg_collection))
         self._hosted = colocated_encoders(self._model[0])

@@ -7,7 +7,7 @@ and, on the last stage, return the summed token loss and the token count (with
 ``--pack-sequences`` a batch carries its row's THD segments as ``packing_kwargs``, read on every
 language stage). With ``--balance-encoder-work`` the first language stage first puts each balanced
 encoder's received rows in its samples' order. The loss is never divided here: the global token
-count divides the gradients once (see :mod:`megatron_plugins.grad_sync`) and the logged ``lm
+count divides the gradients once (see :mod:`megatron_plugins.step.grad_sync`) and the logged ``lm
 loss``.
 """
 
@@ -27,7 +27,7 @@ from megatron_plugins.encoders import EncoderPluginError
 __all__ = ["COLOCATED_ROWS", "check_encoder_rows", "forward_step"]
 
 COLOCATED_ROWS = "colocated_rows"
-"""Batch entry the colocated schedule (:mod:`megatron_plugins.colocated_step`) hands the forward
+"""Batch entry the colocated schedule (:mod:`megatron_plugins.step.colocated`) hands the forward
 step on a rank hosting encoders: per hosted encoder, the rows of this microbatch's samples that
 the language first stage merges (empty on later stages)."""
 
@@ -103,7 +103,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     if COLOCATED in batch:
         raise MegatronCompatError(
             "a batch of a rank hosting encoders reached the forward step with its encoder inputs: "
-            "the schedule is not megatron_plugins.colocated_step.ColocatedSchedule (take it from "
+            "the schedule is not megatron_plugins.step.colocated.ColocatedSchedule (take it from "
             "megatron.training.training.get_forward_backward_func, which compat Gap 24 wraps)")
     colocated = batch.pop(COLOCATED_ROWS, None)
     batch = _to_device(batch)

@@ -16,15 +16,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megatron_plugins.colocated_routing import summarize
+from megatron_plugins.parallel.routing import summarize
 from megatron_plugins.errors import FlagError, UsageError, report
-from megatron_plugins.layout import (
+from megatron_plugins.parallel.layout import (
     DENSE_DIMS,
     EXPERT_DIMS,
     ModulePlacement,
     ParallelLayout,
 )
-from megatron_plugins.preflight import check_parser, check_run
+from megatron_plugins.launch.preflight import check_parser, check_run
 
 __all__ = ["main"]
 
@@ -146,7 +146,7 @@ def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``mimo-plan`` and ``python -m megatron_plugins.plan``; returns exit code."""
+    """Entry point of ``mimo-plan`` and ``python -m megatron_plugins.launch.plan``; returns exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         own, _ = _parser().parse_known_args(argv)

@@ -4,7 +4,7 @@ Megatron's local ``DotProductAttention`` refuses ``context_parallel_size > 1`` (
 Engine's attention splits a sequence over CP ranks), so without TE no CP path could run.
 :class:`ContextParallelAttention` is a drop-in ``core_attention`` with TE's "all_gather"
 semantics: each rank all-gathers keys and values over the CP group, attends from its own query
-positions (stock's load-balanced split, :mod:`megatron_plugins.cp_positions`) with the causal
+positions (stock's load-balanced split, :mod:`megatron_plugins.ops.cp_positions`) with the causal
 mask in global positions, per document for packed (THD) rows, using PackedAttention's numerics.
 Only local tensors are saved; the backward re-gathers, recomputes and all-reduces the key and
 value gradients (gloo has no reduce-scatter), then keeps this rank's slice.
@@ -23,8 +23,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.cp_positions import local_positions
-from megatron_plugins.encoders.packed_attention import attend
+from megatron_plugins.ops.cp_positions import local_positions
+from megatron_plugins.ops.packed_attention import attend
 
 __all__ = ["ContextParallelAttention"]
 
@@ -135,7 +135,7 @@ class ContextParallelAttention(MegatronModule):
     """``core_attention`` for cp > 1 without Transformer Engine: this rank's queries attend to
     the keys / values of the whole sequence (all-gathered over ``pg_collection.cp``).
 
-    Takes and returns what :class:`~megatron_plugins.encoders.packed_attention.PackedAttention`
+    Takes and returns what :class:`~megatron_plugins.ops.packed_attention.PackedAttention`
     does: ``[s_l, b, heads, dim]`` -> ``[s_l, b, heads * dim]``, or THD ``[t_l, heads, dim]``
     -> ``[t_l, heads * dim]`` with ``packed_seq_params`` (padded boundaries a multiple of
     ``2 x cp``); the local rows are stock's split of the sequence (per document for THD).

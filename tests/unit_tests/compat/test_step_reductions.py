@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from megatron_plugins.compat import MegatronCompatError, training_step
+from megatron_plugins.compat import MegatronCompatError, step_reductions
 from tests.unit_tests.compat.wheel_source import source_digest
 
 
@@ -23,9 +23,9 @@ def test_gap8_canary_mimo_optimizer_issues_separate_world_reductions() -> None:
     assert source_digest(MimoOptimizer.get_grad_norm) == "e9d577bfcae5757f"
     digests = {"MixedPrecisionOptimizer": "34fc101b433f1515", "FP32Optimizer": "90ac3825f5932ab0",
                "DistributedOptimizer": "2350cce9dd8822dd"}
-    for path in training_step._SUCCEEDING_STEPS:
+    for path in step_reductions._SUCCEEDING_STEPS:
         cls = path.partition(":")[2].split(".")[0]
-        assert source_digest(training_step._resolve(path)) == digests[cls], path
+        assert source_digest(step_reductions._resolve(path)) == digests[cls], path
 
 
 def test_gap8_always_succeeds_follows_chains() -> None:
@@ -34,14 +34,14 @@ def test_gap8_always_succeeds_follows_chains() -> None:
     fp32 = FP32Optimizer.__new__(FP32Optimizer)
     chain = ChainedOptimizer.__new__(ChainedOptimizer)
     chain.chained_optimizers = [fp32, fp32]
-    assert training_step.always_succeeds(chain)
+    assert step_reductions.always_succeeds(chain)
 
     class MayFail(FP32Optimizer):
         def step_with_ready_grads(self) -> bool:
             return False
 
     chain.chained_optimizers = [fp32, MayFail.__new__(MayFail)]
-    assert not training_step.always_succeeds(chain)
+    assert not step_reductions.always_succeeds(chain)
 
 
 def test_gap11_canary_stock_rerun_check_is_a_world_all_reduce_after_the_result_checks():
@@ -50,7 +50,7 @@ def test_gap11_canary_stock_rerun_check_is_a_world_all_reduce_after_the_result_c
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
     from megatron.core.rerun_state_machine import RerunStateMachine
 
-    stock = training_step._stock_reduce_any or RerunStateMachine._reduce_any
+    stock = step_reductions._stock_reduce_any or RerunStateMachine._reduce_any
     assert "torch.distributed.all_reduce(val_tensor)\n" in inspect.getsource(stock)
     assert source_digest(stock) == "9fc4efee07ae520d"
     assert "will_rerun = self._reduce_any(self.rerun_requested)" in inspect.getsource(
@@ -65,9 +65,9 @@ def validating_machine(monkeypatch):
     stock's reduction recorded instead of issued."""
     from megatron.core.rerun_state_machine import RerunMode, RerunState, RerunStateMachine
 
-    training_step.install_step_bridges()
+    step_reductions.install_step_bridges()
     stock_calls = []
-    monkeypatch.setattr(training_step, "_stock_reduce_any",
+    monkeypatch.setattr(step_reductions, "_stock_reduce_any",
                         lambda machine, value: stock_calls.append(value) or False)
     machine = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
     machine.state = RerunState.INITIAL_RUN
@@ -80,10 +80,10 @@ def test_gap11_settled_vote_answers_the_check_without_a_reduction(validating_mac
     from megatron.core.rerun_state_machine import RerunState
 
     machine, stock_calls = validating_machine
-    training_step.settle_rerun_vote(training_step.rerun_vote(), world_sum=1)
+    step_reductions.settle_rerun_vote(step_reductions.rerun_vote(), world_sum=1)
     assert machine._reduce_any(machine.rerun_requested) is True  # another rank asked
     assert stock_calls == []
-    training_step.settle_rerun_vote(training_step.rerun_vote(), world_sum=0)
+    step_reductions.settle_rerun_vote(step_reductions.rerun_vote(), world_sum=0)
     assert not machine.should_run_forward_backward(None) and stock_calls == []
     assert machine.state == RerunState.NOT_RUNNING_YET
     # Nothing settled for this step (a split step, or no finalization): stock's reduction.
@@ -93,7 +93,7 @@ def test_gap11_settled_vote_answers_the_check_without_a_reduction(validating_mac
 
 def test_gap11_a_flag_raised_after_the_count_is_refused(validating_machine):
     machine, _ = validating_machine
-    training_step.settle_rerun_vote(training_step.rerun_vote(), world_sum=0)
+    step_reductions.settle_rerun_vote(step_reductions.rerun_vote(), world_sum=0)
     machine.rerun_requested = True
     with pytest.raises(MegatronCompatError, match="Gap 11"):
         machine.should_run_forward_backward(None)

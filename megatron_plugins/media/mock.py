@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_plugins.data.media import DEFAULT_VIDEO_FPS, Video, Waveform
+from megatron_plugins.media.codec import DEFAULT_VIDEO_FPS, Video, Waveform
 
 __all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "largest_video_size", "mock_media",
            "mock_size"]
@@ -34,7 +34,7 @@ MOCK_KINDS = ("image", "audio")
 
 def mock_size(kind: str, generator: torch.Generator, rate: int | None,
               video_frames: int = 0) -> tuple[int | float, ...]:
-    """One item's size (:func:`~megatron_plugins.data.media.media_size`), drawn from
+    """One item's size (:func:`~megatron_plugins.media.codec.media_size`), drawn from
     ``generator``: the language ranks draw it too, to lay out the item's placeholder run. With
     ``video_frames``, an image item is, one time in two, a video of that many frames."""
     if kind == "image":

@@ -27,9 +27,9 @@ from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
-from megatron_plugins.compat import training_step
+from megatron_plugins.compat import step_reductions
 from megatron_plugins.data.addressing import GuardSet
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.parallel.layout import LANGUAGE
 
 __all__ = ["CrossGridGradSync", "counts_tokens", "install_grad_sync", "scale_module_gradients"]
 
@@ -100,14 +100,14 @@ class CrossGridGradSync:
         local = num_tokens if self._counts_tokens else torch.zeros_like(num_tokens)
         parts = [local.detach().reshape(1).to(torch.int64)]
         if carry_rerun_vote:
-            vote = training_step.rerun_vote()
+            vote = step_reductions.rerun_vote()
             parts.append(torch.tensor([vote], dtype=torch.int64, device=local.device))
         if self._guard is not None:
             parts.append(self._guard.contribution().to(local.device))
         packed = torch.cat(parts)
         dist.all_reduce(packed)
         if carry_rerun_vote:
-            training_step.settle_rerun_vote(vote, int(packed[1]))
+            step_reductions.settle_rerun_vote(vote, int(packed[1]))
         if self._guard is not None:
             self._guard.check(packed[1 + carry_rerun_vote:].cpu())
         return packed[0].to(num_tokens.dtype).reshape(num_tokens.shape)

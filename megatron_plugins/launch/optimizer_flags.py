@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import torch
 
-from megatron_plugins.command_line import given_flag
+from megatron_plugins.launch.command_line import given_flag
 from megatron_plugins.errors import UsageError
 
 __all__ = [

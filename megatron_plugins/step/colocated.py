@@ -5,12 +5,12 @@
 :class:`ColocatedEncoders`; elsewhere it is the stock schedule:
 
 1. every hosted encoder runs its forward over the step's microbatches, each inside the encoder's
-   RNG streams (:class:`~megatron_plugins.rng.ModuleRng`) with the same batches as on ranks of its
+   RNG streams (:class:`~megatron_plugins.parallel.rng.ModuleRng`) with the same batches as on ranks of its
    own, and its rows are routed to the language model's first-stage ranks that merge them
-   (:func:`route_forward` runs the :mod:`megatron_plugins.colocated_routing` plan), where they
+   (:func:`route_forward` runs the :mod:`megatron_plugins.parallel.routing` plan), where they
    become one detached leaf;
 2. the stock schedule runs the language model (any pipeline depth) on the step's language
-   batches, each carrying its microbatch's view of the leaf (``training_step.COLOCATED_ROWS``),
+   batches, each carrying its microbatch's view of the leaf (``forward.COLOCATED_ROWS``),
    with the model's gradient finalization held back;
 3. the leaf's gradient is routed back to the ranks that computed the rows, one backward per
    encoder runs, and the held-back finalization reduces every module on its own groups and
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import get_model_config, unwrap_model
 
-from megatron_plugins.colocated_routing import Exchange, RoutingPlan, Span
+from megatron_plugins.parallel.routing import Exchange, RoutingPlan, Span
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS
-from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from megatron_plugins.rng import ModuleRng
-from megatron_plugins.training_step import COLOCATED_ROWS, check_encoder_rows
+from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.rng import ModuleRng
+from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows
 
 __all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders",
            "route_backward", "route_forward"]

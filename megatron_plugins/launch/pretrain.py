@@ -1,7 +1,7 @@
 """What ``examples/mimo/pretrain_mimo.py`` does around stock ``pretrain()``.
 
 :func:`parse_mimo_args` reads stock and plugin flags, settles the run's values
-(:mod:`megatron_plugins.run_settings`) and checks the whole run before any process group exists
+(:mod:`megatron_plugins.launch.settle`) and checks the whole run before any process group exists
 (every rank computes the same verdict); :func:`start` brings up torch.distributed without
 Megatron's global model-parallel state, the topology, the cross-grid communicator and the build
 config; :func:`pretrain_kwargs` is what stock ``pretrain()`` takes, the data provider included;
@@ -29,29 +29,30 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args
 from megatron.training.global_vars import set_global_variables
 
-from megatron_plugins import checkpoint_guards, cpu_simulation
-from megatron_plugins.builder import MimoBuildConfig
-from megatron_plugins.colocated_step import ColocatedSchedule
+from megatron_plugins import cpu_simulation
+from megatron_plugins.launch import checkpoint_guards
+from megatron_plugins.model.builder import MimoBuildConfig
+from megatron_plugins.step.colocated import ColocatedSchedule
 from megatron_plugins.compat import colocation, model_build, startup
 from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
 from megatron_plugins.encoders import EncoderPlugin, add_encoder_args
 from megatron_plugins.errors import FlagError
-from megatron_plugins.language import language_config_from_args
-from megatron_plugins.layout import ParallelLayout
-from megatron_plugins.layout_flags import ALIAS_ENCODER, add_layout_args
-from megatron_plugins.optimizer_config import add_optimizer_args
-from megatron_plugins.preflight import (
+from megatron_plugins.model.language import language_config_from_args
+from megatron_plugins.parallel.layout import ParallelLayout
+from megatron_plugins.parallel.flags import ALIAS_ENCODER, add_layout_args
+from megatron_plugins.launch.optimizer_flags import add_optimizer_args
+from megatron_plugins.launch.preflight import (
     Preflight,
     add_mimo_args,
     asks_help,
     check_run,
     world_size_from_env,
 )
-from megatron_plugins.run_settings import settle
-from megatron_plugins.topology import HeteroTopology, build_topology, pipeline_communicator
-from megatron_plugins.training_step import forward_step
+from megatron_plugins.launch.settle import settle
+from megatron_plugins.parallel.topology import HeteroTopology, build_topology, pipeline_communicator
+from megatron_plugins.step.forward import forward_step
 from megatron_plugins.weights.flags import add_weights_args, expand_hf_model
 from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
 
@@ -139,7 +140,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None,
                     checked: Preflight | None = None) -> MimoRun:
     """Parse, settle and check every flag; raises a :class:`~megatron_plugins.errors.UsageError`
     naming the flag to fix. ``checked`` is what the entry point's pre-import checks found
-    (:func:`megatron_plugins.preflight.run`); without it they run here."""
+    (:func:`megatron_plugins.launch.preflight.run`); without it they run here."""
     argv = expand_hf_model(sys.argv[1:] if argv is None else argv)
     if checked is None and not asks_help(argv):
         checked = check_run(argv, world_size_from_env())

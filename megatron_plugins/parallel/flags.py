@@ -1,8 +1,8 @@
 """The layout flags: ``--encoder``, ``--grid`` and upstream examples/mimo's ``--encoder-tp`` /
-``--llm-*`` spellings, parsed into a checked :class:`~megatron_plugins.layout.ParallelLayout`.
+``--llm-*`` spellings, parsed into a checked :class:`~megatron_plugins.parallel.layout.ParallelLayout`.
 
 Values are kept as strings by argparse and checked here, so every mistake raises one
-:class:`~megatron_plugins.layout.LayoutError` naming the flag, before any process group exists.
+:class:`~megatron_plugins.parallel.layout.LayoutError` naming the flag, before any process group exists.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-from megatron_plugins.layout import (
+from megatron_plugins.parallel.layout import (
     GRID_EXAMPLE,
     GRID_KEYS,
     LANGUAGE,
@@ -22,9 +22,9 @@ from megatron_plugins.layout import (
     LayoutError,
     ModulePlacement,
     ParallelLayout,
-    check_layout,
     check_module_name,
 )
+from megatron_plugins.parallel.checks import check_layout
 
 __all__ = [
     "ALIAS_ENCODER", "add_layout_args", "language_grid_flags", "language_world_size",
@@ -259,7 +259,7 @@ def layout_from_args(
     """Build the layout from parsed flags and check that it can run on ``world_size`` ranks.
 
     ``args`` holds the layout flags plus the stock model flags that
-    :func:`~megatron_plugins.layout.check_layout` reads. ``encoder_heads`` maps encoder names to
+    :func:`~megatron_plugins.parallel.checks.check_layout` reads. ``encoder_heads`` maps encoder names to
     attention-head counts known from the encoder plugins; call again once they are known.
     """
     specs = _grid_specs(args)

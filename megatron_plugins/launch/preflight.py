@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_plugins import cpu_simulation
-from megatron_plugins.command_line import given_flag
+from megatron_plugins.launch.command_line import given_flag
 from megatron_plugins.errors import FlagError, UsageError, report
-from megatron_plugins.layout import LayoutError, ParallelLayout, encoder_micro_batch_size
-from megatron_plugins.layout_flags import add_layout_args, layout_from_args
+from megatron_plugins.parallel.layout import LayoutError, ParallelLayout, encoder_micro_batch_size
+from megatron_plugins.parallel.flags import add_layout_args, layout_from_args
 from megatron_plugins.weights.flags import expand_hf_model, fill_layout_flags
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Process groups for a :class:`~megatron_plugins.layout.ParallelLayout` on a live world.
+"""Process groups for a :class:`~megatron_plugins.parallel.layout.ParallelLayout` on a live world.
 
 One ``HyperCommGrid`` per module (dense dims ``tp, cp, dp, pp`` plus an ``"expert"`` view
 ``expt_tp, ep, expt_dp, pp`` sharing ``pp``), holding exactly the groups megatron-core 0.19.2
@@ -28,7 +28,7 @@ from megatron.core.process_groups_config import (
 )
 
 from megatron_plugins.compat import communication
-from megatron_plugins.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModulePlacement, ParallelLayout
 
 __all__ = ["HeteroTopology", "build_topology", "groups_of", "pipeline_communicator"]
 

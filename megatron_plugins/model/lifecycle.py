@@ -24,7 +24,7 @@ from megatron.training.models.dist_utils import (
 )
 
 from megatron_plugins.compat import model_build
-from megatron_plugins.layout import LANGUAGE
+from megatron_plugins.parallel.layout import LANGUAGE
 
 __all__ = ["EncoderPrecisionWrapper", "Freeze", "prepare_active_modules", "prepare_module"]
 

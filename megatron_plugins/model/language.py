@@ -29,8 +29,8 @@ from megatron.training.models.base import ModelConfig
 from megatron.training.models.gpt import default_layer_spec
 
 from megatron_plugins.compat import context_parallel, model_build
-from megatron_plugins.cp_attention import ContextParallelAttention
-from megatron_plugins.encoders.packed_attention import PackedAttention
+from megatron_plugins.ops.cp_attention import ContextParallelAttention
+from megatron_plugins.ops.packed_attention import PackedAttention
 from megatron_plugins.errors import UsageError
 
 __all__ = [

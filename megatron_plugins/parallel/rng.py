@@ -35,8 +35,8 @@ import torch
 from megatron.core.tensor_parallel import random as tensor_parallel_random
 from megatron.training.initialize import _set_random_seed
 
-from megatron_plugins.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from megatron_plugins.topology import HeteroTopology
+from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.parallel.topology import HeteroTopology
 
 __all__ = ["MODULE_SEED_STRIDE", "ModuleRng", "module_seed", "rng_state_key_prefix", "seed_module"]
 

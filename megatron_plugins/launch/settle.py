@@ -6,7 +6,7 @@ that gives it, why, whether the user is told) instead of writing ``args``; :func
 them in this order, once, keeps the record and prints the launch's notices from it:
 
 1. the shape flags of ``--language-hf-weights``' config.json, before anything reads them;
-2. the freeze lists the pre-import checks resolved (:class:`~megatron_plugins.preflight.Preflight`);
+2. the freeze lists the pre-import checks resolved (:class:`~megatron_plugins.launch.preflight.Preflight`);
 3. the encoders' HF folders and the checkpoint ``--load`` resumes from (a notice when it is not
    stock's choice);
 4. defaults: what 0.19.2 leaves unset and, on the CPU simulation, what only a GPU can run;
@@ -32,17 +32,19 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.arguments import validate_args
 
-from megatron_plugins import checkpoint_guards, cpu_simulation, deepstack
-from megatron_plugins.command_line import given_flag, spellings_of
+from megatron_plugins import cpu_simulation
+from megatron_plugins.launch import checkpoint_guards
+from megatron_plugins.model import deepstack
+from megatron_plugins.launch.command_line import given_flag, spellings_of
 from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.data.text import check_tokenizer_folder, special_tokens_flag
 from megatron_plugins.encoders import EncoderPlugin, check_hooks, instantiate
-from megatron_plugins.language import language_config_from_args
-from megatron_plugins.layout_flags import language_grid_flags, language_world_size
-from megatron_plugins.optimizer_config import implied_stock_flags
+from megatron_plugins.model.language import language_config_from_args
+from megatron_plugins.parallel.flags import language_grid_flags, language_world_size
+from megatron_plugins.launch.optimizer_flags import implied_stock_flags
 from megatron_plugins.errors import FlagError
-from megatron_plugins.preflight import Preflight
+from megatron_plugins.launch.preflight import Preflight
 from megatron_plugins.weights.flags import (
     HF_MODEL_FLAG,
     LANGUAGE_FLAG,

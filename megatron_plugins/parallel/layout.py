@@ -9,22 +9,21 @@ ranks, with its own split, and it takes no ranks of its own.
 
 Everything here is pure Python and runs before any process group exists, so a bad layout fails
 identically on every rank with one :class:`LayoutError` naming the flag to fix. The flags that
-describe a layout are parsed in :mod:`megatron_plugins.layout_flags`.
+describe a layout are parsed in :mod:`megatron_plugins.parallel.flags`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from megatron_plugins.errors import FlagError, UsageError
+from megatron_plugins.errors import UsageError
 
 __all__ = [
     "DENSE_DIMS", "EXPERT_DIMS", "GRID_EXAMPLE", "GRID_KEYS", "LANGUAGE", "LayoutError",
-    "MODULE_NAME", "ModulePlacement", "ParallelLayout", "check_context_parallel", "check_layout",
-    "check_module_name", "encoder_micro_batch_size"
+    "MODULE_NAME", "ModulePlacement", "ParallelLayout", "check_module_name", "check_supported", "choices",
+    "divisors", "encoder_micro_batch_size"
 ]
 
 LANGUAGE = "language"
@@ -59,11 +58,11 @@ def check_module_name(name: object, where: str) -> None:
         raise LayoutError(f"{where}: module name {name!r} is not valid: {_NAME_RULE}")
 
 
-def _choices(values: Sequence[int]) -> str:
+def choices(values: Sequence[int]) -> str:
     return "{" + ", ".join(str(v) for v in sorted(set(values))) + "}"
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -109,7 +108,7 @@ class ModulePlacement:
                 f"{self.source}: ep={self.ep} x etp={self.etp} = {self.ep * self.etp} does not "
                 f"divide tp*cp*dp = {stage} (the expert grid must tile each pipeline stage: "
                 f"Megatron needs ep*etp*pp to divide the module size); choose ep*etp in "
-                f"{_choices(_divisors(stage))}"
+                f"{choices(divisors(stage))}"
             )
 
     @property
@@ -251,9 +250,9 @@ class ParallelLayout:
             )
 
 
-def _check_supported(module: ModulePlacement) -> None:
+def check_supported(module: ModulePlacement) -> None:
     """Reject encoder splits that build but cannot train correctly on disjoint grids yet (the
-    language model takes every split; its CP limits are :func:`_check_context_parallel_flags`)."""
+    language model takes every split; its limits are :mod:`.checks`)."""
     if module.name == LANGUAGE:
         return
     unsupported = (("pp", "pipeline"), ("cp", "context"))
@@ -284,7 +283,7 @@ def _check_hosted(module: ModulePlacement, language: ModulePlacement) -> None:
             f"{module.source}: an encoder can share only the language model's ranks; use "
             f"@{LANGUAGE} or drop @{module.host}"
         )
-    _check_supported(module)
+    check_supported(module)
     if module.rank_offset != language.rank_offset:
         raise LayoutError(
             f"{module.source}: starts at rank {module.rank_offset}, expected "
@@ -299,164 +298,6 @@ def _check_hosted(module: ModulePlacement, language: ModulePlacement) -> None:
             f"{module.source}: colocated on {LANGUAGE}'s {ranks} ranks, tp x dp must be {ranks} "
             f"(is {module.size}); e.g. {' or '.join(examples)}"
         )
-
-
-def _check_heads(module: ModulePlacement, heads: int, what: str) -> None:
-    if heads % module.tp != 0:
-        raise LayoutError(
-            f"{module.source}: tp={module.tp} does not divide {what} {heads}; "
-            f"choose tp in {_choices(_divisors(heads))}"
-        )
-
-
-def _check_language_model(layout: ParallelLayout, args: Any) -> None:
-    language = layout.language
-    heads = getattr(args, "num_attention_heads", None)
-    if heads is not None:
-        _check_heads(language, heads, "--num-attention-heads")
-    # Stock uses --num-query-groups only with --group-query-attention.
-    groups = getattr(args, "num_query_groups", None)
-    if groups is not None and getattr(args, "group_query_attention", False):
-        if groups % language.tp != 0 and language.tp % groups != 0:
-            valid = [t for t in _divisors(heads or groups) if groups % t == 0 or t % groups == 0]
-            raise LayoutError(
-                f"{language.source}: tp={language.tp} is neither a multiple nor a divisor of "
-                f"--num-query-groups {groups}; choose tp in {_choices(valid)}"
-            )
-    experts = getattr(args, "num_experts", None)
-    if experts is None and language.ep > 1:
-        raise LayoutError(
-            f"{language.source}: ep={language.ep} needs an MoE language model; add "
-            f"--num-experts N (N divisible by {language.ep}) or use ep=1"
-        )
-    if experts is not None and experts % language.ep != 0:
-        stage = language.tp * language.cp * language.dp
-        valid = [e for e in _divisors(experts) if stage % (e * language.etp) == 0]
-        raise LayoutError(
-            f"--num-experts {experts} is not divisible by {language.source}: ep={language.ep}; "
-            f"choose ep in {_choices(valid)}"
-        )
-    for flag, attr, size, grid_key in (
-        ("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards",
-         language.tp, "tp"),
-        ("--expert-tensor-parallel-num-weight-shards", "expert_tensor_parallel_num_weight_shards",
-         language.etp, "etp"),
-    ):
-        shards = getattr(args, attr, None)
-        if shards is not None and shards > size:
-            raise LayoutError(
-                f"{flag} {shards} enables GTP weight sharding ({shards} shards > "
-                f"{language.source}: {grid_key}={size}), which megatron-core 0.19.2 silently "
-                f"ignores on disjoint grids; remove {flag}"
-            )
-
-
-def check_context_parallel(language: ModulePlacement, seq_length: int | None, *,
-                           sequence_parallel: bool = False, packed: bool = False) -> None:
-    """Refuse a ``--seq-length`` the language grid's context parallelism cannot cut evenly.
-
-    CP cuts every row (with ``packed``: every packed sample, padded to fit) into ``2 x cp``
-    chunks, and ``--sequence-parallel`` then scatters each CP rank's share over ``tp``; stock
-    asserts the first deep in argument validation, MimoModel the second in the first forward.
-    """
-    if language.cp == 1 or seq_length is None:
-        return
-    chunks = language.cp_chunks
-    divisor = chunks * (language.tp if sequence_parallel else 1)
-    if seq_length % divisor == 0:
-        return
-    why = (f"{language.source}: cp={language.cp} cuts every row into 2 x cp = {chunks} equal "
-           "context-parallel chunks")
-    if packed:
-        why += f" (--pack-sequences pads each packed sample to a multiple of {chunks} too)"
-    if sequence_parallel:
-        why += f" and --sequence-parallel splits each CP rank's share over tp={language.tp}"
-    lower = seq_length // divisor * divisor
-    nearest = f"{lower} or {lower + divisor}" if lower else str(divisor)
-    raise LayoutError(f"--seq-length {seq_length} is not a multiple of {divisor}: {why}; choose "
-                      f"--seq-length {nearest}")
-
-
-def _check_context_parallel_flags(language: ModulePlacement, args: Any) -> None:
-    """Stock CP flags that need process groups only Megatron's global ``parallel_state``
-    creates, and the row length CP cuts (:func:`check_context_parallel`)."""
-    if language.cp == 1:
-        return
-    if "a2a+p2p" in (getattr(args, "cp_comm_type", None) or []):
-        raise LayoutError(
-            f"--cp-comm-type a2a+p2p with {language.source}: cp={language.cp} needs Megatron's "
-            "global hierarchical CP groups, which disjoint grids do not create; use p2p, "
-            "all_gather or a2a"
-        )
-    if getattr(args, "hybrid_context_parallel", False):
-        raise LayoutError(
-            f"--hybrid-context-parallel with {language.source}: cp={language.cp} needs "
-            "Megatron's global hybrid DP x CP groups and schedule, which disjoint grids do not "
-            "create; drop it (the language grid's cp splits every row over its CP ranks)"
-        )
-    check_context_parallel(language, getattr(args, "seq_length", None),
-                           sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                           packed=bool(getattr(args, "pack_sequences", False)))
-
-
-def _check_encoder(encoder: ModulePlacement, language: ModulePlacement, heads: int | None) -> None:
-    if heads is not None:
-        _check_heads(encoder, heads, f"the {encoder.name} encoder's attention heads")
-    if encoder.dp % language.dp != 0 and language.dp % encoder.dp != 0:
-        raise LayoutError(
-            f"{encoder.source}: dp={encoder.dp} and {language.source}: dp={language.dp} must be "
-            "multiples of one another (the encoder-to-language bridge fans DP replicas in or "
-            f"out); choose an encoder dp that divides {language.dp} or is a multiple of it"
-        )
-
-
-def _check_colocation_flags(layout: ParallelLayout, args: Any) -> None:
-    """What colocated encoders cannot run with yet: the language model's CP (the row gradients
-    of the CP lanes are not summed on the way back) and fan-in work balancing; and
-    ``--colocated-encoder-recompute`` without any of them."""
-    if getattr(args, "colocated_encoder_recompute", False) and not layout.hosted:
-        raise FlagError(
-            "--colocated-encoder-recompute: no encoder is on the language model's ranks, so no "
-            "encoder forward is kept until the backward; drop the flag or colocate an encoder "
-            "with --grid NAME:...@language"
-        )
-    for module in layout.hosted:
-        if layout.language.cp > 1:
-            raise LayoutError(
-                f"{module.source} with {layout.language.source}: cp={layout.language.cp}: "
-                "colocated encoders with language cp>1 are not supported yet; use cp=1 or place "
-                f"{module.name} on its own ranks"
-            )
-        if getattr(args, "balance_encoder_work", False):
-            raise LayoutError(
-                f"--balance-encoder-work with {module.source}: colocated encoders cannot balance "
-                f"work yet; drop --balance-encoder-work or place {module.name} on its own ranks"
-            )
-
-
-def check_layout(
-    layout: ParallelLayout, args: Any, world_size: int,
-    encoder_heads: Mapping[str, int] | None = None,
-) -> None:
-    """Check that a built layout can run on ``world_size`` ranks with the model ``args`` describe.
-
-    ``args`` holds the stock model flags the checks read when present (``num_attention_heads``,
-    ``num_query_groups`` with ``group_query_attention``, ``num_experts``,
-    ``tensor_parallel_num_weight_shards``, ``expert_tensor_parallel_num_weight_shards``; with a
-    language ``cp > 1`` also ``seq_length``, ``sequence_parallel``, ``pack_sequences``,
-    ``cp_comm_type`` and ``hybrid_context_parallel``; with a hosted encoder
-    ``balance_encoder_work``; ``colocated_encoder_recompute``).
-    ``encoder_heads`` maps encoder names to attention-head counts known from the encoder plugins.
-    """
-    for module in layout.modules:
-        _check_supported(module)
-    layout.check_world_size(world_size)
-    _check_language_model(layout, args)
-    _check_context_parallel_flags(layout.language, args)
-    _check_colocation_flags(layout, args)
-    heads = encoder_heads or {}
-    for encoder in layout.encoders:
-        _check_encoder(encoder, layout.language, heads.get(encoder.name))
 
 
 def encoder_micro_batch_size(layout: ParallelLayout, encoder: str, micro_batch_size: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from megatron_plugins.compat import MegatronCompatError
+from megatron_plugins.compat import MegatronCompatError, record
 
 __all__ = ["escape_unformattable_help", "install", "prebuilt_dataset_helpers_available"]
 
@@ -46,6 +46,7 @@ def install() -> None:
     import megatron.core.datasets.utils as dataset_utils
 
     dataset_utils.compile_helpers = _use_prebuilt_dataset_helpers
+    record("1")
     _installed = True
 
 
@@ -72,4 +73,6 @@ def escape_unformattable_help(parser: Any) -> list[str]:
         if action.help and not _help_expands(action, parser):
             action.help = action.help.replace("%", "%%")
             escaped.append(action.option_strings[0] if action.option_strings else action.dest)
+    if escaped:
+        record("7")
     return escaped

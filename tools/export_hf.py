@@ -32,6 +32,9 @@ from typing import Any
 import torch
 
 from megatron_plugins.errors import UsageError, report
+from megatron_plugins.parallel.layout import LANGUAGE
+from megatron_plugins.peft.export import AdapterReader, HFAdapter, merge, write_peft
+from megatron_plugins.peft.flags import PROJECTION
 from megatron_plugins.weights.encoder_view import includes_projection, module_tensors
 from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
@@ -43,6 +46,9 @@ PROG = "export_hf"
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
               "GIB": 2**30}
 PROJECTIONS = "projections"
+ADAPTERS = "adapters"
+"""Where a LoRA run's adapters go in PEFT's format, inside ``--output`` (one folder per HF model
+folder written; the folder itself for a whole VLM)."""
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 """An encoder's source folder's processor files an export carries, so the exported folder loads
 with its own image / video processor or feature extractor."""
@@ -112,6 +118,9 @@ class Checkpoint:
             where = split_key(key)
             if where is not None:
                 self.modules.setdefault(where[0], {})[where[1]] = key
+        if not self.modules:  # a stock GPT checkpoint: the language model's own names
+            self.modules["language"] = {key: key for key in self.metadata
+                                        if not key.startswith("optimizer.")}
 
     def tensors(self, module: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(global Megatron name, full tensor) of one module, stacked keys unstacked. One load
@@ -219,38 +228,58 @@ def _encoder_heads(config: Mapping[str, Any]) -> Heads:
 
 def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None = None,
            max_shard_size: int = 5 * 10**9, language_family: str | None = None,
-           progress: bool = True) -> list[Path]:
-    """Write the HF folders of a MiMo checkpoint; returns the files written."""
+           progress: bool = True, adapter_output: str | Path | None = None) -> list[Path]:
+    """Write the HF folders of a MiMo checkpoint (a LoRA run's with its adapters merged, and
+    the adapters in PEFT's format under ``adapter_output``, default ``output/adapters``);
+    returns the files written."""
     ckpt = Checkpoint(iteration_folder(Path(checkpoint), iteration))
     args, out = ckpt.args, Path(output)
+    adapters_out = Path(adapter_output) if adapter_output else out / ADAPTERS
+    reader = AdapterReader(ckpt, Checkpoint)
     if getattr(args, "hf_model", None):
-        return export_whole(ckpt, out, max_shard_size, progress)
+        return export_whole(reader, out, adapters_out, max_shard_size, progress)
     written = []
-    if "language" in ckpt.modules:
+    if LANGUAGE in ckpt.modules:
         family = _language_family(args, language_family)
         vocab = args.vocab_size or args.padded_vocab_size
-        pieces = hf_pieces(ckpt.tensors("language"), family, _heads(args), vocab, str(ckpt.folder))
-        written += write_folder(assemble(pieces), out / "language", max_shard_size,
-                                family.hf_config(args, vocab), progress)
+        pieces = hf_pieces(reader.tensors(LANGUAGE), family, _heads(args), vocab,
+                           str(ckpt.folder))
+        tensors = reader.fill(assemble(pieces), [LANGUAGE], family)
+        adapters = reader.hf_adapters(LANGUAGE, family, _heads(args))
+        merge(tensors, adapters)
+        config = family.hf_config(args, vocab)
+        written += write_folder(tensors, out / LANGUAGE, max_shard_size, config, progress)
+        written += write_peft(adapters_out / LANGUAGE, adapters, args.language_hf_weights,
+                              config)
     for name, family in _encoder_families(args).items():
         if family is None:
             print(f"{PROG}: notice: encoder {name}'s provider has no HF mapping; its network is "
                   "not exported", file=sys.stderr)
         elif name in ckpt.modules:
             config = family.hf_config(args, None)
-            pieces = hf_pieces(module_tensors(ckpt.tensors, name, family), family,
-                               _encoder_heads(config), None,
+            heads = _encoder_heads(config)
+            pieces = hf_pieces(module_tensors(reader.tensors, name, family), family, heads, None,
                                str(ckpt.folder))
-            tensors = {**assemble(pieces), **untrained_tensors(family, args)}
+            tensors = reader.fill({**assemble(pieces), **untrained_tensors(family, args)},
+                                  [name, name + PROJECTION], family)
+            adapters = reader.encoder_adapters(name, family, heads)
+            merge(tensors, adapters)
             written += write_folder(tensors, out / name, max_shard_size, config, progress)
             written += _processor_files(args, name, out / name)
+            written += write_peft(adapters_out / name, adapters,
+                                  dict(args.encoder_hf_weights or {}).get(name), config)
     # A projection its encoder's family maps (Qwen2.5-VL's merger) is in that encoder's folder.
     exported = {f"{name}:projection" for name, family in _encoder_families(args).items()
                 if family is not None and includes_projection(family)}
-    projections = {f"{module.partition(':')[0]}.{name}": tensor
-                   for module in ckpt.modules
-                   if module.endswith(":projection") and module not in exported
-                   for name, tensor in ckpt.tensors(module)}
+    projections, adapters = {}, []
+    for module in ckpt.modules:
+        if module.endswith(":projection") and module not in exported:
+            encoder = module.partition(":")[0]
+            projections.update({f"{encoder}.{name}": tensor
+                                for name, tensor in reader.tensors(module)})
+            adapters += [HFAdapter(f"{encoder}.{a.weight.removesuffix('.weight')}", a.a, a.b,
+                                   a.spec) for a in reader.adapters[module]]
+    merge(projections, adapters)
     if projections:
         from safetensors.torch import save_file
 
@@ -283,14 +312,16 @@ WHOLE_WEIGHTS = re.compile(r"(model|pytorch_model).*\.(safetensors|bin)(\.index\
 """The source folder's weight files, which the export writes anew."""
 
 
-def export_whole(ckpt: Checkpoint, out: Path, max_shard_size: int, progress: bool) -> list[Path]:
+def export_whole(reader: AdapterReader, out: Path, adapters_out: Path, max_shard_size: int,
+                 progress: bool) -> list[Path]:
     """One HF folder of the ``--hf-model`` architecture the run started from: every module's
-    tensors under the folder's own names, its untrained tensors and other files copied."""
-    from megatron_plugins.parallel.layout import LANGUAGE
+    tensors under the folder's own names, its untrained tensors and other files copied (and a
+    LoRA run's adapters merged, and in PEFT's format in ``adapters_out``)."""
     from megatron_plugins.weights.flags import hf_model_encoder
     from megatron_plugins.weights.hf_folder import HFCheckpoint
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, part_families, read_vlm
 
+    ckpt = reader.ckpt
     args = ckpt.args
     source = Path(args.hf_model)
     vlm, config = read_vlm(str(source))
@@ -305,21 +336,27 @@ def export_whole(ckpt: Checkpoint, out: Path, max_shard_size: int, progress: boo
     vision = vlm.vision_config(config)
     heads = vision.get("num_attention_heads", vision.get("num_heads"))  # plain multi-head
     vocab = args.vocab_size or args.padded_vocab_size
+    tower_heads = Heads(heads, heads, vision["hidden_size"] // heads)
     pieces = [
-        *hf_pieces(ckpt.tensors(LANGUAGE), parts.language, _heads(args), vocab, where),
-        *hf_pieces(ckpt.tensors(name), parts.tower,
-                   Heads(heads, heads, vision["hidden_size"] // heads), None, where),
-        *hf_pieces(ckpt.tensors(f"{name}:projection"), parts.projector, None, None, where),
+        *hf_pieces(reader.tensors(LANGUAGE), parts.language, _heads(args), vocab, where),
+        *hf_pieces(reader.tensors(name), parts.tower, tower_heads, None, where),
+        *hf_pieces(reader.tensors(f"{name}:projection"), parts.projector, None, None, where),
     ]
     untrained = {hf: checkpoint.read(hf, 0, 0, -1) for hf in sorted(checkpoint.names())
                  if any(re.match(pattern, hf) for pattern in parts.tower.untrained)}
+    tensors = reader.fill({**assemble(pieces), **untrained},
+                          [LANGUAGE, name, name + PROJECTION], None)
+    adapters = [*reader.hf_adapters(LANGUAGE, parts.language, _heads(args)),
+                *reader.hf_adapters(name, parts.tower, tower_heads),
+                *reader.hf_adapters(f"{name}:projection", parts.projector, None)]
+    merge(tensors, adapters)
     out.mkdir(parents=True, exist_ok=True)
     copied = []
     for file in sorted(source.iterdir()):
         if file.is_file() and file.name != "config.json" and not WHOLE_WEIGHTS.match(file.name):
             copied.append(Path(shutil.copyfile(file, out / file.name)))
-    return [*copied, *write_folder({**assemble(pieces), **untrained}, out, max_shard_size,
-                                   config, progress)]
+    return [*copied, *write_folder(tensors, out, max_shard_size, config, progress),
+            *write_peft(adapters_out, adapters, str(source), config)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -334,12 +371,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--language-family", default=None,
                         help="HF family of the language model when the run did not start from "
                              "--language-hf-weights")
+    parser.add_argument("--adapter-output", default=None,
+                        help="a LoRA run's adapters in the PEFT library's format go here "
+                             f"(default: OUTPUT/{ADAPTERS}); the HF folders get them merged")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
         export(args.checkpoint, args.output, iteration=args.iteration,
                max_shard_size=parse_size(args.max_shard_size),
-               language_family=args.language_family, progress=not args.no_progress)
+               language_family=args.language_family, progress=not args.no_progress,
+               adapter_output=args.adapter_output)
     except UsageError as error:
         return report(PROG, error)
     return 0

@@ -20,6 +20,7 @@ from megatron_plugins.launch.command_line import given_flag
 from megatron_plugins.errors import FlagError, UsageError, report
 from megatron_plugins.parallel.layout import LayoutError, ParallelLayout, encoder_micro_batch_size
 from megatron_plugins.parallel.flags import add_layout_args, layout_from_args
+from megatron_plugins.peft.flags import add_peft_args, check_peft
 from megatron_plugins.weights.flags import expand_hf_model, fill_layout_flags
 
 __all__ = [
@@ -112,6 +113,7 @@ def check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_layout_args(parser)
     add_mimo_args(parser)
+    add_peft_args(parser)
     stock = parser.add_argument_group("stock Megatron (and data) flags the layout checks read")
     for flag in ("--num-attention-heads", "--num-query-groups", "--num-experts",
                  "--tensor-parallel-num-weight-shards",
@@ -195,6 +197,7 @@ def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> P
     if heads:
         layout = layout_from_args(args, world_size, heads)
     freeze_projection = resolve_freeze(args, layout)
+    check_peft(args, layout, freeze_projection)
     if args.micro_batch_size is not None:
         for module in layout.encoders:
             encoder_micro_batch_size(layout, module.name, args.micro_batch_size)

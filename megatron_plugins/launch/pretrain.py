@@ -52,6 +52,8 @@ from megatron_plugins.launch.preflight import (
 )
 from megatron_plugins.launch.settle import settle
 from megatron_plugins.parallel.topology import HeteroTopology, build_topology, pipeline_communicator
+from megatron_plugins.peft.checkpoint import BASE_ATTR, SETTINGS_ATTR
+from megatron_plugins.peft.flags import add_peft_args
 from megatron_plugins.step.forward import forward_step
 from megatron_plugins.weights.flags import add_weights_args, expand_hf_model
 from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
@@ -111,7 +113,8 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         stock_groups = len(parser._action_groups)
         for add in (add_layout_args, add_mimo_args, add_data_args, add_optimizer_args,
-                    add_weights_args, add_checkpoint_init_args, cpu_simulation.add_cli_flag):
+                    add_weights_args, add_checkpoint_init_args, add_peft_args,
+                    cpu_simulation.add_cli_flag):
             add(parser)
         add_encoder_args(parser, providers)
         # argparse prints groups in creation order: ours (made last) go first, after "options".
@@ -194,6 +197,9 @@ def start(run: MimoRun) -> MimoSession:
         freeze_projections=list(args.freeze_projection),
         encoder_overlap_grad_reduce=args.encoder_overlap_grad_reduce,
         colocated_encoder_recompute=args.colocated_encoder_recompute,
+        lora=list(args.lora),
+        part_settings=getattr(args, SETTINGS_ATTR),
+        peft_base=getattr(args, BASE_ATTR),
         language_hf_weights=args.language_hf_weights,
         encoder_hf_weights=dict(args.encoder_hf_weights),
         hf_model=args.hf_model,

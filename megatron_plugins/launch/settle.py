@@ -14,7 +14,9 @@ them in this order, once, keeps the record and prints the launch's notices from 
 6. the fixed MiMo settings stock validation checks and the language grid written into the stock
    parallel flags, then stock validation;
 7. what follows from validated flags (padded vocabulary, checkpoint folders) and the fixed MiMo
-   settings stock validation must not see.
+   settings stock validation must not see;
+8. what a LoRA / per-part-optimizer run records in its checkpoints, and its checks
+   (:mod:`megatron_plugins.peft.settling`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from megatron_plugins.data.text import check_tokenizer_folder, special_tokens_fl
 from megatron_plugins.encoders import EncoderPlugin, check_hooks, instantiate
 from megatron_plugins.model.language import language_config_from_args
 from megatron_plugins.parallel.flags import language_grid_flags, language_world_size
+from megatron_plugins.peft.settling import check_peft_run, peft_values
 from megatron_plugins.launch.optimizer_flags import implied_stock_flags
 from megatron_plugins.errors import FlagError
 from megatron_plugins.launch.preflight import Preflight
@@ -349,6 +352,14 @@ def check_mrope(args: argparse.Namespace) -> None:
                         f"{args.rotary_percent} / 2)")
 
 
+def peft(args: argparse.Namespace, checked: Preflight,
+         plugins: dict[str, EncoderPlugin]) -> list[Adjustment]:
+    """What a LoRA / per-part-optimizer run records in its checkpoints: the frozen parts'
+    references and every part's scheduler values."""
+    return [Adjustment(attr, value, "--lora / --module-lr", "recorded in every checkpoint")
+            for attr, value in peft_values(args, checked.layout, plugins).items()]
+
+
 def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser,
            checked: Preflight) -> Settled:
     """Apply every step to parsed ``args`` in order; returns the record and the run's encoder
@@ -382,7 +393,9 @@ def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.Argum
     record.apply(padded_vocabulary(args, source))
     record.apply(init_checkpoints(args, plugins, checked))
     record.apply(mimo_after_validation(args))
+    record.apply(peft(args, checked, plugins))
     language = language_config_from_args(args).transformer
+    check_peft_run(args, checked.layout, plugins, language)
     deepstack.check_layers({name: plugin.deepstack_levels for name, plugin in plugins.items()},
                            language)
     for plugin in plugins.values():

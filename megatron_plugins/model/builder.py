@@ -31,6 +31,10 @@ from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hoo
 from megatron_plugins.model import deepstack
 from megatron_plugins.step.colocated import ColocatedEncoders, HostedEncoder
 from megatron_plugins.compat import checkpointing, colocation, context_parallel, step_reductions
+from megatron_plugins.peft import optimizer as part_optimizer
+from megatron_plugins.peft.checkpoint import omit_frozen_base
+from megatron_plugins.peft.flags import lora_specs
+from megatron_plugins.peft.layers import module_parts
 from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.step.grad_sync import install_grad_sync
@@ -73,6 +77,13 @@ class MimoBuildConfig(ModelConfig):
     """A whole HF VLM folder (``--hf-model``): its tower, projector and language model are
     loaded into the encoder holding it (``encoder_hf_weights``), its projection and the
     language model."""
+    lora: list[str] = field(default_factory=list)
+    """``--lora`` values: adapters per part, whose own weights are then frozen."""
+    part_settings: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Every part's scheduler values when any ``--module-lr`` / ``--module-min-lr`` /
+    ``--module-weight-decay`` is given (:func:`megatron_plugins.peft.optimizer.part_settings`)."""
+    peft_base: dict[str, dict[str, str]] = field(default_factory=dict)
+    """The frozen parts a LoRA run's checkpoints leave out, with the folder each came from."""
     language_megatron_checkpoint: str | None = None
     """torch_dist iteration folder the language model starts from
     (``--language-megatron-checkpoint``)."""
@@ -199,10 +210,15 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             freeze=Freeze(language_model=cfg.freeze_language_model,
                           encoders=frozenset(cfg.freeze_encoders),
                           projections=frozenset(cfg.freeze_projections)),
+            lora=lora_specs(cfg.lora, topology.layout, language.num_moe_experts), seed=cfg.seed,
             wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
             overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
         )
         install_grad_sync(model, module_pgs, cfg._alignment)
+        omit_frozen_base(model, {part: piece for name in module_pgs
+                                 for part, piece in module_parts(model, name).items()
+                                 if part in cfg.peft_base})
+        part_optimizer.install(cfg.part_settings)
         if topology.layout.hosted:
             colocation.even_optimizer_gathers(max(
                 len(topology.layout.modules_of_rank(rank))

@@ -1,6 +1,6 @@
 """The post-build distributed lifecycle of a rank-local MiMo model, one active module at a time.
 
-Each module this rank runs is frozen as asked, wrapped for precision, materialized from the meta
+Each module this rank runs is frozen as asked, given its LoRA adapters (:mod:`megatron_plugins.peft`), wrapped for precision, materialized from the meta
 device and wrapped in DDP by Megatron's own ``prepare_existing_model_chunks_for_distributed_training``
 on *that module's* process groups, then put back into the ``MimoModel``. The language model gets
 stock ``Float16Module``; encoders get :class:`EncoderPrecisionWrapper`, which keeps their output
@@ -25,6 +25,8 @@ from megatron.training.models.dist_utils import (
 
 from megatron_plugins.compat import model_build
 from megatron_plugins.parallel.layout import LANGUAGE
+from megatron_plugins.peft.flags import LoraSpec
+from megatron_plugins.peft.layers import adapt, module_parts
 
 __all__ = ["EncoderPrecisionWrapper", "Freeze", "prepare_active_modules", "prepare_module"]
 
@@ -116,15 +118,22 @@ def prepare_active_modules(
     ddp_configs: Mapping[str, DistributedDataParallelConfig],
     *,
     freeze: Freeze = Freeze(),
+    lora: Mapping[str, LoraSpec] | None = None,
+    seed: int = 0,
     wrap_with_ddp: bool = True,
     data_parallel_random_init: bool = False,
     overlap_param_gather_with_optimizer_step: bool = False,
 ) -> None:
-    """Apply :func:`prepare_module` to every module in ``module_pgs`` (this rank's), in place;
-    ``configs`` and ``ddp_configs`` hold each module's TransformerConfig and DDP config."""
+    """Apply :func:`prepare_module` to every module in ``module_pgs`` (this rank's), in place,
+    after freezing it and adding the ``lora`` adapters of its parts (by part; ``seed`` draws
+    their start); ``configs`` and ``ddp_configs`` hold each module's TransformerConfig and DDP
+    config."""
     for name, pgc in module_pgs.items():
         module = model.language_model if name == LANGUAGE else model.modality_submodules[name]
         _freeze(module, name, freeze)
+        for part, piece in module_parts(model, name).items():
+            if lora and part in lora:
+                adapt(piece, lora[part], seed)
         prepared = prepare_module(
             module, name, pgc, configs[name], ddp_configs[name] if wrap_with_ddp else None,
             data_parallel_random_init=data_parallel_random_init,

@@ -1,6 +1,7 @@
 """This rank's parameters (and mapped buffers) of a module, under global names, with their rules.
 
-Import and streaming both start here: every parameter of the rank's module gets the name it would
+Import and streaming both start here: every parameter (but the adapters a layer carries, which
+streaming merges into its weight) of the rank's module gets the name it would
 have at TP 1 / PP 1 / EP 1 (a layer's global index from its ``layer_number``, an expert's from the
 MoE layer's ``local_expert_indices``), the family rule covering it, and the TP rank and size of the
 group it is sharded over (expert TP for experts). Persistent buffers a family rule covers (an MoE
@@ -18,7 +19,9 @@ import torch.distributed as dist
 
 from megatron_plugins.weights.mapping import Bound, Family, Heads, HFWeightsError
 
-__all__ = ["LocalParam", "heads_of", "local_params", "names_text", "unwrap"]
+__all__ = [
+    "LocalParam", "global_names", "heads_of", "local_params", "names_text", "owner_of", "unwrap"
+]
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ def local_params(module: torch.nn.Module, family: Family, pg_collection: object,
     expert_tp = _group_coords(getattr(pg_collection, "expt_tp", None))
     params = dict(module.named_parameters())
     candidates = [(name, global_name, params[name], True)
-                  for name, global_name in global_names(module).items()]
+                  for name, global_name in global_names(module).items()
+                  if not _is_adapter(module, name)]
     candidates += [(*buffer, False) for buffer in persistent_buffers(module)]
     found, uncovered = [], []
     for name, global_name, tensor, required in candidates:
@@ -102,6 +106,17 @@ def local_params(module: torch.nn.Module, family: Family, pg_collection: object,
                              f"parameters {names_text(uncovered)}; the model does not match the "
                              "family (check the stock flags that shape it)")
     return found
+
+
+def owner_of(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The submodule of ``module`` that holds parameter ``name``."""
+    return module.get_submodule(name.rpartition(".")[0])
+
+
+def _is_adapter(module: torch.nn.Module, name: str) -> bool:
+    """An adapter of a layer that carries adapters (``adapter_parameters``, e.g. LoRA's): not
+    a weight of the model's own, it is merged into the layer's weight (``merged_weight()``)."""
+    return name.rpartition(".")[2] in getattr(owner_of(module, name), "adapter_parameters", ())
 
 
 def heads_of(module: torch.nn.Module) -> Heads | None:

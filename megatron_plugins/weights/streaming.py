@@ -2,7 +2,8 @@
 
 :func:`iter_hf_weights` is the inverse of the import: each rank yields the slices of HF tensors it
 holds, each saying which global slice of which HF tensor it is (``global_shape``, ``offsets``).
-Across all ranks of a module every HF tensor is yielded exactly once: a DP replica other than the
+A layer carrying adapters (LoRA) yields its weight with them merged, as the export
+writes it. Across all ranks of a module every HF tensor is yielded exactly once: a DP replica other than the
 first yields nothing, a tensor replicated over TP comes from TP rank 0 only. :func:`assemble`
 joins pieces from any ranks into full tensors and refuses pieces that overlap, leave gaps or
 disagree on the tensor's shape, so a consumer never has to assume one rank's layout is another's.
@@ -20,7 +21,7 @@ from math import prod
 
 import torch
 
-from megatron_plugins.weights.local_view import LocalParam, heads_of, local_params, unwrap
+from megatron_plugins.weights.local_view import LocalParam, heads_of, local_params, owner_of, unwrap
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.slicing import split
 
@@ -104,7 +105,16 @@ def iter_hf_weights(module: torch.nn.Module, family: Family, pg_collection: obje
     tied_copy = _tied_copy(module)
     for p in local_params(module, family, pg_collection, f"{family.name} streaming"):
         if p.param is not tied_copy and _owner(pg_collection, p.bound.rule.is_expert):
-            yield from pieces_of(p, p.param.detach(), heads, vocab_size)
+            yield from pieces_of(p, _weight(module, p), heads, vocab_size)
+
+
+def _weight(module: torch.nn.Module, p: LocalParam) -> torch.Tensor:
+    """A parameter as the HF model holds it: a layer carrying adapters gives its weight with
+    them merged (this rank's slice)."""
+    owner = owner_of(module, p.name)
+    if p.name.endswith(".weight") and hasattr(owner, "merged_weight"):
+        return owner.merged_weight()
+    return p.param.detach()
 
 
 def iter_whole_weights(mimo: torch.nn.Module, module: str, pg_collection: object, folder: str,

@@ -1,0 +1,243 @@
+"""A LoRA checkpoint's adapters out: merged into the HF weights, or in the PEFT library's format.
+
+The export tool (``tools/export_hf.py``) reads every module of a checkpoint as full Megatron
+tensors. :func:`split_adapters` takes the adapters (``lora_a`` / ``lora_b`` of an adapted linear)
+out of a module's tensors; :func:`hf_adapters` names them as HF does: the adapted linear's weight
+binds to the same family rule as a full fine-tune's, ``B`` (``[out, rank]``) splits into the HF
+tensors exactly as the weight's rows do (fused QKV into q / k / v, SwiGLU ``linear_fc1`` into
+gate / up) and ``A`` is every one of them's ``lora_A``, so ``B_hf A`` is each HF tensor's share of
+the update. :func:`merge` adds ``scale * B_hf A`` to the HF weights (the folder a full fine-tune
+exports) and :func:`write_peft` writes ``adapter_config.json`` + ``adapter_model.safetensors`` under
+the HF module names, which ``peft.PeftModel.from_pretrained`` loads onto transformers' model.
+:func:`check_reference` checks a frozen base's folder is the one the run trained on before its
+tensors fill what the checkpoint left out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_plugins.peft.checkpoint import BASE_ATTR, describe_reference, reference_fingerprint
+from megatron_plugins.parallel.layout import LANGUAGE
+from megatron_plugins.peft.flags import PROJECTION, LoraSpec, lora_specs
+from megatron_plugins.peft.layers import ADAPTERS, merged
+from megatron_plugins.weights.encoder_view import module_tensors
+from megatron_plugins.weights.local_view import LocalParam
+from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
+from megatron_plugins.weights.streaming import assemble, pieces_of
+
+__all__ = ["Adapter", "AdapterReader", "HFAdapter", "check_reference", "hf_adapters", "merge",
+           "run_specs", "split_adapters", "write_peft"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapted linear: the global name of its weight and its adapters, full (TP 1)."""
+
+    weight: str
+    a: torch.Tensor
+    b: torch.Tensor
+    spec: LoraSpec
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """The adapter of one HF linear (module name, no ``.weight``)."""
+
+    module: str
+    a: torch.Tensor
+    b: torch.Tensor
+    spec: LoraSpec
+
+
+def run_specs(args: Any) -> dict[str, LoraSpec]:
+    """The saving run's LoRA specs by part (its ``--lora`` values)."""
+    return lora_specs(getattr(args, "lora", None) or [], None, getattr(args, "num_experts", None))
+
+
+def split_adapters(tensors: Iterable[tuple[str, torch.Tensor]], spec: LoraSpec | None
+                   ) -> tuple[list[tuple[str, torch.Tensor]], list[Adapter]]:
+    """A module's (global name, tensor) pairs without its adapters, and the adapters."""
+    rest, found = [], {}
+    for name, tensor in tensors:
+        layer, _, leaf = name.rpartition(".")
+        if leaf in ADAPTERS:
+            found.setdefault(layer, {})[leaf] = tensor
+        else:
+            rest.append((name, tensor))
+    if found and spec is None:
+        raise HFWeightsError(f"the checkpoint holds adapters ({next(iter(found))}) but its args "
+                             "have no --lora for that part")
+    return rest, [Adapter(f"{layer}.weight", pair["lora_a"], pair["lora_b"], spec)
+                  for layer, pair in sorted(found.items())]
+
+
+def hf_adapters(adapters: Iterable[Adapter], family: Family, heads: Heads | None,
+                where: str) -> list[HFAdapter]:
+    """Each adapter split onto the HF linears its weight maps to."""
+    found = []
+    for adapter in adapters:
+        bound = family.bind(adapter.weight)
+        if bound is None:
+            raise HFWeightsError(f"{where}: the {family.name} mapping has no rule for "
+                                 f"{adapter.weight}")
+        pieces = pieces_of(LocalParam(adapter.weight, adapter.b, bound, 0, 1), adapter.b, heads,
+                           None)
+        for name, b in assemble(pieces).items():
+            found.append(HFAdapter(name.removesuffix(".weight"), adapter.a, b, adapter.spec))
+    return found
+
+
+def merge(tensors: dict[str, torch.Tensor], adapters: Iterable[HFAdapter]) -> None:
+    """``W + scale * B A`` for every adapted HF weight of ``tensors``, in place, each weight
+    kept in its dtype (:func:`~megatron_plugins.peft.layers.merged`)."""
+    for adapter in adapters:
+        name = f"{adapter.module}.weight"
+        tensors[name] = merged(tensors[name], adapter.a, adapter.b, adapter.spec.scale)
+
+
+def runtime_names(config: Mapping[str, Any], modules: Iterable[str]) -> dict[str, str]:
+    """The name each linear of an HF folder (as its safetensors name it) has in transformers'
+    model of ``config`` (its ``config.json``): transformers renames a saved layout on load
+    (Qwen2.5-VL's ``model.layers`` is ``model.language_model.layers``), and PEFT finds adapters
+    by the model's names. Built on the meta device; names it does not rename stay."""
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    settings = dict(config)
+    architecture = getattr(transformers, (settings.get("architectures") or [""])[0], None)
+    if architecture is None:
+        return {module: module for module in modules}
+    with torch.device("meta"):
+        model = architecture(transformers.AutoConfig.for_model(**settings))
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta = model.state_dict()
+    names = {}
+    for module in modules:
+        renamed, _ = rename_source_key(f"{module}.weight", renamings, converters,
+                                       model.base_model_prefix, meta)
+        names[module] = renamed.removesuffix(".weight") if renamed in meta else module
+    return names
+
+
+def write_peft(folder: Path, adapters: list[HFAdapter], base: str | None,
+               config: Mapping[str, Any]) -> list[Path]:
+    """``adapter_config.json`` and ``adapter_model.safetensors`` of ``adapters`` in ``folder``,
+    under the names of transformers' model of ``config`` (:func:`runtime_names`). The config's
+    rank and alpha are the first part's; modules of other parts get theirs through
+    ``rank_pattern`` / ``alpha_pattern`` (their full names)."""
+    from safetensors.torch import save_file
+
+    if not adapters:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    names = runtime_names(config, [adapter.module for adapter in adapters])
+    adapters = [HFAdapter(names[a.module], a.a, a.b, a.spec) for a in adapters]
+    first = adapters[0].spec
+    config = {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base,
+        "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": first.dropout,
+        "target_modules": sorted({a.module for a in adapters}), "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {a.module: a.spec.rank for a in adapters if a.spec.rank != first.rank},
+        "alpha_pattern": {a.module: a.spec.alpha for a in adapters
+                          if a.spec.alpha != first.alpha},
+    }
+    weights = {}
+    for adapter in adapters:
+        weights[f"{PEFT_PREFIX}{adapter.module}.lora_A.weight"] = adapter.a.clone()
+        weights[f"{PEFT_PREFIX}{adapter.module}.lora_B.weight"] = adapter.b.contiguous()
+    save_file(weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return [folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG]
+
+
+def check_reference(args: Any, part: str) -> dict[str, str] | None:
+    """The frozen base a LoRA checkpoint left out for ``part`` (flag, path, fingerprint), checked
+    to be unchanged; None when the checkpoint holds the part whole."""
+    reference = (getattr(args, BASE_ATTR, None) or {}).get(part)
+    if reference is None:
+        return None
+    now = reference_fingerprint(reference["flag"], reference["path"])
+    if now != reference["fingerprint"]:
+        raise HFWeightsError(
+            f"the checkpoint left {part}'s frozen weights out, to be read from "
+            f"{describe_reference(reference)}, which "
+            f"{'no longer exists' if now is None else f'has changed (fingerprint {now})'}; give "
+            "the export that folder unchanged")
+    return reference
+
+
+class AdapterReader:
+    """A checkpoint's modules for the export, without their adapters (set aside by module);
+    the frozen base a LoRA run left out is read back from its reference: a Megatron checkpoint's
+    tensors join a module's (:meth:`tensors`), an HF folder's join the HF tensors (:meth:`fill`).
+
+    ``ckpt`` has ``args``, ``folder`` and ``tensors(module)`` (global name, full tensor);
+    ``open_checkpoint(folder)`` opens a reference Megatron checkpoint the same way.
+    """
+
+    def __init__(self, ckpt: Any, open_checkpoint: Callable[[Path], Any]) -> None:
+        self.ckpt = ckpt
+        self.open_checkpoint = open_checkpoint
+        self.specs = run_specs(ckpt.args)
+        self.adapters: dict[str, list[Adapter]] = {}
+
+    def tensors(self, module: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """One module's weights (``language``, ``NAME``, ``NAME:projection``), adapters aside."""
+        part = module.replace(":projection", PROJECTION)
+        rest, self.adapters[module] = split_adapters(self.ckpt.tensors(module),
+                                                     self.specs.get(part))
+        reference = check_reference(self.ckpt.args, part)
+        if reference is not None and "megatron-checkpoint" in reference["flag"]:
+            have = {name for name, _ in rest}
+            base = self.open_checkpoint(Path(reference["path"]))
+            rest += [(name, tensor) for name, tensor in base.tensors(module) if name not in have]
+        return iter(rest)
+
+    def hf_adapters(self, module: str, family: Family, heads: Heads | None) -> list[HFAdapter]:
+        """The adapters of ``module`` (read first) under ``family``'s HF names."""
+        return hf_adapters(self.adapters.get(module, []), family, heads, str(self.ckpt.folder))
+
+    def encoder_adapters(self, name: str, family: Family, heads: Heads | None
+                         ) -> list[HFAdapter]:
+        """Encoder ``name``'s adapters (its projection's too where ``family`` maps it) under
+        the names :func:`module_tensors` gives its tensors."""
+        renamed = module_tensors(lambda module: ((a.weight, a) for a in self.adapters.get(
+            module, [])), name, family)
+        adapters = [Adapter(weight, a.a, a.b, a.spec) for weight, a in renamed]
+        return hf_adapters(adapters, family, heads, str(self.ckpt.folder))
+
+    def fill(self, tensors: dict[str, torch.Tensor], parts: Sequence[str],
+             family: Family | None) -> dict[str, torch.Tensor]:
+        """``tensors`` plus the HF tensors of the frozen base the checkpoint left out of
+        ``parts``, read from their HF folder under the names ``tensors`` use (``family``'s
+        own, without its prefixes; a whole VLM folder's as they are with None)."""
+        from megatron_plugins.weights.hf_folder import HFCheckpoint
+
+        folders = {ref["path"] for part in parts
+                   if (ref := check_reference(self.ckpt.args, part)) is not None
+                   and "megatron-checkpoint" not in ref["flag"]}
+        filled = dict(tensors)
+        prefixes = [p for p in (family.hf_prefixes if family is not None else ()) if p]
+        for folder in sorted(folders):
+            source = HFCheckpoint(folder, "the base folder")
+            for name in sorted(source.names()):
+                own = next((name[len(p):] for p in prefixes if name.startswith(p)), name)
+                if own not in filled and not (family is not None and family.is_unused(name)):
+                    filled[own] = source.read(name, 0, 0, -1)
+        return filled

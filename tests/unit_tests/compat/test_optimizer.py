@@ -1,0 +1,113 @@
+"""The MiMo optimizer's parameter groups (Gap 28): the canary that stock builds every module's
+optimizer without parameter-group overrides, and the bridge's test, in this process (a one-rank
+gloo world; the per-group optimizer, CUDA-only here, is stubbed to return its groups)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_plugins.compat import optimizer as optimizer_bridge
+
+
+def _module(name: str):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    module = MegatronModule(TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1))
+    setattr(module, name, torch.nn.Linear(4, 4))
+    module.ddp_config = DistributedDataParallelConfig()
+    return module
+
+
+def _mimo(language, vision):
+    """A stand-in ``MimoModel``: both modules' grids hold this one rank."""
+    world = torch.distributed.group.WORLD
+    grid = SimpleNamespace(is_current_rank_in_grid=lambda: True,
+                           get_pg=lambda *args, **kwargs: world)
+    return SimpleNamespace(
+        mimo_config=SimpleNamespace(module_to_grid_map={"language": grid, "vision": grid}),
+        language_model=language, modality_submodules={"vision": vision})
+
+
+@pytest.fixture
+def built_groups(one_rank_world, monkeypatch) -> list:
+    """The parameter groups each module's optimizer is built with (its inner optimizer stubbed);
+    the stock ``get_mimo_optimizer`` restored afterwards."""
+    import megatron.core.models.mimo.optimizer as mimo_optimizer
+    import megatron.core.optimizer as optimizer_module
+
+    built = []
+
+    def stub(**kwargs):
+        built.append(kwargs["param_groups"])
+        return SimpleNamespace(param_groups=kwargs["param_groups"])
+
+    monkeypatch.setattr(optimizer_module, "_get_megatron_optimizer_based_on_param_groups", stub)
+    monkeypatch.setattr(mimo_optimizer, "get_mimo_optimizer", mimo_optimizer.get_mimo_optimizer)
+    monkeypatch.setattr(optimizer_bridge, "_stock_mimo_optimizer", None)
+    return built
+
+
+def test_gap28_canary_mimo_optimizer_builds_each_module_without_config_overrides(monkeypatch):
+    """Gap 28: ``get_mimo_optimizer`` calls ``get_megatron_optimizer`` once per module and passes
+    no ``config_overrides``, so none can reach a module's parameter groups."""
+    import megatron.core.optimizer as optimizer_module
+    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    calls = []
+    monkeypatch.setattr(optimizer_module, "get_megatron_optimizer",
+                        lambda *args, **kwargs: calls.append(kwargs) or SimpleNamespace())
+    stock = optimizer_bridge._stock_mimo_optimizer or get_mimo_optimizer
+    grid = SimpleNamespace(is_current_rank_in_grid=lambda: True, get_pg=lambda *a, **k: None)
+    model = SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map={"language": grid}),
+                            language_model=_module("linear"), modality_submodules={})
+    stock(model, OptimizerConfig(optimizer="adam", lr=0.1))
+    assert len(calls) == 1
+    assert calls[0].get("config_overrides") is None
+    assert calls[0]["model_chunks"] == [model.language_model]
+
+
+def test_gap28_bridge_gives_each_module_its_overrides_and_keeps_them_over_a_load(built_groups):
+    """Each module's optimizer gets stock's standard groups (no weight decay on the bias) plus
+    its own override; a checkpoint's groups loaded later give way to the run's values."""
+    import megatron.core.models.mimo.optimizer as mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig, ParamKey
+
+    optimizer_bridge.module_overrides({
+        "vision": {ParamKey(name="projection.*"): {"max_lr": 2e-5, "min_lr": 2e-6}}})
+    language, vision = _module("network"), _module("projection")
+    config = OptimizerConfig(optimizer="adam", lr=0.1, min_lr=0.01)
+    optimizer = mimo_optimizer.get_mimo_optimizer(_mimo(language, vision), config)
+    language_groups, vision_groups = built_groups
+    overridden = [g for g in vision_groups if g["max_lr"] == 2e-5]
+    assert {id(p) for g in overridden for p in g["params"]} == {
+        id(vision.projection.weight), id(vision.projection.bias)}
+    assert {g["min_lr"] for g in overridden} == {2e-6}
+    assert {g["wd_mult"] for g in overridden} == {0.0, 1.0}  # the bias keeps no weight decay
+    assert all(g["max_lr"] == 0.1 for g in language_groups if g["params"])
+    for group in optimizer.param_groups:  # what a checkpoint of other settings would load
+        group.update(max_lr=9.0, min_lr=0.9)
+    optimizer.load_state_dict({})
+    assert sorted({g["max_lr"] for g in optimizer.param_groups}) == [2e-5, 0.1]
+    assert sorted({g["min_lr"] for g in optimizer.param_groups}) == [2e-6, 0.01]
+
+
+def test_the_bridge_leaves_modules_without_overrides_as_stock_builds_them(built_groups):
+    import megatron.core.models.mimo.optimizer as mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    config = OptimizerConfig(optimizer="adam", lr=0.1, min_lr=0.01)
+    language, vision = _module("network"), _module("projection")
+    mimo_optimizer.get_mimo_optimizer(_mimo(language, vision), config)
+    stock = [[(g["max_lr"], g["wd_mult"], len(g["params"])) for g in groups]
+             for groups in built_groups]
+    built_groups.clear()
+    optimizer_bridge.module_overrides({})
+    mimo_optimizer.get_mimo_optimizer(_mimo(language, vision), config)
+    assert [[(g["max_lr"], g["wd_mult"], len(g["params"])) for g in groups]
+            for groups in built_groups] == stock

@@ -95,7 +95,8 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
         for module in session.topology.active_modules:
             pgc = session.topology.module_pgs[module]
             results[module] = {"module": module, "tp_rank": pgc.tp.rank(),
-                               "cp_rank": pgc.cp.rank(), "dp_rank": pgc.dp.rank()}
+                               "cp_rank": pgc.cp.rank(), "dp_rank": pgc.dp.rank(),
+                               "pp_rank": pgc.pp.rank()}
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
         if observe_memory:
             session.config.model.post_wrap_hooks.append(

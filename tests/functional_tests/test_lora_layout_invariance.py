@@ -1,0 +1,132 @@
+"""LoRA trains the same adapters at every layout, and trains exactly what the flags say.
+
+From one checkpoint's weights (base and adapters; a pipelined layout changes the random init),
+fp32, plain SGD, 10 iterations with LoRA on the language model and on the vision tower (its
+projection trained fully): the per-iteration ``lm loss`` and grad norm, every trained adapter and
+the projection agree to 1e-5 relative with one rank per module at encoder TP 2 + language TP 2,
+language PP 2, language CP 2 and with the encoder colocated on the language ranks (adapters
+sharded over TP as their base layers, split over pipeline stages, under context parallelism and
+routed rows). MoE experts are not adapted (refused in one line), so there is no EP case.
+
+The mixed case the issue names, so it cannot silently regress (a peer froze a tower users asked
+to train): LoRA on the language model, the vision tower trained fully, its projection frozen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.mimo_runs import train_mimo
+
+SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
+LORA = ("--lora", "language:rank=4,alpha=8", "--lora", "vision:rank=4,alpha=8")
+VISION = (*SGD, "--encoder", "vision=vit", "--untie-embeddings-and-output-weights", "--grid")
+ONE = (*VISION, "vision:", "--grid", "language:")
+LAYOUTS = {  # name: (processes, --grid values)
+    "encoder-tp2-language-tp2": (4, ("vision:tp=2", "language:tp=2")),
+    "language-pp2": (3, ("vision:", "language:pp=2")),
+    "language-cp2": (3, ("vision:", "language:cp=2")),
+    "colocated-encoder-tp2-language-dp2": (2, ("vision:tp=2@language", "language:dp=2")),
+}
+LAYERS = 2
+"""The tiny model's language layers (tests.tiny_model), split evenly over pipeline stages."""
+
+
+def module_params(results: list[dict], module: str) -> dict[str, np.ndarray]:
+    """The trained, unsharded parameters of ``module`` under global layer numbers: the first
+    DP replica's (CP rank 0's) TP shards joined, each pipeline stage's layers renumbered."""
+    joined: dict[str, np.ndarray] = {}
+    ranks = [r for r in results if r["module"] == module and r["dp_rank"] == 0
+             and r["cp_rank"] == 0]
+    stages = max(r["pp_rank"] for r in ranks) + 1
+    for stage in range(stages):
+        shards = sorted((r for r in ranks if r["pp_rank"] == stage), key=lambda r: r["tp_rank"])
+        for name, value in shards[0]["params"].items():
+            dim = shards[0]["partition_dims"][name]
+            if dim is not None:
+                value = np.concatenate([s["params"][name] for s in shards], axis=dim)
+            joined[_global(name, stage * LAYERS // stages)] = value
+    return joined
+
+
+def _global(name: str, offset: int) -> str:
+    head, found, rest = name.partition("decoder.layers.")
+    if not found:
+        return name
+    index, _, tail = rest.partition(".")
+    return f"{head}{found}{int(index) + offset}.{tail}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[tuple[str, ...], list[dict]]:
+    """One LoRA step at one rank per module, saved: the load flags every layout starts from and
+    that run's parameters (the checkpoint's)."""
+    checkpoint = str(tmp_path_factory.mktemp("lora") / "checkpoints")
+    _, results = train_mimo(2, (*ONE, *LORA), extra=(
+        "--train-iters", "1", "--eval-iters", "0", "--save", checkpoint, "--save-interval", "1"),
+        observe_params=True, timeout=400)
+    return ("--load", checkpoint, "--finetune", "--no-load-optim", "--no-load-rng"), results
+
+
+@pytest.fixture(scope="module")
+def reference(saved) -> tuple[dict, list[dict]]:
+    return train_mimo(2, (*ONE, *LORA), extra=saved[0], observe_params=True, timeout=400)
+
+
+def _adapters(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: value for name, value in params.items() if ".lora_" in name}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_trains_identically_at_every_layout(saved, reference, name):
+    nproc, (encoder, language) = LAYOUTS[name]
+    scalars, results = train_mimo(nproc, (*VISION, encoder, "--grid", language, *LORA),
+                                  extra=saved[0], observe_params=True, timeout=600)
+    ref_scalars, ref_results = reference
+    assert sorted(scalars["lm loss"]) == list(range(1, 11))
+    for tag, values in ref_scalars.items():
+        for iteration, value in values.items():
+            assert scalars[tag][iteration] == pytest.approx(value, rel=1e-5), (tag, iteration)
+    for module in ("language", "vision"):
+        expected, got = module_params(ref_results, module), module_params(results, module)
+        assert got.keys() == expected.keys()
+        adapters = _adapters(expected)
+        assert len(adapters) == 16  # 2 layers x (qkv, proj, fc1, fc2) x (A, B)
+        for param, value in (expected if module == "vision" else adapters).items():
+            np.testing.assert_allclose(got[param], value, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name} {module}: {param}")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_lora_language_with_a_fully_trained_tower_and_a_frozen_projection(saved, reference):
+    """Tower weights move, the projection's do not, the language model's own weights do not,
+    its adapters do; and LoRA's own run (tower adapted) left the tower's base untouched."""
+    load, start = saved
+    _, results = train_mimo(2, (*ONE, "--lora", "language:rank=4,alpha=8",
+                                "--freeze-projection", "vision"), extra=load,
+                            observe_params=True, timeout=400)
+    before = {module: module_params(start, module) for module in ("vision", "language")}
+    after = {module: module_params(results, module) for module in ("vision", "language")}
+    tower = [name for name in after["vision"] if ".encoders." in name]
+    projection = [name for name in after["vision"] if ".input_projections." in name]
+    assert tower and projection
+    for name in tower:
+        assert not np.array_equal(after["vision"][name], before["vision"][name]), name
+    for name in projection:
+        np.testing.assert_array_equal(after["vision"][name], before["vision"][name], name)
+    assert not _adapters(after["vision"])
+    language = after["language"]
+    adapters = _adapters(language)
+    assert len(adapters) == 16
+    for name, value in language.items():
+        moved = not np.array_equal(value, before["language"][name])
+        assert moved == (name in adapters), name
+    # the adapted run's tower base stays at its initial weights
+    ref_vision = module_params(reference[1], "vision")
+    for name in tower:
+        if ".lora_" not in name:
+            np.testing.assert_array_equal(ref_vision[name], before["vision"][name], name)

@@ -47,6 +47,8 @@ setup(
             "tensorboard==2.20.0",
             # The reference for video preprocessing: HF's video processor resizes with it.
             "torchvision==0.29.1",
+            # The outside check of exported LoRA adapters: peft loads them onto transformers.
+            "peft==0.21.2",
         ],
     },
     entry_points={

@@ -196,10 +196,19 @@ def check_resume(args: argparse.Namespace, saved: argparse.Namespace, where: str
                 f"this run's is {describe_reference(mine)}; give the same, unchanged folder")
     settings, old_settings = getattr(args, SETTINGS_ATTR, {}), _saved(saved, SETTINGS_ATTR, {})
     if settings != old_settings and not args.override_opt_param_scheduler:
-        changed = sorted(part for part in set(settings) | set(old_settings)
-                         if settings.get(part) != old_settings.get(part))
+        changed = [part for part in dict.fromkeys([*old_settings, *settings])
+                   if settings.get(part) != old_settings.get(part)]
+        mine = "; ".join(f"{part} {_settings_text(settings.get(part))}" for part in changed)
+        theirs = "; ".join(f"{part} {_settings_text(old_settings.get(part))}" for part in changed)
         raise PeftCheckpointError(
-            f"--module-lr / --module-min-lr / --module-weight-decay give {', '.join(changed)} "
-            f"other values than {where} was trained with ({old_settings or 'the run-wide ones'}"
-            f"); give the checkpoint's, or add --override-opt_param-scheduler to go on with "
-            "the new ones")
+            f"--module-lr / --module-min-lr / --module-weight-decay give {mine}, but {where} was "
+            f"trained with {theirs}; give the checkpoint's, or add "
+            "--override-opt_param-scheduler to go on with the new ones")
+
+
+def _settings_text(values: Mapping[str, float] | None) -> str:
+    """A part's scheduler values as one reads them (the run-wide ones when it has none)."""
+    if not values:
+        return "(the run-wide settings)"
+    text = f"lr {values['max_lr']:g}, min lr {values['min_lr']:g}"
+    return text + (f", weight decay {values['end_wd']:g}" if "end_wd" in values else "")

@@ -26,6 +26,7 @@ from megatron_plugins.peft.checkpoint import (
 )
 from megatron_plugins.peft.flags import LORA_FLAG, PROJECTION, lora_specs
 from megatron_plugins.peft.optimizer import part_settings
+from megatron_plugins.weights.megatron_folder import read_tracker
 
 __all__ = ["check_peft_run", "peft_values"]
 
@@ -52,6 +53,19 @@ def _check_encoders(specs: Mapping[str, Any], plugins: Mapping[str, Any], langua
                 f"{part}) or adapt its projection ({LORA_FLAG} {part}{PROJECTION}:...)")
 
 
+def _resumed(args: argparse.Namespace) -> Path | None:
+    """The iteration folder ``--load`` resumes from (the launch's choice, else the tracker's)."""
+    if args.load is None:
+        return None
+    step = getattr(args, "ckpt_step", None)
+    tracker = read_tracker(Path(args.load))
+    if step is None and tracker == "release":
+        return Path(args.load) / "release"
+    if step is None and tracker is not None and tracker.isdigit():
+        step = int(tracker)
+    return None if step is None else Path(args.load) / f"iter_{int(step):07d}"
+
+
 def check_peft_run(args: argparse.Namespace, layout: ParallelLayout,
                    plugins: Mapping[str, Any], language: Any) -> None:
     """Refuse a LoRA run this build cannot train, or a resume that would not continue its
@@ -64,10 +78,9 @@ def check_peft_run(args: argparse.Namespace, layout: ParallelLayout,
         raise FlagError(f"{LORA_FLAG} with --init-model-with-meta-device: adapters are made on "
                         "the built weights' device; drop --init-model-with-meta-device")
     _check_encoders(specs, plugins, language)
-    step = getattr(args, "ckpt_step", None)
-    if args.load is None or step is None:
+    folder = _resumed(args)
+    if folder is None:
         return
-    folder = Path(args.load) / f"iter_{int(step):07d}"
     saved = saved_args(folder)
     if saved is None:
         return

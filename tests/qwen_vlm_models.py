@@ -137,8 +137,11 @@ def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[Any]) -> np.
                      **videos).logits.numpy()
 
 
-def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
-                        pictures: list[np.ndarray]) -> dict[str, Any]:
+def sample_logits(session: Any, mimo: Any, ids: torch.Tensor,
+                  pictures: list[np.ndarray]) -> np.ndarray | None:
+    """This rank's part of one forward of the sample (``ids`` and its items) over the grids,
+    in eval mode, positions from the data's mrope code: the logits on the language's last stage,
+    None elsewhere."""
     from megatron_plugins.media.codec import media_size
     from megatron_plugins.data.positions import item_layout, mrope_position_ids
 
@@ -150,9 +153,14 @@ def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
     layouts = [item_layout(plugin, media_size(picture)) for picture in pictures]
     token = mimo.special_token_ids[ENCODER]
     positions = mrope_position_ids(ids[0], {token: layouts}).unsqueeze(1)
-    logits = cross_grid_forward(mimo, module, session.topology, ids, inputs,
-                                sum(count for count, _ in layouts), positions,
-                                plugin.deepstack_levels)
+    return cross_grid_forward(mimo, module, session.topology, ids, inputs,
+                              sum(count for count, _ in layouts), positions,
+                              plugin.deepstack_levels)
+
+
+def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
+                        pictures: list[np.ndarray]) -> dict[str, Any]:
+    logits = sample_logits(session, mimo, ids, pictures)
     return {"logits": logits, "pieces": whole_pieces(mimo, session),
             "special_token_ids": dict(mimo.special_token_ids)}
 

@@ -27,9 +27,17 @@ import pytest
 import torch
 
 from tests.hf_models import rel_diff, safetensors_of, train_then
-from tests.hf_vlm_models import ENCODER, bad_input, cross_grid_forward, vlm_flags, whole_pieces
+from tests.hf_vlm_models import bad_input, vlm_flags, whole_pieces
 from tests.multiprocess import run_in_processes
-from tests.qwen_vlm_models import IMAGE_TOKEN, VOCAB, hf_logits, images, sample, save_tiny_qwen_vl
+from tests.qwen_vlm_models import (
+    IMAGE_TOKEN,
+    VOCAB,
+    hf_logits,
+    images,
+    sample,
+    sample_logits,
+    save_tiny_qwen_vl,
+)
 from tests.tensorboard_scalars import read_scalars
 
 TOLERANCE = 1e-5
@@ -44,26 +52,11 @@ ADAPTED = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|attn\.(q
 """The HF weights LoRA adapts here: every attention and MLP linear, the merger's two."""
 
 
-def _logits(session: Any, model: Any, ids: torch.Tensor, pictures: list) -> np.ndarray | None:
-    from megatron_plugins.data.positions import item_layout, mrope_position_ids
-    from megatron_plugins.media.codec import media_size
-
-    [module] = session.topology.active_modules
-    model.eval()
-    plugin = session.run.plugins[ENCODER]
-    preprocessor = plugin.preprocessor()
-    inputs = preprocessor.collate([preprocessor(picture) for picture in pictures])
-    layouts = [item_layout(plugin, media_size(picture)) for picture in pictures]
-    positions = mrope_position_ids(ids[0], {IMAGE_TOKEN: layouts}).unsqueeze(1)
-    return cross_grid_forward(model, module, session.topology, ids, inputs,
-                              sum(count for count, _ in layouts), positions)
-
-
 def _observe(session: Any, model: Any, ids: torch.Tensor, pictures: list) -> dict[str, Any]:
     """The trained module's trainable parameters, our logits on the sample, streamed pieces."""
     trained = {name: p.detach().numpy().copy() for name, p in model.named_parameters()
                if p.requires_grad}
-    return {"trained": trained, "logits": _logits(session, model, ids, pictures),
+    return {"trained": trained, "logits": sample_logits(session, model, ids, pictures),
             "pieces": whole_pieces(model, session)}
 
 

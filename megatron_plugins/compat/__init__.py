@@ -172,9 +172,9 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", "parallel.topology._collection",
         _canary("checkpointing", "test_gap27_canary_stock_checkpoints_read_the_gtp_remat_group_"
                                  "and_fall_back_to_parallel_state")),
-    Gap("28", "the MiMo optimizer builds every module without parameter-group overrides",
+    Gap("29", "the MiMo optimizer builds every module without parameter-group overrides",
         "optimizer", "peft.optimizer.install",
-        _canary("optimizer", "test_gap28_canary_mimo_optimizer_builds_each_module_without_"
+        _canary("optimizer", "test_gap29_canary_mimo_optimizer_builds_each_module_without_"
                              "config_overrides")),
 )
 """Every gap in the order the bridges were added."""

@@ -1,4 +1,4 @@
-"""The MiMo optimizer's parameter groups (Gap 28).
+"""The MiMo optimizer's parameter groups (Gap 29).
 
 Stock ``get_megatron_optimizer`` hands a ``MimoModel`` to ``get_mimo_optimizer``, which builds one
 optimizer per module by calling ``get_megatron_optimizer`` again without ``config_overrides``: the
@@ -45,7 +45,7 @@ def _keep_run_values(optimizer: Any) -> None:
 
 
 def module_overrides(overrides: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> None:
-    """Gap 28: build each module's optimizer with stock's standard parameter-group overrides plus
+    """Gap 29: build each module's optimizer with stock's standard parameter-group overrides plus
     ``overrides[module]`` (``ParamKey`` -> ``ParamGroupOverride``, keys matched against the names
     inside the module's wrapped chunk), and keep those values over a checkpoint's on resume."""
     import megatron.core.models.mimo.optimizer as mimo_optimizer
@@ -78,4 +78,4 @@ def module_overrides(overrides: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -
         return optimizer
 
     mimo_optimizer.get_mimo_optimizer = get_mimo_optimizer
-    record("28")
+    record("29")

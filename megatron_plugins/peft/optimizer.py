@@ -107,7 +107,7 @@ def _logged(stock: Any) -> Any:
 
 
 def install(settings: Mapping[str, Mapping[str, float]]) -> None:
-    """Give each part its parameter group (compat Gap 28) and log every part's learning rate."""
+    """Give each part its parameter group (compat Gap 29) and log every part's learning rate."""
     if not settings:
         return
     import megatron.training.training as training

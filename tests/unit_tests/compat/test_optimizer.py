@@ -1,4 +1,4 @@
-"""The MiMo optimizer's parameter groups (Gap 28): the canary that stock builds every module's
+"""The MiMo optimizer's parameter groups (Gap 29): the canary that stock builds every module's
 optimizer without parameter-group overrides, and the bridge's test, in this process (a one-rank
 gloo world; the per-group optimizer, CUDA-only here, is stubbed to return its groups)."""
 
@@ -52,8 +52,8 @@ def built_groups(one_rank_world, monkeypatch) -> list:
     return built
 
 
-def test_gap28_canary_mimo_optimizer_builds_each_module_without_config_overrides(monkeypatch):
-    """Gap 28: ``get_mimo_optimizer`` calls ``get_megatron_optimizer`` once per module and passes
+def test_gap29_canary_mimo_optimizer_builds_each_module_without_config_overrides(monkeypatch):
+    """Gap 29: ``get_mimo_optimizer`` calls ``get_megatron_optimizer`` once per module and passes
     no ``config_overrides``, so none can reach a module's parameter groups."""
     import megatron.core.optimizer as optimizer_module
     from megatron.core.models.mimo.optimizer import get_mimo_optimizer
@@ -72,7 +72,7 @@ def test_gap28_canary_mimo_optimizer_builds_each_module_without_config_overrides
     assert calls[0]["model_chunks"] == [model.language_model]
 
 
-def test_gap28_bridge_gives_each_module_its_overrides_and_keeps_them_over_a_load(built_groups):
+def test_gap29_bridge_gives_each_module_its_overrides_and_keeps_them_over_a_load(built_groups):
     """Each module's optimizer gets stock's standard groups (no weight decay on the bias) plus
     its own override; a checkpoint's groups loaded later give way to the run's values."""
     import megatron.core.models.mimo.optimizer as mimo_optimizer

@@ -205,7 +205,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             colocation.even_optimizer_gathers(topology.layout.most_modules_per_rank)
         if topology.hosted:
             checkpointing.carry_module_rng(rng, module_pgs[LANGUAGE].dp.rank())
-            ColocatedEncoders(topology.layout, torch.distributed.get_rank(), {
+            ColocatedEncoders(topology, torch.distributed.get_rank(), {
                 name: HostedEncoder(
                     topology.layout.module(name),
                     language.hidden_size * (1 + cfg._plugins[name].deepstack_levels),

@@ -58,11 +58,11 @@ from megatron_plugins.data.streams import (
 from megatron_plugins.data.text import (
     ROLES,
     Conversation,
-    PromptTokenizer,
     SampleText,
     media_marker,
     read_chat_template,
 )
+from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import UsageError
 from megatron_plugins.parallel.layout import LANGUAGE

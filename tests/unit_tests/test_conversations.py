@@ -18,8 +18,9 @@ from PIL import Image
 from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
 from megatron_plugins.media.codec import BadSampleError, encode_png
 from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
-from megatron_plugins.data.text import (Conversation, PromptTokenizer, SampleText,
-                                        media_marker, read_chat_template)
+from megatron_plugins.data.text import (Conversation, SampleText, media_marker,
+                                        read_chat_template)
+from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.errors import FlagError
 from tools.make_energon_dataset import make_dataset
 from tools.train_tokenizer import train_tokenizer

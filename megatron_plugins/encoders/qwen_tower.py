@@ -1,21 +1,19 @@
-"""Qwen2.5-VL's vision tower (``--encoder NAME=qwen2_5_vl``): HF's
-``Qwen2_5_VisionTransformerPretrainedModel`` as a tensor-parallel Megatron module.
+"""What Qwen2.5-VL's and Qwen3-VL's vision towers share: HF's Qwen2-VL image and video
+preprocessing, the 2D rotary positions over merge blocks, the packed transformer layers, and the
+encoder plugin reading a Qwen vision config (:class:`QwenTowerEncoder`, whose subclasses
+:mod:`.qwen2_5_vision` and :mod:`.qwen3_vision` build each generation's tower).
 
-The folder given as ``--encoder-hf-weights NAME=DIR`` (a whole Qwen2.5-VL folder, or one of just
-its vision model) shapes the tower and holds its weights. Each image is resized to multiples of
-``patch_size * spatial_merge_size`` within the processor's pixel range (Qwen2-VL's
-``smart_resize``), cut into patches with each 2x2 merge block contiguous; a video (a
-:class:`~megatron_plugins.media.codec.Video`, an item of the same encoder) is resized frame by
-frame as HF's video processor does, its frames paired by ``temporal_patch_size``. A microbatch's
-images and videos run as one packed sequence: patches reordered by attention window, 2D rotary positions, window
-attention in most layers and whole-image attention in ``fullatt_block_indexes``, RMSNorm, SwiGLU,
-then the merger's ``ln_q`` and 2x2 merge, back in image order. The merger's MLP is the modality's
-input projection (:meth:`QwenVisionEncoder.projection_spec`), loaded from the same folder, so the
-projection's output is HF's merged image features.
+Each image is resized to multiples of ``patch_size * spatial_merge_size`` within the processor's
+pixel range (Qwen2-VL's ``smart_resize``), cut into patches with each 2x2 merge block contiguous;
+a video (a :class:`~megatron_plugins.media.codec.Video`, an item of the same encoder) is resized
+frame by frame as HF's video processor does, its frames paired by ``temporal_patch_size``. A
+microbatch's items run as one packed sequence; the merger's MLP (or Qwen3-VL's mergers) is the
+modality's input projection, loaded from the same folder.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,13 +23,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.media.codec import Video
 from megatron_plugins.encoders.base import (
     EncoderPluginError,
     MediaPreprocessor,
@@ -40,23 +36,15 @@ from megatron_plugins.encoders.base import (
 )
 from megatron_plugins.encoders.hf_vision import ACTIVATIONS, HFVisionEncoder, hf_normalized
 from megatron_plugins.encoders.native_vit import MAX_ASPECT_RATIO, nearest_grid
-from megatron_plugins.ops.packed_attention import packed_layer_spec, packed_seq_params
-from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
-from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
+from megatron_plugins.media.codec import Video
+from megatron_plugins.ops.packed_attention import packed_layer_spec
 
-__all__ = ["QwenImagePreprocessor", "QwenViT", "QwenVisionEncoder", "merge_block_positions",
-           "packed_decoder", "qwen_smart_resize", "qwen_vit_spec", "rotary_angles", "vision_norm",
-           "window_order"]
-
-MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
-"""A whole Qwen2.5-VL model's ``model_type`` and its vision config's."""
+__all__ = ["QwenImagePreprocessor", "QwenTowerEncoder", "merge_block_positions",
+           "packed_decoder", "qwen_smart_resize", "rotary_angles", "vision_norm"]
 
 TOWER_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu}
-"""HF ``hidden_act`` of the tower's gated MLP and the Megatron activation equal to it."""
+"""HF ``hidden_act`` of the tower's MLP and the Megatron activation equal to it."""
 
-DEFAULT_MIN_PIXELS = 56 * 56
-DEFAULT_MAX_PIXELS = 28 * 28 * 1280
-"""Qwen2-VL's image processor's pixel range when preprocessor_config.json gives none."""
 DEFAULT_VIDEO_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_VIDEO_MAX_PIXELS = 28 * 28 * 768
 """Qwen2-VL's video processor's per-frame pixel range when its config gives none."""
@@ -170,25 +158,6 @@ class QwenImagePreprocessor(MediaPreprocessor):
                 "grid_thw": torch.stack([item["grid_thw"] for item in items])}
 
 
-def window_order(grids: list[tuple[int, int, int]], merge: int, window: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's window reordering of packed images: merge blocks (indices into the packed images'
-    blocks) window by window, each frame's ``window`` x ``window``-block windows row-major, and
-    the windows' lengths in patches."""
-    order, lengths, offset = [], [], 0
-    for frames, rows, columns in grids:
-        blocks_h, blocks_w = rows // merge, columns // merge
-        index = torch.arange(frames * blocks_h * blocks_w).view(frames, blocks_h, blocks_w)
-        for frame in index:
-            for top in range(0, blocks_h, window):
-                for left in range(0, blocks_w, window):
-                    blocks = frame[top:top + window, left:left + window].reshape(-1)
-                    order.append(blocks + offset)
-                    lengths.append(blocks.numel() * merge * merge)
-        offset += frames * blocks_h * blocks_w
-    return torch.cat(order), torch.tensor(lengths, dtype=torch.int64)
-
-
 def merge_block_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
     """(row, column) of every patch of the packed images in HF's patch order, ``[patches, 2]``:
     each ``merge`` x ``merge`` block contiguous, blocks row-major, every frame over again."""
@@ -234,90 +203,24 @@ def packed_decoder(config: TransformerConfig,
     return TransformerBlock(config, spec, post_layer_norm=False, pg_collection=pg_collection)
 
 
-class QwenViT(MegatronModule):
-    """Patch embedding, window / full attention blocks with 2D rotary positions over the packed
-    images, ``ln_q`` and the spatial merge: ``[sum of merged tokens, hidden * merge ** 2]`` in
-    image order.
+class QwenTowerEncoder(HFVisionEncoder):
+    """A Qwen vision tower read from a HF folder: its config checked, its preprocessing, its item
+    grids and token counts, its transformer config and merger MLP; a subclass names the model
+    (``provider``, ``model_types``, ``config_class``, preprocessing defaults, MLP and norm kind)
+    and builds the tower (:meth:`encoder_spec`)."""
 
-    ``patch_embed`` (HF's Conv3d weight, kept in its shape) and ``ln_q`` are replicated on the tp
-    ranks (the first layer's column-parallel linear all-reduces their input gradient, so the
-    copies stay equal); the checkpoint holds them once.
-    """
-
-    def __init__(self, config: TransformerConfig, patch_size: int, temporal_patch_size: int,
-                 merge: int, window: int, full_layers: tuple[int, ...], rope_theta: float,
-                 pg_collection: ProcessGroupCollection | None) -> None:
-        super().__init__(config=config)
-        if pg_collection is not None:
-            self.tp_group = pg_collection.tp
-        hidden = config.hidden_size
-        self.merge, self.window, self.full_layers = merge, window, frozenset(full_layers)
-        self.rope_theta = rope_theta
-        self.patch_embed = torch.nn.Parameter(torch.empty(
-            hidden, 3, temporal_patch_size, patch_size, patch_size, dtype=config.params_dtype))
-        config.init_method(self.patch_embed)
-        self.decoder = packed_decoder(config, pg_collection)
-        self.ln_q = build_module(vision_norm(config), config=config, hidden_size=hidden,
-                                 eps=config.layernorm_epsilon)
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """``pixel_values`` ``[patches, 3 * T * p * p]`` and ``grid_thw`` ``[items, 3]`` as
-        :meth:`QwenImagePreprocessor.collate` packs them -> ``[patches / merge ** 2,
-        hidden * merge ** 2]``."""
-        grids = [tuple(grid) for grid in grid_thw.tolist()]
-        device = pixel_values.device
-        weight = self.patch_embed
-        hidden = F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1))
-        units, width = self.merge ** 2, hidden.shape[-1]
-        order, window_lengths = window_order(grids, self.merge, self.window)
-        order = order.to(device)
-        hidden = hidden.view(-1, units, width)[order].reshape(-1, 1, width)
-        head_dim = self.config.kv_channels
-        angles = rotary_angles(grids, self.merge, head_dim, self.rope_theta).to(device)
-        angles = angles.view(-1, units, head_dim)[order].reshape(-1, 1, 1, head_dim)
-        images = torch.tensor([rows * columns for frames, rows, columns in grids
-                               for _ in range(frames)], device=device)
-        full, windows = packed_seq_params(images), packed_seq_params(window_lengths.to(device))
-        for layer in self.decoder.layers:
-            params = full if layer.layer_number - 1 in self.full_layers else windows
-            hidden, _ = layer(hidden, attention_mask=None, rotary_pos_emb=angles,
-                              packed_seq_params=params)
-        merged = self.ln_q(hidden.squeeze(1)).reshape(-1, units * width)
-        return merged[torch.argsort(order)]
-
-
-def qwen_vit_spec(config: TransformerConfig, pg_collection: ProcessGroupCollection | None,
-                  hf_config: Any) -> ModuleSpec:
-    """:class:`QwenViT` shaped by a HF ``Qwen2_5_VLVisionConfig``."""
-    merge, patch = hf_config.spatial_merge_size, hf_config.patch_size
-    return ModuleSpec(module=QwenViT, params={
-        "config": config, "patch_size": patch,
-        "temporal_patch_size": hf_config.temporal_patch_size, "merge": merge,
-        "window": hf_config.window_size // merge // patch,
-        "full_layers": tuple(hf_config.fullatt_block_indexes),
-        "rope_theta": float((hf_config.rope_parameters or {}).get("rope_theta", 10000.0)),
-        "pg_collection": pg_collection})
-
-
-class QwenVisionEncoder(HFVisionEncoder):
-    """Qwen2.5-VL's vision tower; its merger MLP is the projection to the language model."""
-
-    provider = "qwen2_5_vl"
-    model_type = "qwen2_5_vl_vision"
-    hf_family = QWEN2_5_VL_VISION
-    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    model_types: ClassVar[tuple[str, ...]]
     """A whole model's ``model_type`` and its vision config's."""
-    config_class: ClassVar[str] = "Qwen2_5_VLVisionConfig"
+    config_class: ClassVar[str]
     """The transformers vision config class validating ``config.json``."""
-    default_mean, default_std = CLIP_MEAN, CLIP_STD
-    default_pixels: ClassVar[tuple[int, int]] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
-    preprocessor_class: ClassVar[type[QwenImagePreprocessor]] = QwenImagePreprocessor
-    """The preprocessing; a tower whose videos are laid out otherwise gives one without them."""
+    default_pixels: ClassVar[tuple[int, int]]
     """(min_pixels, max_pixels) when preprocessor_config.json gives none."""
+    preprocessor_class: ClassVar[type[QwenImagePreprocessor]]
+    """The preprocessing; a tower whose videos are laid out otherwise gives one without them."""
     activations: ClassVar[dict[str, Any]] = TOWER_ACTIVATIONS
-    gated: ClassVar[bool] = True
+    gated: ClassVar[bool]
     """The blocks' MLP is gated (SwiGLU)."""
-    normalization: ClassVar[str] = "RMSNorm"
+    normalization: ClassVar[str]
     """The blocks' norm (eps 1e-6)."""
 
     def _read_config(self) -> Any:
@@ -361,9 +264,6 @@ class QwenVisionEncoder(HFVisionEncoder):
         if hf.hidden_size % hf.num_heads:
             problems.append(f"hidden_size {hf.hidden_size} not divisible by num_heads "
                             f"{hf.num_heads}")
-        window = getattr(hf, "window_size", None)
-        if window is not None and window // hf.spatial_merge_size // hf.patch_size < 1:
-            problems.append(f"window_size {window} below patch_size * spatial_merge_size")
         return problems
 
     def _video_config(self) -> tuple[str, dict]:
@@ -471,9 +371,10 @@ class QwenVisionEncoder(HFVisionEncoder):
         return dataclasses.replace(config, layernorm_epsilon=1e-6, bias_activation_fusion=False,
                                    persist_layer_norm=False)
 
+    @abc.abstractmethod
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        return qwen_vit_spec(config, pg_collection, self.hf_config)
+        """The tower of this Qwen generation."""
 
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
                         pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

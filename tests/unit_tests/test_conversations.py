@@ -416,7 +416,7 @@ def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
     vit = _native_vit()
     sample = _sample("m1", SIZES, MULTI)
     fields, counts, cut = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
-                                      96)(sample)
+                                     96)(sample)
     assert counts == {"vision": (4, 10, 8)} and not cut
     vision = tokenizer.placeholder_ids["vision"]
     runs = _runs(fields["tokens"], vision)
@@ -440,7 +440,7 @@ def test_mrope_positions_of_a_conversation_equal_transformers(tokenizer):
 
     vit = _native_vit()
     fields, _, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96,
-                               mrope=True)(_sample("m1", SIZES, MULTI))
+                              mrope=True)(_sample("m1", SIZES, MULTI))
     length = int(fields["length"])
     is_image = fields["tokens"][:length] == tokenizer.placeholder_ids["vision"]
     grids = [vit.item_grid(size) for size in SIZES]
@@ -454,7 +454,7 @@ def test_without_markers_every_image_opens_the_first_user_turn(tokenizer):
     vit = _native_vit()
     turns = (("system", "a cat"), ("user", "what colors"), ("assistant", "red"))
     fields, counts, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
-                                    96)(_sample("m2", SIZES[:2], turns))
+                                   96)(_sample("m2", SIZES[:2], turns))
     vision = tokenizer.placeholder_ids["vision"]
     runs = _runs(fields["tokens"], vision)
     assert [length for _, length in runs] == [4, 10]
@@ -469,7 +469,7 @@ def test_a_text_only_conversation_has_no_items_on_either_side(tokenizer):
     vit = _native_vit()
     sample = _sample("t1", (), (("user", "two plus two"), ("assistant", "four")))
     fields, counts, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
-                                    32)(sample)
+                                   32)(sample)
     assert counts == {"vision": ()}
     assert not (fields["tokens"] == tokenizer.placeholder_ids["vision"]).any()
     assert fields["loss_mask"].sum() > 0
@@ -591,7 +591,7 @@ def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer,
     sample = _sample("v1", SIZES[:2], MULTI[:2])
     sample.images[1] = {"frames": _frames(3, (16, 40)), "fps": 4}
     fields, counts, _ = TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96,
-                                    mrope=True)(sample)
+                                   mrope=True)(sample)
     assert counts == {"vision": (4, 2 * 10)}  # two temporal steps of 2x5 merged patches
     items, encoder_counts, _ = EncoderInputs(qwen, qwen.preprocessor())(sample)
     assert encoder_counts == (4, 20)

@@ -188,7 +188,7 @@ class RankSliceEncoder(DefaultTaskEncoder):
 
     decoder = None
 
-    def __init__(self, rank_slice: RankSlice, inputs: Any) -> None:
+    def __init__(self, rank_slice: RankSlice, inputs: TextInputs | EncoderInputs) -> None:
         super().__init__()
         self._slice = rank_slice
         self._inputs = inputs

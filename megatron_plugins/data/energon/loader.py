@@ -73,7 +73,7 @@ class _GlobalBatches(Iterator[Microbatch]):
 
 @dataclasses.dataclass(frozen=True)
 class EnergonSource:
-    """An Energon dataset read by every rank of a MiMo run (see the module docstring)."""
+    """An Energon dataset read by every rank of a MiMo run (see :mod:`megatron_plugins.data.energon`)."""
 
     path: Path
     seed: int
@@ -99,12 +99,12 @@ class EnergonSource:
         return (self.kind is not None and self.kind.one_item_each
                 and all(plugin.fixed_item_tokens for plugin in self.plugins.values()))
 
-    def _inputs(self, module: str) -> Any:
+    def _inputs(self, module: str) -> TextInputs | EncoderInputs:
         if module == LANGUAGE:
             markers = tuple((name, media_marker(p.preprocessor().media))
                             for name, p in self.plugins.items())
             return TextInputs(self.tokenizer, self.plugins, markers, self.seq_length,
-                               self.mrope)
+                              self.mrope)
         plugin = self.plugins[module]
         return EncoderInputs(plugin, plugin.preprocessor())
 

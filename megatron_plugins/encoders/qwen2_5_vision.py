@@ -3,7 +3,7 @@
 
 The folder given as ``--encoder-hf-weights NAME=DIR`` (a whole Qwen2.5-VL folder, or one of just
 its vision model) shapes the tower and holds its weights; images and videos are preprocessed as
-:mod:`.qwen_tower` describes. A microbatch's images and videos run as one packed sequence:
+:mod:`.qwen_preprocessing` describes. A microbatch's images and videos run as one packed sequence:
 patches reordered by attention window, 2D rotary positions, window attention in most layers and
 whole-image attention in ``fullatt_block_indexes``, RMSNorm, SwiGLU, then the merger's ``ln_q``
 and 2x2 merge, back in image order. The merger's MLP is the modality's input projection
@@ -22,14 +22,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_plugins.encoders.qwen_preprocessing import QwenImagePreprocessor
 from megatron_plugins.encoders.qwen_tower import (
-    QwenImagePreprocessor,
     QwenTowerEncoder,
     packed_decoder,
     rotary_angles,
     vision_norm,
 )
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
+from megatron_plugins.flops.count import EncoderFlops
+from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
 
@@ -90,8 +92,8 @@ class Qwen2_5ViT(MegatronModule):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` ``[patches, 3 * T * p * p]`` and ``grid_thw`` ``[items, 3]`` as
-        :meth:`~.qwen_tower.QwenImagePreprocessor.collate` packs them -> ``[patches / merge ** 2,
-        hidden * merge ** 2]``."""
+        :meth:`~.qwen_preprocessing.QwenImagePreprocessor.collate` packs them -> ``[patches /
+        merge ** 2, hidden * merge ** 2]``."""
         grids = [tuple(grid) for grid in grid_thw.tolist()]
         device = pixel_values.device
         weight = self.patch_embed
@@ -152,3 +154,21 @@ class Qwen2_5VisionEncoder(QwenTowerEncoder):
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
         return qwen2_5_vit_spec(config, pg_collection, self.hf_config)
+
+    def item_flops(self, size: tuple[int | float, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """The patch embedding, window attention (the item's windows, frame by frame) in all
+        but the ``fullatt_block_indexes`` layers, whole-frame attention in those, the merger's
+        MLP over the merged tokens."""
+        hf = self.hf_config
+        steps, rows, columns = self._preprocessor.item_grid(size)
+        patches, merge = steps * rows * columns, hf.spatial_merge_size
+        windows = window_order([(steps, rows, columns)], merge,
+                               hf.window_size // merge // hf.patch_size)[1].tolist()
+        full = len(set(hf.fullatt_block_indexes) & set(range(config.num_layers)))
+        stem = embedding(patches, 3 * hf.temporal_patch_size * hf.patch_size ** 2,
+                         config.hidden_size)
+        layers = (tower(config, [rows * columns] * steps, full)
+                  + tower(config, windows, config.num_layers - full))
+        return EncoderFlops(stem + layers, self.projection_flops(
+            patches // merge ** 2, config, language_hidden_size))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     add_assumption_args(parser)
 
     def error(message: str) -> None:
-        raise FlagError(f"mimo-plan --advise: {message}")
+        raise FlagError(message)
 
     parser.error = error  # type: ignore[method-assign]
     return parser
@@ -129,7 +130,11 @@ def _quiet() -> Iterator[None]:
     with (contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()),
           warnings.catch_warnings()):
         warnings.simplefilter("ignore")
-        yield
+        logging.disable(logging.INFO)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 def _parse_run(argv: list[str], providers: dict[str, str]) -> tuple[Any, ParallelLayout]:
@@ -169,8 +174,6 @@ def _space(args: argparse.Namespace, plugins: dict, providers: dict[str, str],
 
 def advise_main(argv: Sequence[str]) -> int:
     """Parse, estimate and print; raises :class:`UsageError` for bad input."""
-    from megatron_plugins.launch.advise_workload import describe_data, run_workload
-
     own, rest = _parser().parse_known_args(list(argv))
     if own.gpus is None:
         raise FlagError("mimo-plan --advise needs --gpus N, the GPUs to plan for")
@@ -185,6 +188,8 @@ def advise_main(argv: Sequence[str]) -> int:
     _check_given_data(own, providers, launch)
     given = _given_layout(launch)
     with _quiet():
+        from megatron_plugins.launch.advise_workload import describe_data, run_workload
+
         run, probe = _parse_run(launch, providers)
         args = run.args
         for name in ("advise_items_per_sample", "advise_item_tokens", "advise_text_tokens",

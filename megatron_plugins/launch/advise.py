@@ -18,6 +18,7 @@ import io
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_plugins.errors import FlagError, UsageError, report
@@ -39,11 +40,16 @@ from megatron_plugins.performance.candidates import (
     enumerate_candidates,
     layout_candidate,
 )
-from megatron_plugins.performance.data import add_data_description_args, given_description
+from megatron_plugins.performance.data import (
+    DataDescription,
+    add_data_description_args,
+    given_description,
+)
 from megatron_plugins.performance.gpus import FIGURES, Hardware, hardware
+from megatron_plugins.performance.workload import Workload
 from megatron_plugins.weights.flags import expand_hf_model
 
-__all__ = ["FLAG", "main"]
+__all__ = ["FLAG", "Planned", "advisor_flags", "main", "plan_inputs"]
 
 FLAG = "--advise"
 
@@ -172,18 +178,23 @@ def _space(args: argparse.Namespace, plugins: dict, providers: dict[str, str],
                  checks={flag: getattr(args, flag, None) for flag in CHECKED_FLAGS})
 
 
-def advise_main(argv: Sequence[str]) -> int:
-    """Parse, estimate and print; raises :class:`UsageError` for bad input."""
-    own, rest = _parser().parse_known_args(list(argv))
-    if own.gpus is None:
-        raise FlagError("mimo-plan --advise needs --gpus N, the GPUs to plan for")
-    gpus = hardware(own.gpus, own.gpus_per_node, own.gpu,
-                    {field: getattr(own, field) for field, _ in FIGURES})
-    if own.advise_top < 1 or own.advise_samples < 1:
-        raise FlagError("--advise-top and --advise-samples must be at least 1")
-    assumptions = assumptions_from_args(own)
-    profile = read_profile(own.profile) if own.profile else None
-    launch = expand_hf_model(_without(rest, PLAN_FLAGS))
+@dataclass(frozen=True)
+class Planned:
+    """What the advisor reads of a command line: the parsed run (stock args, encoder plugins,
+    data source), the data described, each module's work, and the layout the command line gives
+    (None without one)."""
+
+    run: Any
+    data: DataDescription
+    workload: Workload
+    given: ParallelLayout | None
+    providers: dict[str, str]
+
+
+def plan_inputs(own: argparse.Namespace, argv: Sequence[str]) -> Planned:
+    """The launch's parse of ``argv`` (a launch's command line; ``own`` the advisor's flags),
+    the data described and each module's work."""
+    launch = expand_hf_model(_without(argv, PLAN_FLAGS))
     providers = _providers(launch)
     _check_given_data(own, providers, launch)
     given = _given_layout(launch)
@@ -191,25 +202,46 @@ def advise_main(argv: Sequence[str]) -> int:
         from megatron_plugins.launch.advise_workload import describe_data, run_workload
 
         run, probe = _parse_run(launch, providers)
-        args = run.args
         for name in ("advise_items_per_sample", "advise_item_tokens", "advise_text_tokens",
                      "advise_samples"):
-            setattr(args, name, getattr(own, name))
-        data = describe_data(args, run.plugins, run.source, probe)
-        workload = run_workload(args, run.plugins, data)
+            setattr(run.args, name, getattr(own, name))
+        data = describe_data(run.args, run.plugins, run.source, probe)
+        workload = run_workload(run.args, run.plugins, data)
+    return Planned(run, data, workload, given, providers)
+
+
+def advisor_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The advisor's own flags, checked, and the rest of the command line (the launch's)."""
+    own, rest = _parser().parse_known_args(list(argv))
+    if own.gpus is None:
+        raise FlagError("mimo-plan --advise needs --gpus N, the GPUs to plan for")
+    if own.advise_top < 1 or own.advise_samples < 1:
+        raise FlagError("--advise-top and --advise-samples must be at least 1")
+    return own, rest
+
+
+def advise_main(argv: Sequence[str]) -> int:
+    """Parse, estimate and print; raises :class:`UsageError` for bad input."""
+    own, rest = advisor_flags(argv)
+    gpus = hardware(own.gpus, own.gpus_per_node, own.gpu,
+                    {field: getattr(own, field) for field, _ in FIGURES})
+    assumptions = assumptions_from_args(own)
+    profile = read_profile(own.profile) if own.profile else None
+    planned = plan_inputs(own, rest)
+    args, workload = planned.run.args, planned.workload
     extra = []
     if profile is not None:
         assumptions = calibrate(profile, workload, gpus, assumptions)
         extra.append(profile.candidate())
-    if given is not None:
-        extra.insert(0, layout_candidate(given, args.micro_batch_size,
+    if planned.given is not None:
+        extra.insert(0, layout_candidate(planned.given, args.micro_batch_size,
                                          args.recompute_granularity == "full",
                                          args.colocated_encoder_recompute))
     micro_batches = sorted({*MICRO_BATCHES, args.micro_batch_size})
-    candidates = enumerate_candidates(_space(args, run.plugins, providers, gpus), micro_batches,
-                                      homogeneous_fewest=1)
+    space = _space(args, planned.run.plugins, planned.providers, gpus)
+    candidates = enumerate_candidates(space, micro_batches, homogeneous_fewest=1)
     advice = advise(candidates, extra, workload, gpus, assumptions, own.advise_objective)
-    print(format_advice(advice, workload, data, assumptions, own.advise_top))
+    print(format_advice(advice, workload, planned.data, assumptions, own.advise_top))
     return 0 if advice.ranked else 1
 
 

@@ -17,12 +17,13 @@ itself behind the backward (with ``--overlap-grad-reduce``), context-parallel ex
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_plugins.errors import FlagError
 
-__all__ = ["Assumptions", "add_assumption_args", "assumptions_from_args"]
+__all__ = ["Assumptions", "add_assumption_args", "assumptions_from_args", "named_numbers"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,23 @@ def add_assumption_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=f"advise_{attr}", type=float, default=None, help=text)
 
 
+def named_numbers(values: Sequence[str], flag: str, form: str,
+                  valid: Callable[[float], bool]) -> dict[str, float]:
+    """``NAME=NUMBER`` values of a repeatable flag by name; a malformed one, or a number
+    ``valid`` refuses, is one line naming the flag and the ``form`` expected."""
+    found = {}
+    for text in values:
+        name, sep, number = text.partition("=")
+        try:
+            value = float(number)
+        except ValueError:
+            value = float("nan")
+        if not sep or not name or not valid(value):
+            raise FlagError(f"{flag} {text}: give {form}")
+        found[name] = value
+    return found
+
+
 def assumptions_from_args(args: Any) -> Assumptions:
     """The assumptions the parsed flags give; a value out of range is one line naming its flag."""
     values: dict[str, Any] = {}
@@ -122,15 +140,7 @@ def assumptions_from_args(args: Any) -> Assumptions:
             bound = "between 0 and 1" if attr in _FRACTIONS else "positive"
             raise FlagError(f"{flag} {value:g} must be {bound}")
         values[attr] = value
-    efficiency = {}
-    for text in getattr(args, "advise_efficiency", None) or []:
-        module, sep, number = text.partition("=")
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if not sep or not module or not 0 < value <= 1:
-            raise FlagError(f"--advise-efficiency {text}: give MODULE=F with F in (0, 1], "
-                            "e.g. language=0.6")
-        efficiency[module] = value
+    efficiency = named_numbers(getattr(args, "advise_efficiency", None) or [],
+                               "--advise-efficiency", "MODULE=F with F in (0, 1], e.g. "
+                               "language=0.6", lambda value: 0 < value <= 1)
     return Assumptions(efficiency=efficiency, **values)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from statistics import fmean
 
 from megatron_plugins.errors import FlagError
+from megatron_plugins.performance.assumptions import named_numbers
 
 __all__ = ["DataDescription", "EncoderData", "add_data_description_args", "given_description",
            "sampled_description"]
@@ -82,21 +83,13 @@ def add_data_description_args(parser: argparse.ArgumentParser) -> None:
                        help="Samples to read from the run's source to describe its data.")
 
 
-def _pairs(values: Sequence[str], flag: str, names: Sequence[str]) -> dict[str, float]:
-    found = {}
-    for text in values:
-        name, sep, number = text.partition("=")
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if not sep or value < 0:
-            raise FlagError(f"{flag} {text}: give NAME=N with N >= 0 (e.g. {flag} "
-                            f"{names[0] if names else 'vision'}=1)")
+def _per_encoder(values: Sequence[str], flag: str, names: Sequence[str]) -> dict[str, float]:
+    found = named_numbers(values, flag, f"NAME=N with N >= 0 (e.g. {flag} {names[0]}=1)",
+                          lambda value: value >= 0)
+    for name in found:
         if name not in names:
-            raise FlagError(f"{flag} {text}: no encoder {name!r}; encoders are "
-                            f"{', '.join(names)}")
-        found[name] = value
+            raise FlagError(f"{flag} {name}={found[name]:g}: no encoder {name!r}; encoders "
+                            f"are {', '.join(names)}")
     return found
 
 
@@ -106,8 +99,8 @@ def given_description(args: argparse.Namespace, default_tokens: Mapping[str, int
     1, item tokens to the encoder's ``tokens_per_item`` (``default_tokens``), text to the rest of
     the row."""
     names = list(default_tokens)
-    items = _pairs(args.advise_items_per_sample, "--advise-items-per-sample", names)
-    tokens = _pairs(args.advise_item_tokens, "--advise-item-tokens", names)
+    items = _per_encoder(args.advise_items_per_sample, "--advise-items-per-sample", names)
+    tokens = _per_encoder(args.advise_item_tokens, "--advise-item-tokens", names)
     if not items and not tokens and args.advise_text_tokens is None:
         return None
     if args.advise_text_tokens is not None and args.advise_text_tokens < 0:

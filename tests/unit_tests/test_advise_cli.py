@@ -89,3 +89,20 @@ def test_a_tiny_model_gets_layouts_the_launch_accepts(capsys, tmp_path):
     given_rows = [index for index, line in enumerate(lines) if line.startswith("given ")]
     assert len(given_rows) == 2  # the command line's layout and the profiled one
     assert "vision tp=1 dp=2 (on language ranks)" in lines[given_rows[0]]
+
+
+def test_the_data_of_a_dataset_folder_is_read_from_its_samples_metadata():
+    from megatron_plugins.launch.advise import advisor_flags, plan_inputs
+    from tests.energon_data import energon_flags, synthetic_dataset
+
+    root = synthetic_dataset("caption")
+    own, rest = advisor_flags(["--gpus", "2", "--advise-samples", "40", *MODEL, "--seq-length",
+                               "64", "--max-position-embeddings", "64", *energon_flags(root)])
+    planned = plan_inputs(own, rest)
+    data = planned.data
+    assert data.source == f"--data-path {root / 'energon'}: 40 samples"
+    vision = data.encoders["vision"]
+    plugin = planned.run.plugins["vision"]
+    assert vision.items_per_sample == 1 and vision.item_tokens == ((plugin.tokens_per_item, 40),)
+    assert plugin.tokens_per_item + 1 < data.sample_tokens <= data.largest_sample <= 64
+    assert planned.workload.language.sample_tokens == data.sample_tokens

@@ -100,8 +100,9 @@ def _row(rank: str, estimate: Estimate, advice: Advice) -> list[str]:
         f"{rank} {describe(estimate.candidate)}",
         f"    {estimate.candidate.ranks} GPUs, step {estimate.step:.3g} s, "
         f"{estimate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU{versus}, "
-        f"{estimate.tflops_per_gpu:.0f} TFLOP/s/GPU, memory {estimate.memory.peak:.1f} GiB "
-        f"of {estimate.memory.capacity:.1f} on its fullest rank",
+        f"{estimate.tflops_per_gpu:.0f} TFLOP/s/GPU",
+        f"    memory per rank (GiB, {estimate.memory.capacity:.1f} usable): " + ", ".join(
+            f"{kind} {gib:.1f}" for kind, gib in estimate.memory.ranks.items()),
         f"    compute per rank per step: {busy}; bubble {estimate.parts['bubble']:.3g} s, "
         f"reduction and optimizer {estimate.parts['reduction+optimizer']:.3g} s",
     ]
@@ -155,8 +156,9 @@ def _count(number: float) -> str:
 
 def _no_fit(advice: Advice) -> str:
     if advice.fitting:
-        return (f"no layout this project launches on {advice.hardware.fewest_gpus}-"
-                f"{advice.hardware.gpus} GPUs fits memory; the baseline below is a reference")
+        return (f"of the layouts that fit memory, none is one this project launches on "
+                f"{advice.hardware.fewest_gpus}-{advice.hardware.gpus} GPUs; the baseline below "
+                "is a reference")
     if not advice.unfit:
         return "no layout of these GPUs runs this batch (check --global-batch-size)"
     least = min(advice.unfit, key=lambda e: e.memory.peak)

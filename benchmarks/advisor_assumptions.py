@@ -68,7 +68,8 @@ class Layer(torch.nn.Module):
         self.heads = heads
         self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
         self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape[-2:]
@@ -80,7 +81,7 @@ class Layer(torch.nn.Module):
 
 
 def launch_floor(layers: int = 32) -> dict:
-    """Host seconds per layer for a forward and for a backward at a size the GPU finishes at once."""
+    """Host seconds per layer of a forward and of a backward, at a size the GPU finishes at once."""
     stack = torch.nn.Sequential(*[Layer(64, 4) for _ in range(layers)]).cuda().to(torch.bfloat16)
     x = torch.randn(1, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for _ in range(5):

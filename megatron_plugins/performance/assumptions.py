@@ -7,9 +7,10 @@ more, so narrow TP shards and small batches run slower. The host needs ``layer_o
 layer to launch a forward (twice that for a backward); a pass takes the longer of its launch and
 its GPU time. Measured on an H100 (benchmarks/advisor_assumptions.py, docs/performance.md):
 bf16 products of transformer-layer shapes fit ``FLOPs / (0.82 x peak) + 15 us`` each within a
-few percent, and plain PyTorch launches a layer's forward in 0.49 ms, its backward in 0.88 ms. Communication: collectives reach ``link_efficiency`` of a link's nominal
-bandwidth and pay ``latency_us`` per ring step; gradient reduction hides ``grad_overlap`` of
-itself behind the backward (with ``--overlap-grad-reduce``), context-parallel exchanges
+few percent, and plain PyTorch launches a layer's forward in 0.49 ms, its backward in 0.88 ms.
+Communication: collectives reach ``link_efficiency`` of a link's nominal bandwidth and pay
+``latency_us`` per ring step; gradient reduction hides ``grad_overlap`` of itself behind the
+backward (with ``--overlap-grad-reduce``), context-parallel exchanges
 ``cp_overlap`` behind attention. Memory: tensors may use ``usable_memory`` of the GPU after
 ``reserved_gib`` for the CUDA context and communication buffers.
 """
@@ -134,8 +135,8 @@ def assumptions_from_args(args: Any) -> Assumptions:
         value = getattr(args, f"advise_{attr}", None)
         if value is None:
             continue
-        low_ok = value >= 0 if attr in ("layer_overhead_ms", "latency_us", "reserved_gib", "kernel_us",
-                                        "grad_overlap", "cp_overlap") else value > 0
+        low_ok = value >= 0 if attr in ("layer_overhead_ms", "latency_us", "reserved_gib",
+                                        "kernel_us", "grad_overlap", "cp_overlap") else value > 0
         if not low_ok or (attr in _FRACTIONS and value > 1):
             bound = "between 0 and 1" if attr in _FRACTIONS else "positive"
             raise FlagError(f"{flag} {value:g} must be {bound}")

@@ -53,12 +53,12 @@ class DataDescription:
 
     def check(self, seq_length: int) -> None:
         """Refuse a description whose samples cannot fit a ``--seq-length`` row."""
-        if max(self.largest_sample, self.sample_tokens) > seq_length:
+        largest = max(self.largest_sample, self.sample_tokens)
+        if largest > seq_length:
             raise FlagError(
-                f"the data ({self.source}) has samples of {max(self.largest_sample, self.sample_tokens):g} "
-                f"positions, more than --seq-length {seq_length}: raise --seq-length or describe "
-                "smaller samples (--advise-item-tokens, --advise-items-per-sample, "
-                "--advise-text-tokens)")
+                f"the data ({self.source}) has samples of {largest:g} positions, more than "
+                f"--seq-length {seq_length}: raise --seq-length or describe smaller samples "
+                "(--advise-item-tokens, --advise-items-per-sample, --advise-text-tokens)")
 
     def lines(self) -> list[str]:
         found = [f"data ({self.source}): a sample fills {self.sample_tokens:.1f} positions "

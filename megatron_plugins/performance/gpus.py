@@ -36,8 +36,8 @@ class GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in (
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989 dense),
-    # 80 GB HBM3 at 3.35 TB/s (torch reports 79.18 GiB on "NVIDIA H100 80GB HBM3"), NVLink 900 GB/s (450 per direction); DGX H100: one 400 Gb/s
-    # ConnectX-7 per GPU (50 GB/s).
+    # 80 GB HBM3 at 3.35 TB/s (torch reports 79.18 GiB on "NVIDIA H100 80GB HBM3"), NVLink
+    # 900 GB/s (450 per direction); DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s).
     GpuSpec("h100-sxm", 989.0, 79.2, 3350.0, 450.0, 50.0, r"H100 80GB HBM3|H100 SXM"),
     # Same datasheet (PCIe): BF16 1,513 with sparsity (756 dense), 80 GB HBM2e at 2.0 TB/s,
     # PCIe Gen5 x16 (64 GB/s per direction); a 200 Gb/s adapter per GPU (25 GB/s).
@@ -59,8 +59,9 @@ GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in (
     # BF16 per GPU), 1,440 GB HBM3e (180 GB per GPU) at 8 TB/s, NVLink 5 1.8 TB/s (900 per
     # direction), 400 Gb/s ConnectX-7 per GPU.
     GpuSpec("b200", 2250.0, 178.4, 8000.0, 900.0, 50.0, r"(?<!G)B200"),
-    # NVIDIA GB200 NVL72 datasheet: BF16 360 PFLOPS with sparsity for 72 GPUs (2.5 dense per GPU), 186 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s across the rack (give --gpus-per-node
-    # 72 for one NVLink domain), 400 Gb/s ConnectX-7 per GPU beyond it.
+    # NVIDIA GB200 NVL72 datasheet: BF16 360 PFLOPS with sparsity for 72 GPUs (2.5 dense per
+    # GPU), 186 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s across the rack (give --gpus-per-node 72
+    # for one NVLink domain), 400 Gb/s ConnectX-7 per GPU beyond it.
     GpuSpec("gb200", 2500.0, 184.0, 8000.0, 900.0, 50.0, r"GB200"),
     # NVIDIA L40S datasheet: BF16 362 dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s,
     # PCIe Gen4 x16 (32 GB/s per direction), no NVLink; a 200 Gb/s adapter per GPU assumed.

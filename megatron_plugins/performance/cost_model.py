@@ -208,7 +208,7 @@ def _routing(candidate: Candidate, grid: ModulePlacement, sample_bytes: float,
 def _tail(params: float, dp: int, grid: ModulePlacement, workload: Workload,
           hardware: Hardware, assumptions: Assumptions, trains: bool) -> float:
     """Gradient reduction (exposed part) and optimizer step of one rank holding ``params``."""
-    if not trains:
+    if not trains or not params:
         return 0.0
     link = group_link(grid, "dp", hardware, assumptions)
     grads = params * workload.grad_bytes
@@ -247,9 +247,13 @@ def estimate(candidate: Candidate, workload: Workload, hardware: Hardware,
     stages = [p.total for p in _language_stages(candidate, workload, hardware, assumptions)]
     separate, before, after = 0.0, 0.0, 0.0
     lang_work = workload.language
-    lang_params = lang_work.params / (language.tp * language.pp)
-    tails = [_tail(lang_params, language.dp * language.cp, language, workload, hardware,
-                   assumptions, lang_work.trains)]
+    experts = lang_work.shape.expert_params
+    dense = (lang_work.params - experts) / (language.tp * language.pp)
+    expert_dp = language.tp * language.cp * language.dp // (language.ep * language.etp)
+    tails = [_tail(dense, language.dp * language.cp, language, workload, hardware, assumptions,
+                   lang_work.trains)
+             + _tail(experts / (language.ep * language.etp * language.pp), expert_dp, language,
+                     workload, hardware, assumptions, lang_work.trains)]
     busy = {"language": module_busy(candidate, workload, hardware, assumptions, "language")}
     for placement in candidate.encoders:
         work = workload.encoder(placement.name)

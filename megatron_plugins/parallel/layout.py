@@ -238,6 +238,12 @@ class ParallelLayout:
         owner = self.module_of_rank(rank)
         return (owner, *(m for m in self.hosted if m.host == owner.name))
 
+    @property
+    def most_modules_per_rank(self) -> int:
+        """The most modules any rank runs (2 where an encoder is colocated): every rank's
+        optimizer build must take part in that many world gathers (``compat`` Gap 25)."""
+        return max(len(self.modules_of_rank(rank)) for rank in range(self.world_size))
+
     def check_world_size(self, world_size: int) -> None:
         """Raise unless the launch has exactly the ranks the modules need."""
         if world_size != self.world_size:

@@ -35,10 +35,10 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config, unwrap_model
 
 from megatron_plugins.parallel.routing import Exchange, RoutingPlan, Span
-from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS
-from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS, rank_slice
+from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement
 from megatron_plugins.parallel.rng import ModuleRng
+from megatron_plugins.parallel.topology import HeteroTopology
 from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows
 
 __all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders",
@@ -63,7 +63,9 @@ class HostedEncoder:
 class ColocatedEncoders:
     """What a rank hosting encoders keeps for its steps."""
 
-    layout: ParallelLayout
+    topology: HeteroTopology
+    """This rank's groups: its slice of each module's microbatches is the data path's
+    (:func:`~megatron_plugins.data.streams.rank_slice`)."""
     rank: int
     encoders: dict[str, HostedEncoder]
     rng: ModuleRng
@@ -79,17 +81,12 @@ class ColocatedEncoders:
         """Let the schedule find these encoders from the model it is handed."""
         setattr(unwrap_model(model), _ATTRIBUTE, self)
 
-    def slice(self, module: str, micro_batch_size: int) -> RankSlice:
-        """This rank's slice of every global microbatch for ``module``."""
-        dp = self.layout.module(module).coordinates(self.rank)["dp"]
-        return RankSlice.of(self.layout, module, dp, micro_batch_size)
-
     def row_counts(self, name: str, batches: list[dict[str, Any]],
                    micro_batch_size: int) -> list[dict[int, int]]:
         """Rows of each position this rank computes or merges, per microbatch, from the counts
         both its encoder and its language batches carry (so no rank has to ask another)."""
-        computed = self.slice(name, micro_batch_size).positions
-        consumed = self.slice(LANGUAGE, micro_batch_size).positions
+        computed = rank_slice(self.topology, name, micro_batch_size).positions
+        consumed = rank_slice(self.topology, LANGUAGE, micro_batch_size).positions
         counts = []
         for batch in batches:
             rows = dict(zip(consumed, map(sum, batch[ITEM_TOKENS][name])))
@@ -256,7 +253,7 @@ class ColocatedSchedule:
                         replays.append((inputs, hosted.rng.state_dict([name])))
                     outputs.append(_encoder_rows(mimo, name, encoder.width, inputs))
             computed = torch.cat(outputs)
-            plan = RoutingPlan.build(encoder.placement, hosted.layout.language, hosted.rank,
+            plan = RoutingPlan.build(encoder.placement, hosted.topology.layout.language, hosted.rank,
                                      micro_batch_size,
                                      hosted.row_counts(name, batches, micro_batch_size))
             leaf = route_forward(computed, plan)

@@ -159,5 +159,9 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap26_canary_stock_rng_state_holds_the_process_"
                                  "generators_only")),
+    Gap("28", "--log-throughput counts a GPT of the language flags over every rank of the world",
+        "throughput", "performance.measurement.Measurement._log_throughput",
+        _canary("throughput", "test_gap28_canary_stock_throughput_counts_a_gpt_of_the_flags_"
+                              "over_the_world")),
 )
 """Every gap in the order the bridges were added."""

@@ -12,6 +12,7 @@ the timeline and the profile are files under the run's folder.
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -100,7 +101,7 @@ def measured_rank(argv: list[str]) -> dict[str, Any]:
     expected: dict[str, list[float]] = {}
     train(parse_mimo_args(argv), lambda session: _expected_counts(session, expected))
     [(_, flops_so_far)] = returned
-    return {"lines": [line for line in lines if " iteration " in line],
+    return {"lines": [line for line in lines if re.search(r" iteration +\d+/ *\d+ \|", line)],
             "gathers": len(gathers), "expected": expected, "flops_so_far": flops_so_far}
 
 

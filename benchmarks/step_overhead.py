@@ -112,17 +112,18 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
 
 
 def record(mode: str, steps: int, warmup: int, probe_out: str, timeout: float = 600.0,
-           language_grid: str = "dp=1", items: str = STATIC_ITEMS) -> list[list[dict[str, Any]]]:
+           language_grid: str = "dp=1", items: str = STATIC_ITEMS,
+           extra: list[str] | None = None) -> list[list[dict[str, Any]]]:
     """Train the ``gpt`` (one rank) or ``mimo`` (the encoder's rank, then the language grid's:
     ``language_grid`` as ``--grid language:`` takes it; ``items`` per sample) configuration under
-    the probe; per rank, the recorded steps after warm-up."""
+    the probe, with ``extra`` flags last; per rank, the recorded steps after warm-up."""
     if mode == "gpt":
         nproc, flags = 1, ["--mock-data"]
     else:
         flags = mimo_flags(language_grid, items)
         nproc = 1 + math.prod(int(size) for size in re.findall(r"=(\d+)", language_grid))
     iters = ["--train-iters", str(steps + warmup)]
-    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters], probe_out, timeout)
+    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters, *(extra or [])], probe_out, timeout)
     return [json.loads(Path(f"{probe_out}.rank{r}.json").read_text())["steps"][warmup:]
             for r in range(nproc)]
 

@@ -15,6 +15,7 @@ from PIL import Image
 
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from megatron_plugins.performance.picture import picture_size
+from tests.fixtures.slow_encoder import SLEEP_SECONDS
 from tests.multiprocess import run_script
 from tests.tensorboard_scalars import read_scalars
 from tests.throughput_runs import MEASURED, measured_run
@@ -26,9 +27,15 @@ PLAIN = ("--encoder", "vision=vit", *GRIDS, "--mimo-timeline", "{run}/timeline",
          "--mimo-profile", "{run}/profile.json")
 SLOW = ("--encoder", "vision=tests.fixtures.slow_encoder:SlowViT", *GRIDS,
         "--mimo-timeline", "{run}/timeline")
+COLOCATED = ("--encoder", "vision=vit", "--grid", "vision:dp=2@language", "--grid",
+             "language:dp=2", "--mimo-timeline", "{run}/timeline")
 LAYOUT = ParallelLayout((
     ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
     ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)))
+COLOCATED_LAYOUT = ParallelLayout((
+    ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit",
+                    host=LANGUAGE),
+    ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=2, rank_offset=0)))
 LOGGED = [1, 2, 4, 6]
 
 
@@ -38,6 +45,10 @@ def _plain():
 
 def _slow():
     return measured_run(2, SLOW)
+
+
+def _colocated():
+    return measured_run(2, COLOCATED)
 
 
 def _scalar(folder, tag: str) -> dict[int, float]:
@@ -74,8 +85,9 @@ def test_the_log_line_and_tensorboard_carry_the_throughput_figures():
     assert [rank["gathers"] for rank in ranks] == [len(LOGGED)] * 2
 
 
-def test_the_logged_flops_are_the_flops_of_the_batches_the_run_consumed():
-    folder, ranks = _plain()
+@pytest.mark.parametrize("run", [_plain, _colocated], ids=["own-ranks", "colocated"])
+def test_the_logged_flops_are_the_flops_of_the_batches_the_run_consumed(run):
+    folder, ranks = run()
     expected = {module: sum(rank["expected"].get(module, [0.0])[0] for rank in ranks)
                 for module in ("vision", LANGUAGE)}
     assert all(value > 0 for value in expected.values())
@@ -142,19 +154,20 @@ def test_a_slow_encoder_lowers_the_language_busy_share_and_the_timeline_shows_th
     plain, _ = _plain()
     slow, _ = _slow()
 
-    def busy(folder) -> float:
-        values = _scalar(folder, "mimo/busy-share/language")
+    def share(folder, tag: str) -> float:
+        values = _scalar(folder, f"mimo/{tag}/language")
         return (values[4] + values[6]) / 2  # after the first two steps
 
-    assert busy(slow) < busy(plain)
-    waits = _scalar(slow, "mimo/wait-share/language")
-    assert (waits[4] + waits[6]) / 2 > 0.3
+    assert share(slow, "busy-share") < share(plain, "busy-share")
+    assert share(slow, "wait-share") > share(plain, "wait-share")
     phases = [e for e in _timeline(slow) if e["ph"] == "X"]
     encoder = [e for e in phases if e["pid"] == 0 and e["name"] == "encoder-forward"]
     receiving = [e for e in phases if e["pid"] == 1 and e["name"] == "recv-wait"]
     assert len(encoder) == 8  # 4 microbatches in each of steps 3 and 4
-    assert all(e["dur"] >= 1e6 for e in encoder)  # the fixture's 1 s sleep
-    assert _overlap(receiving, encoder) >= 0.5 * sum(e["dur"] for e in encoder)
+    assert all(e["dur"] >= SLEEP_SECONDS * 1e6 for e in encoder)
+    # The language rank waits through much of each encoder forward (it computes its previous
+    # microbatch's forward and backward through the rest).
+    assert _overlap(receiving, encoder) >= 0.3 * sum(e["dur"] for e in encoder)
 
 
 def test_a_bad_timeline_step_range_stops_the_launch_with_one_line():
@@ -167,3 +180,22 @@ def test_a_bad_timeline_step_range_stops_the_launch_with_one_line():
                                       "to record as A:B with 1 <= A <= B, e.g. "
                                       "--mimo-timeline-steps 3:4"}, run.output[-3000:]
     assert "[rank" not in run.output, "a rank printed a traceback"
+
+
+def test_a_colocated_run_times_the_hosted_encoder_and_its_replicas():
+    folder, ranks = _colocated()
+    for line in ranks[-1]["lines"]:
+        compute, tokens = re.search(r" vision replica imbalance: compute ([\d.]+), tokens "
+                                    r"([\d.]+) \|", line).groups()
+        assert float(compute) >= 1 and float(tokens) >= 1
+    assert sorted(_scalar(folder, "mimo/replica-imbalance-tokens/vision")) == LOGGED
+    events = _timeline(folder)
+    assert {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"} == {
+        (0, 0), (0, 1), (1, 0), (1, 1)}
+    kinds = {(e["pid"], e["tid"], e["name"]) for e in events if e["ph"] == "X"}
+    for rank in (0, 1):
+        assert {(0, rank, "encoder-forward"), (0, rank, "encoder-backward"),
+                (0, rank, "colocated-routing"), (1, rank, "language-forward"),
+                (1, rank, "language-backward"), (1, rank, "grad-reduce")} <= kinds
+    with Image.open(folder / "timeline" / "timeline.png") as picture:
+        assert picture.size == picture_size(COLOCATED_LAYOUT)

@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
               "steps": args.steps, "warmup": args.warmup, "ratio": median["ratio"],
               "rounds": rounds, "collectives": median["collectives"],
               "phases": median["phases"], "phase_us": phase_costs()}
-    table = markdown(report)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "measurement_overhead.json").write_text(json.dumps(report, indent=1))
-    (args.out_dir / "measurement_overhead.md").write_text(table)
-    print(table)
+    step_overhead.write_report(args.out_dir, "measurement_overhead", report, markdown(report))
     return 0
 
 

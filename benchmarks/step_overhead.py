@@ -234,6 +234,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out_dir: Path, stem: str, report: dict[str, Any], table: str) -> None:
+    """``stem.json`` and ``stem.md`` in ``out_dir``; the table printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (out_dir / f"{stem}.md").write_text(table)
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the tables, write JSON and markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -248,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     steps, warmup, rounds = (3, 1, 1) if args.smoke else (args.steps, args.warmup, args.rounds)
     report = measure(steps, warmup, args.timeout, rounds)
-    table = markdown(report)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "step_overhead.json").write_text(json.dumps(report, indent=1))
-    (args.out_dir / "step_overhead.md").write_text(table)
-    print(table)
+    write_report(args.out_dir, "step_overhead", report, markdown(report))
     return 0
 
 

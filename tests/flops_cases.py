@@ -36,9 +36,9 @@ class Row:
         return 100.0 * (self.formula - self.counted) / self.counted
 
 
-def table(rows: list[Row]) -> str:
-    """The rows as a markdown table."""
-    lines = ["| family | case | formula (FLOPs) | counted (FLOPs) | difference |",
+def table(rows: list[Row], against: str = "FlopCounterMode") -> str:
+    """The rows as a markdown table, ``against`` naming the counted side."""
+    lines = [f"| family | case | formula (FLOPs) | {against} (FLOPs) | difference |",
              "| --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {row.family} | {row.case} | {row.formula:,} | {row.counted:,} | "
               f"{row.difference:+.2f}% |" for row in rows]
@@ -103,7 +103,7 @@ def _encoder_row(family: str, case: str, plugin: Any, media: list[Any], language
     return Row(family, case, flops.hardware, count)
 
 
-def _flag_plugin(plugin_class: type, provider: str, flags: list[str]) -> Any:
+def flag_plugin(plugin_class: type, provider: str, flags: list[str]) -> Any:
     from megatron_plugins.parallel.layout import ModulePlacement
 
     parser = argparse.ArgumentParser()
@@ -135,10 +135,10 @@ def encoder_rows(folder: str) -> list[Row]:
 
     _groups()
     root = Path(folder)
-    native = _flag_plugin(ViTEncoder, "vit", ["--vit-native-resolution", "--vit-num-layers", "2"])
+    native = flag_plugin(ViTEncoder, "vit", ["--vit-native-resolution", "--vit-num-layers", "2"])
     sizes = ((20, 30), (16, 16), (37, 11), (64, 80))
     rows = [
-        _encoder_row("vit", "3 images, 16 x 16 crops", _flag_plugin(ViTEncoder, "vit", []),
+        _encoder_row("vit", "3 images, 16 x 16 crops", flag_plugin(ViTEncoder, "vit", []),
                      _images((20, 30), (16, 16), (40, 12)), 24),
         _encoder_row("vit native resolution", "4 images 20x30 16x16 37x11 64x80", native,
                      _images(*sizes), 24),
@@ -147,7 +147,7 @@ def encoder_rows(folder: str) -> list[Row]:
         rows.append(_encoder_row("vit native resolution", f"same, {' + '.join(freeze)} frozen",
                                  native, _images(*sizes), 24, freeze))
     rows.append(_encoder_row("audio", "2 clips, 8 frames",
-                             _flag_plugin(AudioFrameEncoder, "audio", []),
+                             flag_plugin(AudioFrameEncoder, "audio", []),
                              [_audio(0.05), _audio(0.2, seed=1)], 24))
     for provider in ("clip", "siglip"):
         rows.append(_encoder_row(provider, "2 images, 16 x 16", plugin(
@@ -186,7 +186,7 @@ def _sensor_row() -> Row:
     from sensor_encoder import SensorEncoder
 
     return _encoder_row("custom (sensor example)", "2 traces, 4 windows",
-                        _flag_plugin(SensorEncoder, "sensor_encoder:SensorEncoder", []),
+                        flag_plugin(SensorEncoder, "sensor_encoder:SensorEncoder", []),
                         [_audio(0.001), _audio(0.01, seed=1)], 24)
 
 
@@ -293,6 +293,42 @@ def language_rows() -> list[Row]:
     return [_language_row(*case) for case in LANGUAGE_CASES]
 
 
+STOCK_SHAPE = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "704",
+               "--num-attention-heads", "8", "--seq-length", "2048",
+               "--max-position-embeddings", "2048", "--vocab-size", "1000"]
+STOCK_CASES = [
+    ("dense", []),
+    ("GQA + SwiGLU", ["--group-query-attention", "--num-query-groups", "2", "--swiglu"]),
+    ("MoE top-2 of 8 + shared", [*MOE, "--num-experts", "8", "--moe-ffn-hidden-size", "128",
+                                 "--moe-shared-expert-intermediate-size", "256"]),
+]
+"""Larger GPTs (no model built) whose model FLOPs stock ``--log-throughput`` also counts."""
+
+
+def stock_rows() -> list[Row]:
+    """Stock's ``num_floating_point_operations`` (a causal-skipping kernel's half of the scores,
+    no router) as the "counted" side, our model FLOPs on the flash kernel as the formula, for 2
+    rows of 2048 tokens."""
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.training import num_floating_point_operations
+
+    from megatron_plugins.flops.language import language_flops
+    from megatron_plugins.flops.transformer import AttentionKernel
+    from tests.hf_models import BASE_FLAGS, stock_args
+
+    rows = []
+    for case, flags in STOCK_CASES:
+        args = stock_args([*BASE_FLAGS, *STOCK_SHAPE, *flags])
+        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
+                                                         logging_enabled=False)
+        ours = language_flops(core_transformer_config_from_args(args), args.padded_vocab_size,
+                              [[args.seq_length]] * 2, kernel=AttentionKernel.FLASH)
+        rows.append(Row("stock --log-throughput", case, ours.model,
+                        int(num_floating_point_operations(args, 2))))
+    return rows
+
+
 def main() -> None:
     """Print docs/performance.md's table: every family on one simulated rank each."""
     import tempfile
@@ -303,7 +339,10 @@ def main() -> None:
         [encoders] = run_in_processes(encoder_rows, 1, args=(folder,), timeout=600,
                                       simulated=True)
     [language] = run_in_processes(language_rows, 1, timeout=600, simulated=True)
+    [stock] = run_in_processes(stock_rows, 1, timeout=300, simulated=True)
     print(table(encoders + language))
+    print()
+    print(table(stock, "stock"))
 
 
 if __name__ == "__main__":

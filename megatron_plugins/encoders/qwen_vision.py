@@ -487,7 +487,7 @@ class QwenVisionEncoder(HFVisionEncoder):
         patches, merge = steps * rows * columns, hf.spatial_merge_size
         windows = window_order([(steps, rows, columns)], merge,
                                hf.window_size // merge // hf.patch_size)[1].tolist()
-        full = len(hf.fullatt_block_indexes)
+        full = len(set(hf.fullatt_block_indexes) & set(range(config.num_layers)))
         stem = embedding(patches, 3 * hf.temporal_patch_size * hf.patch_size ** 2,
                          config.hidden_size)
         layers = (tower(config, [rows * columns] * steps, full)

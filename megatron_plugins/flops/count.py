@@ -11,12 +11,26 @@ embedding lookups, losses), which is a few percent of a transformer's at most.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = ["EncoderFlops", "Flops", "Work"]
 
 
+class _Counts:
+    """Fieldwise sums and whole multiples of a frozen dataclass of counts."""
+
+    def __add__(self, other: Any) -> Any:
+        return type(self)(*(getattr(self, field.name) + getattr(other, field.name)
+                            for field in fields(self)))
+
+    def __mul__(self, times: int) -> Any:
+        return type(self)(*(getattr(self, field.name) * times for field in fields(self)))
+
+    __rmul__ = __mul__
+
+
 @dataclass(frozen=True)
-class Flops:
+class Flops(_Counts):
     """FLOPs of one pass: ``model`` = forward + backward (what MFU divides by), ``hardware``
     adds recomputation (activation checkpointing, a fused attention kernel's recomputed scores)."""
 
@@ -34,22 +48,14 @@ class Flops:
         """What the device executes: model FLOPs plus recomputation."""
         return self.model + self.recompute
 
-    def __add__(self, other: Flops) -> Flops:
-        return Flops(*(a + b for a, b in zip(_values(self), _values(other))))
-
-    def __mul__(self, times: int) -> Flops:
-        return Flops(*(value * times for value in _values(self)))
-
-    __rmul__ = __mul__
-
 
 @dataclass(frozen=True)
-class Work:
+class Work(_Counts):
     """A module's forward matmul FLOPs by what its backward computes.
 
-    - ``entry``: products of a weight with the module's own input (a patch embedding on pixels,
-      a projection's first layer): weight gradient when the module trains, input gradient when
-      its input needs one;
+    - ``entry``: products of a weight with the module's own input (a patch embedding on pixels)
+      whose kernel skips an input gradient nobody needs: weight gradient when the module trains,
+      input gradient when its input needs one;
     - ``inner``: products of a weight with the module's activations: weight gradient when it
       trains, input gradient whenever a gradient flows at all;
     - ``scores``: products of two activations (attention's QK^T and PV): both operands'
@@ -82,17 +88,9 @@ class Work:
         recompute = self.kernel_recompute + (self.forward if recomputed else 0)
         return Flops(self.forward, backward, recompute)
 
-    def __add__(self, other: Work) -> Work:
-        return Work(*(a + b for a, b in zip(_values(self), _values(other))))
-
-    def __mul__(self, times: int) -> Work:
-        return Work(*(value * times for value in _values(self)))
-
-    __rmul__ = __mul__
-
 
 @dataclass(frozen=True)
-class EncoderFlops:
+class EncoderFlops(_Counts):
     """An encoder's items (one, or a microbatch's): the encoder network's work and its
     projection's, which trains or is frozen on its own."""
 
@@ -108,15 +106,3 @@ class EncoderFlops:
         return (self.encoder.flops(trains=encoder_trains, input_grad=False, recomputed=recomputed)
                 + self.projection.flops(trains=projection_trains, input_grad=encoder_trains,
                                         recomputed=recomputed))
-
-    def __add__(self, other: EncoderFlops) -> EncoderFlops:
-        return EncoderFlops(self.encoder + other.encoder, self.projection + other.projection)
-
-    def __mul__(self, times: int) -> EncoderFlops:
-        return EncoderFlops(self.encoder * times, self.projection * times)
-
-    __rmul__ = __mul__
-
-
-def _values(value: Flops | Work) -> list[int]:
-    return [getattr(value, field.name) for field in fields(value)]

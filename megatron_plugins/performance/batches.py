@@ -77,7 +77,8 @@ class BatchCounter:
         def language_count(rows: tuple[tuple[int, ...], ...], vocab_size: int) -> float:
             return float(language_flops(language, vocab_size, rows,
                                         trains=not args.freeze_language_model,
-                                        input_grad=input_grad).model)
+                                        input_grad=input_grad,
+                                        pattern=getattr(args, "hybrid_layer_pattern", None)).model)
 
         @lru_cache(maxsize=64)
         def count_language(rows: tuple[tuple[int, ...], ...]) -> float:

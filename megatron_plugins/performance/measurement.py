@@ -6,7 +6,8 @@ the flag) and, when the run asks for throughput (stock ``--log-throughput``), a 
 that asks for none gets nothing installed. When stock ``pretrain()`` starts training, the wrapper
 builds this rank's :class:`~.recorder.Recorder`, installs the probes over stock's calls
 (:mod:`.probes`), makes our step code report to it (:func:`megatron_plugins.step.phases.listen`)
-and, with ``--log-throughput``, the log's figures (:mod:`.throughput`, compat Gap 28). When
+and, with ``--log-throughput``, the log's figures (:mod:`.throughput`; stock's FLOPs count is
+bridged to theirs by :func:`install` already, compat Gap 28). When
 training ends it removes all of it, and global rank 0 writes the timeline and the profile from
 one gather.
 """
@@ -102,9 +103,13 @@ class Measurement:
         peak = peak_for(device_name(), self.args.peak_tflops)
         self.throughput = ThroughputLog(self.args, recorder, meter, self.run.layout,
                                         self.counter.counted, peak, self.counter.notices)
-        self.patches.add(compat_throughput.count_flops_with(self.throughput.flops))
         self.patches.replace(training, "training_log",
                              lambda stock: functools.partial(self.throughput.training_log, stock))
+
+    def flops(self, args: Any, batch_size: int) -> float:
+        """Stock's FLOPs count while training (compat Gap 28, bridged before the model is built
+        so the start-up line names it): the throughput log's."""
+        return self.throughput.flops(args, batch_size)
 
     def _write(self, rank: int, world: int, profile_sink: ProfileSink | None,
                timeline_sink: TimelineSink | None) -> None:
@@ -145,4 +150,6 @@ def install(run: Any) -> Measurement | None:
     measurement = Measurement(run)
     measurement.patches.replace(training, "train",
                                 lambda stock: functools.partial(measurement.train, stock))
+    if run.args.log_throughput:
+        measurement.patches.add(compat_throughput.count_flops_with(measurement.flops))
     return measurement

@@ -5,7 +5,7 @@ owns the call, a probe wraps it for as long as a run measures and is removed aft
 that measures nothing runs the stock functions untouched. Each probe is where megatron-core
 0.19.2 looks the callee up at call time:
 
-- ``training.train_step`` (called by ``train``, training/training.py:3850): each step
+- ``training.train_step`` (called by ``train``, training/training.py:3856): each step
   (:data:`STEP`), numbered as stock logs it;
 - ``schedules.forward_step`` and ``schedules.backward_step_multimodule`` (looked up by the
   pipelining schedule, core/pipeline_parallel/schedules.py:2313, 2356 and the ``partial`` at

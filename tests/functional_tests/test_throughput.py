@@ -27,8 +27,9 @@ PLAIN = ("--encoder", "vision=vit", *GRIDS, "--mimo-timeline", "{run}/timeline",
          "--mimo-profile", "{run}/profile.json")
 SLOW = ("--encoder", "vision=tests.fixtures.slow_encoder:SlowViT", *GRIDS,
         "--mimo-timeline", "{run}/timeline")
+PEAK = 1e-3
 COLOCATED = ("--encoder", "vision=vit", "--grid", "vision:dp=2@language", "--grid",
-             "language:dp=2", "--mimo-timeline", "{run}/timeline")
+             "language:dp=2", "--mimo-timeline", "{run}/timeline", "--peak-tflops", str(PEAK))
 LAYOUT = ParallelLayout((
     ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=1, rank_offset=0, provider="vit"),
     ModulePlacement(name=LANGUAGE, tp=1, pp=1, cp=1, dp=1, rank_offset=1)))
@@ -182,9 +183,13 @@ def test_a_bad_timeline_step_range_stops_the_launch_with_one_line():
     assert "[rank" not in run.output, "a rank printed a traceback"
 
 
-def test_a_colocated_run_times_the_hosted_encoder_and_its_replicas():
+def test_a_colocated_run_times_the_hosted_encoder_its_replicas_and_the_mfu():
     folder, ranks = _colocated()
+    mfu, tflops = _scalar(folder, "mimo/mfu"), _scalar(folder, "mimo/tflops-per-gpu")
+    assert sorted(mfu) == LOGGED
+    assert all(mfu[i] == pytest.approx(tflops[i] / PEAK, rel=1e-6) for i in LOGGED)
     for line in ranks[-1]["lines"]:
+        assert re.fullmatch(r"\d+\.\d%", _logged_value(line, "MFU"))
         compute, tokens = re.search(r" vision replica imbalance: compute ([\d.]+), tokens "
                                     r"([\d.]+) \|", line).groups()
         assert float(compute) >= 1 and float(tokens) >= 1

@@ -1,7 +1,8 @@
 """What measuring costs a MiMo step on the CPU simulation: ``--log-throughput``,
 ``--mimo-timeline`` and ``--mimo-profile`` on against off (issue 39).
 
-    python benchmarks/measurement_overhead.py [--steps 30] [--warmup 5] [--rounds 3] [--out-dir runs/measurement-overhead]
+    python benchmarks/measurement_overhead.py [--steps 30] [--warmup 5] [--rounds 3]
+        [--out-dir runs/measurement-overhead]
 
 On ``benchmarks/step_overhead.py``'s MiMo layout (a 1-layer ViT on rank 0, the tiny GPT on rank
 1, 4 microbatches per step, one thread per process), logging every step (the measurement's worst

@@ -112,7 +112,8 @@ def test_bad_timeline_steps_are_one_line_naming_the_flag(text):
 def test_timeline_steps_name_a_range_and_must_start_within_the_run(tmp_path):
     assert flags.timeline_steps("3:4") == range(3, 5)
     with pytest.raises(FlagError, match=r"^--mimo-timeline-steps 11:12: the run trains 10 steps"):
-        flags.check_performance_args(_args(mimo_timeline=str(tmp_path), mimo_timeline_steps="11:12"))
+        flags.check_performance_args(_args(mimo_timeline=str(tmp_path),
+                                           mimo_timeline_steps="11:12"))
 
 
 @pytest.mark.parametrize("value", [0.0, -5.0])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_plugins.errors import FlagError
+from megatron_plugins.performance.profile import WARM_UP
 
 __all__ = ["DEFAULT_TIMELINE_STEPS", "add_performance_args", "check_performance_args",
            "measures", "timeline_steps"]
@@ -90,6 +91,10 @@ def check_performance_args(args: Any) -> None:
                             f"{args.train_iters} steps (--train-iters); record steps within them")
         _writable_folder("--mimo-timeline", args.mimo_timeline, Path(args.mimo_timeline))
     if args.mimo_profile is not None:
+        if args.train_iters is not None and args.train_iters <= WARM_UP:
+            raise FlagError(f"--mimo-profile measures the steps after the first {WARM_UP} "
+                            f"(warm-up), and --train-iters {args.train_iters} trains no more; "
+                            f"train at least {WARM_UP + 1} steps")
         path = Path(args.mimo_profile)
         if path.is_dir():
             raise FlagError(f"--mimo-profile {path}: it is a folder; give the file to write, "

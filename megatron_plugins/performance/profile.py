@@ -31,7 +31,7 @@ from typing import Any
 from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
 from megatron_plugins.performance.recorder import StepRecord
 
-__all__ = ["PROFILE_VERSION", "ProfileSink", "StepTimes", "profile", "write_profile"]
+__all__ = ["PROFILE_VERSION", "ProfileSink", "StepTimes", "WARM_UP", "profile", "write_profile"]
 
 PROFILE_VERSION = 1
 WARM_UP = 2

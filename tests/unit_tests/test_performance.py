@@ -135,6 +135,13 @@ def test_an_unwritable_timeline_folder_or_profile_is_one_line(tmp_path):
     assert (tmp_path / "new" / "timeline").is_dir()
 
 
+def test_a_profile_needs_a_step_after_the_warm_up(tmp_path):
+    with pytest.raises(FlagError, match=r"^--mimo-profile measures the steps after the first 2 "
+                                        r".*--train-iters 2 .* at least 3 steps$"):
+        flags.check_performance_args(_args(mimo_profile=str(tmp_path / "p.json"), train_iters=2))
+    flags.check_performance_args(_args(mimo_profile=str(tmp_path / "p.json"), train_iters=3))
+
+
 def test_log_progress_needs_log_throughput():
     with pytest.raises(FlagError, match=r"^--log-progress .* add --log-throughput$"):
         flags.check_performance_args(_args(log_progress=True))

@@ -40,6 +40,13 @@ from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement
 from megatron_plugins.parallel.rng import ModuleRng
 from megatron_plugins.parallel.topology import HeteroTopology
 from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows
+from megatron_plugins.step.phases import (
+    ENCODER_BACKWARD,
+    ENCODER_FORWARD,
+    ROUTING,
+    consumed,
+    phase,
+)
 
 __all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders",
            "route_backward", "route_forward"]
@@ -247,16 +254,19 @@ class ColocatedSchedule:
             recompute = hosted.recompute and encoder.trains and not forward_only
             outputs, replays = [], []
             with hosted.rng.enter(name), torch.set_grad_enabled(not (forward_only or recompute)):
-                for batch in batches:
+                for index, batch in enumerate(batches):
                     inputs = batch[COLOCATED][name]
                     if recompute:
                         replays.append((inputs, hosted.rng.state_dict([name])))
-                    outputs.append(_encoder_rows(mimo, name, encoder.width, inputs))
+                    consumed(inputs, name)
+                    with phase(ENCODER_FORWARD, name, index):
+                        outputs.append(_encoder_rows(mimo, name, encoder.width, inputs))
             computed = torch.cat(outputs)
             plan = RoutingPlan.build(encoder.placement, hosted.topology.layout.language, hosted.rank,
                                      micro_batch_size,
                                      hosted.row_counts(name, batches, micro_batch_size))
-            leaf = route_forward(computed, plan)
+            with phase(ROUTING, name):
+                leaf = route_forward(computed, plan)
             leaf.requires_grad_(encoder.trains and not forward_only)
             if not forward_only:
                 hosted.traffic[name] = (plan.bytes_moved(encoder.width, computed.dtype),
@@ -274,12 +284,14 @@ class ColocatedSchedule:
             if not hosted.encoders[name].trains:
                 continue
             grad = route.leaf.grad if route.leaf.grad is not None else torch.zeros_like(route.leaf)
-            rows = route_backward(grad, route.plan)
-            if route.replays:
-                _replay(mimo, hosted, name, route, rows)
-            elif route.computed.requires_grad:
-                with hosted.rng.enter(name):
-                    torch.autograd.backward(route.computed, rows)
+            with phase(ROUTING, name):
+                rows = route_backward(grad, route.plan)
+            with phase(ENCODER_BACKWARD, name):
+                if route.replays:
+                    _replay(mimo, hosted, name, route, rows)
+                elif route.computed.requires_grad:
+                    with hosted.rng.enter(name):
+                        torch.autograd.backward(route.computed, rows)
 
 
 def _replay(mimo: torch.nn.Module, hosted: ColocatedEncoders, name: str, route: _Routed,

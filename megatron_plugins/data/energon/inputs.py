@@ -209,8 +209,10 @@ class RankSliceEncoder(DefaultTaskEncoder):
             inputs = [fields for fields, _, _ in prepared]
             counts = [count for _, count, _ in prepared]
             if isinstance(self._inputs, EncoderInputs):
+                sizes = [[size for _, size in _header_sizes(self._inputs.plugin, sample)]
+                         for sample in mine]
                 batch = collate_items(self._slice.module, self._inputs.preprocessor, inputs,
-                                      counts)
+                                      counts, sizes)
             else:
                 batch = collate_text(inputs, counts)
             batch[POSITIONS] = positions

@@ -47,9 +47,12 @@ GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in (
     GpuSpec("h100-nvl", 835.0, 93.0, 3900.0, 300.0, 25.0, r"H100 NVL"),
     # NVIDIA H200 datasheet (SXM): BF16 1,979 with sparsity (989 dense), 141 GB HBM3e at
     # 4.8 TB/s, NVLink 900 GB/s; DGX H200: 400 Gb/s ConnectX-7 per GPU.
-    GpuSpec("h200", 989.0, 139.8, 4800.0, 450.0, 50.0, r"H200(?! NVL)"),
+    GpuSpec("h200", 989.0, 139.8, 4800.0, 450.0, 50.0, r"(?<!G)H200(?! NVL)"),
     # Same datasheet (NVL): BF16 1,671 with sparsity (835 dense), NVLink bridge 900 GB/s.
     GpuSpec("h200-nvl", 835.0, 139.8, 4800.0, 450.0, 25.0, r"H200 NVL"),
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: the H100's 989 dense BF16, 96 GB HBM3 at
+    # 4 TB/s (the 144 GB HBM3e model: give --gpu-memory-gib), NVLink 900 GB/s between superchips.
+    GpuSpec("gh200", 989.0, 94.5, 4000.0, 450.0, 50.0, r"GH200"),
     # NVIDIA A100 datasheet (SXM4 80GB): BF16 312 dense, 2,039 GB/s HBM2e, NVLink 600 GB/s
     # (300 per direction); DGX A100: one 200 Gb/s HDR adapter per GPU (25 GB/s).
     GpuSpec("a100-80gb", 312.0, 79.2, 2039.0, 300.0, 25.0, r"A100.*80GB"),

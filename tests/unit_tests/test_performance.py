@@ -92,7 +92,7 @@ def test_known_gpus_have_their_dense_bf16_peak(device, tflops):
 def test_an_unknown_device_has_no_peak_and_one_notice_naming_the_known_and_the_flag():
     peak = peak_for("cpu-simulation", None)
     assert peak.tflops is None
-    assert "'cpu-simulation'" in peak.notice and "H100 SXM" in peak.notice
+    assert "'cpu-simulation'" in peak.notice and "h100-sxm" in peak.notice
     assert "--peak-tflops" in peak.notice and "\n" not in peak.notice
 
 

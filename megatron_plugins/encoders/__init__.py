@@ -31,7 +31,7 @@ BUILTIN = {
     "clip": "megatron_plugins.encoders.hf_vision:CLIPVisionEncoder",
     "siglip": "megatron_plugins.encoders.hf_vision:SiglipVisionEncoder",
     "whisper": "megatron_plugins.encoders.whisper:WhisperEncoder",
-    "qwen2_5_vl": "megatron_plugins.encoders.qwen_vision:QwenVisionEncoder",
+    "qwen2_5_vl": "megatron_plugins.encoders.qwen2_5_vision:Qwen2_5VisionEncoder",
     "qwen3_vl": "megatron_plugins.encoders.qwen3_vision:Qwen3VisionEncoder",
     "siglip2": "megatron_plugins.encoders.siglip2:Siglip2VisionEncoder",
     "llava_next": "megatron_plugins.encoders.llava_next:LlavaNextEncoder",

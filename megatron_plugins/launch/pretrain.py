@@ -54,6 +54,8 @@ from megatron_plugins.launch.settle import settle
 from megatron_plugins.parallel.topology import HeteroTopology, build_topology, pipeline_communicator
 from megatron_plugins.peft.checkpoint import BASE_ATTR, SETTINGS_ATTR
 from megatron_plugins.peft.flags import add_peft_args
+from megatron_plugins.performance import measurement
+from megatron_plugins.performance.flags import add_performance_args
 from megatron_plugins.step.forward import forward_step
 from megatron_plugins.weights.flags import add_weights_args, expand_hf_model
 from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
@@ -88,6 +90,8 @@ class MimoRun:
     layout: ParallelLayout
     plugins: dict[str, EncoderPlugin]
     source: DataSource
+    command: tuple[str, ...] = ()
+    """The command line as the launch read it (``--hf-model`` expanded)."""
 
 
 def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
@@ -114,7 +118,7 @@ def _parse_flags(argv: list[str], providers: dict[str, str]
         stock_groups = len(parser._action_groups)
         for add in (add_layout_args, add_mimo_args, add_data_args, add_optimizer_args,
                     add_weights_args, add_checkpoint_init_args, add_peft_args,
-                    cpu_simulation.add_cli_flag):
+                    add_performance_args, cpu_simulation.add_cli_flag):
             add(parser)
         add_encoder_args(parser, providers)
         # argparse prints groups in creation order: ours (made last) go first, after "options".
@@ -149,7 +153,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None,
         checked = check_run(argv, world_size_from_env())
     args, parser = _parse_flags(argv, _encoder_providers(argv))
     settled = settle(args, argv, parser, checked)
-    return MimoRun(args, checked.layout, settled.plugins, settled.source)
+    return MimoRun(args, checked.layout, settled.plugins, settled.source, tuple(argv))
 
 
 @dataclass
@@ -234,6 +238,7 @@ def train(run: MimoRun, customize: Callable[[MimoSession], None] | None = None) 
     """Everything after parsing, as the entry point runs it: bridges, grids, stock ``pretrain()``,
     teardown. ``customize`` sees the live session before training (tests observe the model)."""
     startup.install()
+    measurement.install(run)
     session = start(run)
     # One line on rank 0 once the model is built: megatron-core's version and the gaps bridged.
     startup.announce_bridged_gaps(session.config.model, run.args.rank)

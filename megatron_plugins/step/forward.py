@@ -23,6 +23,7 @@ from megatron.core.utils import unwrap_model
 from megatron_plugins.compat import MegatronCompatError
 from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS, RECEIVED_ORDER
 from megatron_plugins.encoders import EncoderPluginError
+from megatron_plugins.step import phases
 
 __all__ = ["COLOCATED_ROWS", "check_encoder_rows", "forward_step"]
 
@@ -106,6 +107,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
             "the schedule is not megatron_plugins.step.colocated.ColocatedSchedule (take it from "
             "megatron.training.training.get_forward_backward_func, which compat Gap 24 wraps)")
     colocated = batch.pop(COLOCATED_ROWS, None)
+    phases.consumed(batch)
     batch = _to_device(batch)
     if colocated:
         mimo = unwrap_model(model)

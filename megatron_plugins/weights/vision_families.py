@@ -1,6 +1,6 @@
 """Vision-encoder families: HF CLIP and SigLIP vision towers <-> Megatron's ``CLIPViTModel``, and
-Qwen2.5-VL's vision tower + merger <-> :class:`~megatron_plugins.encoders.qwen_vision.QwenViT` and
-its input projection (names of :class:`~megatron_plugins.weights.encoder_view.EncoderView`).
+Qwen2.5-VL's vision tower + merger <-> :class:`~megatron_plugins.encoders.qwen2_5_vision.Qwen2_5ViT`
+and its input projection (names of :class:`~megatron_plugins.weights.encoder_view.EncoderView`).
 
 Megatron names are relative to the encoder network (``model_subtype="clip"`` / ``"siglip"``),
 local spec first; the Transformer Engine spec fuses the pre-attention / pre-MLP LayerNorms into

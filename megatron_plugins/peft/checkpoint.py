@@ -177,8 +177,19 @@ def _saved(saved: argparse.Namespace, attr: str, default: Any) -> Any:
 
 
 def check_resume(args: argparse.Namespace, saved: argparse.Namespace, where: str,
-                 layout: ParallelLayout) -> None:
-    """A resumed run against the ``args`` its checkpoint saved (``where`` names it)."""
+                 layout: ParallelLayout, continues: bool = True) -> None:
+    """A run loading a checkpoint against the ``args`` the checkpoint saved (``where`` names it):
+    the frozen base the checkpoint left out must be this run's; a run that ``continues`` it
+    (optimizer loaded) must also have its ``--lora`` and per-part optimizer settings."""
+    references, recorded = getattr(args, BASE_ATTR, {}), _saved(saved, BASE_ATTR, {})
+    for part in sorted(set(references) | set(recorded) if continues else recorded):
+        mine, old = references.get(part), recorded.get(part)
+        if mine != old:
+            raise PeftCheckpointError(
+                f"{where} was trained over {part}'s frozen base {describe_reference(old)}, but "
+                f"this run's is {describe_reference(mine)}; give the same, unchanged folder")
+    if not continues:
+        return
     ours = describe(lora_specs(args.lora, layout, args.num_experts))
     theirs = describe(lora_specs(_saved(saved, "lora", []), layout,
                                  getattr(saved, "num_experts", None)))
@@ -187,13 +198,6 @@ def check_resume(args: argparse.Namespace, saved: argparse.Namespace, where: str
             f"--lora {' '.join(ours) or '(none)'} differs from the checkpoint's "
             f"({' '.join(theirs) or 'none'}, {where}); resume with its --lora, or start a new "
             "run from its weights (--finetune --no-load-optim --no-load-rng)")
-    references, recorded = getattr(args, BASE_ATTR, {}), _saved(saved, BASE_ATTR, {})
-    for part in sorted(set(references) | set(recorded)):
-        mine, old = references.get(part), recorded.get(part)
-        if mine != old:
-            raise PeftCheckpointError(
-                f"{where} was trained over {part}'s frozen base {describe_reference(old)}, but "
-                f"this run's is {describe_reference(mine)}; give the same, unchanged folder")
     settings, old_settings = getattr(args, SETTINGS_ATTR, {}), _saved(saved, SETTINGS_ATTR, {})
     if settings != old_settings and not args.override_opt_param_scheduler:
         changed = [part for part in dict.fromkeys([*old_settings, *settings])

@@ -84,7 +84,5 @@ def check_peft_run(args: argparse.Namespace, layout: ParallelLayout,
     saved = saved_args(folder)
     if saved is None:
         return
-    loads_optimizer = not (args.finetune or args.no_load_optim)
-    if not loads_optimizer:
-        saved = argparse.Namespace(**{**vars(saved), SETTINGS_ATTR: getattr(args, SETTINGS_ATTR)})
-    check_resume(args, saved, f"--load {folder}", layout)
+    check_resume(args, saved, f"--load {folder}", layout,
+                 continues=not (args.finetune or args.no_load_optim))

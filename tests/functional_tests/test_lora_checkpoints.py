@@ -268,3 +268,33 @@ def test_an_export_whose_base_folder_changed_is_one_line(runs, tmp_path):
             export(runs["root"] / "lora", tmp_path / "out", progress=False)
     finally:
         weights.write_bytes(saved)
+
+
+def test_a_base_from_a_megatron_checkpoint_is_referenced_and_resumes_bit_identically(tmp_path):
+    """The tiny vit + GPT, its language model started from a full run's Megatron checkpoint and
+    adapted: the LoRA checkpoint leaves that base out, records the checkpoint it came from, and a
+    resume from iteration 2 of 4 repeats iterations 3 and 4 bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    from tests.mimo_runs import train_mimo
+
+    layout = ("--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:")  # Adam
+    short = ("--eval-iters", "0")
+    train_mimo(2, layout, extra=(*short, "--train-iters", "1", "--save", str(tmp_path / "base"),
+                                 "--save-interval", "1"), timeout=400)
+    lora = (*layout, "--language-megatron-checkpoint", str(tmp_path / "base"),
+            "--lora", "language:rank=4,alpha=8")
+    first, _ = train_mimo(2, lora, extra=(*short, "--train-iters", "4", "--save",
+                                          str(tmp_path / "lora"), "--save-interval", "2"),
+                          timeout=400)
+    again, _ = train_mimo(2, lora, extra=(*short, "--train-iters", "4", "--load",
+                                          str(tmp_path / "lora"), "--ckpt-step", "2"),
+                          timeout=400)
+    assert [again["lm loss"][i] for i in (3, 4)] == [first["lm loss"][i] for i in (3, 4)]
+    iteration = tmp_path / "lora" / "iter_0000004"
+    keys = [key for key in dist_checkpointing.load_tensors_metadata(str(iteration))
+            if key.startswith("language_model.")]
+    assert keys and all(key.rpartition(".")[2] in ("lora_a", "lora_b") for key in keys), keys
+    args = dist_checkpointing.load_common_state_dict(str(iteration))["args"]
+    assert args.peft_base["language"]["flag"] == "--language-megatron-checkpoint"
+    assert args.peft_base["language"]["path"] == str(tmp_path / "base" / "iter_0000001")

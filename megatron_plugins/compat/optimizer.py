@@ -20,13 +20,9 @@ __all__ = ["RESTORED", "module_overrides"]
 RESTORED = ("max_lr", "min_lr", "start_wd", "end_wd")
 """Scheduler values a resumed optimizer takes from the run, not from the checkpoint's groups."""
 
-_stock_mimo_optimizer: Any = None
-
-
-def _module_of_chunk(mimo_model: Any) -> dict[int, str]:
-    modules = {id(mimo_model.language_model): "language"} if mimo_model.language_model else {}
-    modules.update({id(module): name for name, module in mimo_model.modality_submodules.items()})
-    return modules
+_stock_get_megatron_optimizer: Any = None
+_overrides: dict[int, tuple[Any, Mapping[Any, Mapping[str, Any]]]] = {}
+"""id(module chunk) -> (the chunk, its overrides), for the modules of this process's model."""
 
 
 def _keep_run_values(optimizer: Any) -> None:
@@ -44,38 +40,35 @@ def _keep_run_values(optimizer: Any) -> None:
     optimizer.load_state_dict = load_state_dict
 
 
-def module_overrides(overrides: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> None:
-    """Gap 29: build each module's optimizer with stock's standard parameter-group overrides plus
-    ``overrides[module]`` (``ParamKey`` -> ``ParamGroupOverride``, keys matched against the names
-    inside the module's wrapped chunk), and keep those values over a checkpoint's on resume."""
-    import megatron.core.models.mimo.optimizer as mimo_optimizer
+def _with_overrides(config: Any, model_chunks: list, config_overrides: Any = None,
+                    **kwargs: Any) -> Any:
+    """``get_megatron_optimizer``, with a registered module's overrides added to the standard
+    ones (or to those given)."""
     import megatron.core.optimizer as optimizer_module
 
-    global _stock_mimo_optimizer
-    if _stock_mimo_optimizer is None:
-        _stock_mimo_optimizer = mimo_optimizer.get_mimo_optimizer
-    stock = _stock_mimo_optimizer
+    entry = _overrides.get(id(model_chunks[0]))
+    if entry is None:
+        return _stock_get_megatron_optimizer(config, model_chunks, config_overrides, **kwargs)
+    base = (config_overrides if config_overrides is not None
+            else optimizer_module.get_standard_config_overrides(config))
+    optimizer = _stock_get_megatron_optimizer(config, model_chunks, {**base, **entry[1]},
+                                              **kwargs)
+    _keep_run_values(optimizer)
+    return optimizer
 
-    def get_mimo_optimizer(mimo_model: Any, config: Any) -> Any:
-        build = optimizer_module.get_megatron_optimizer
-        modules = _module_of_chunk(mimo_model)
 
-        def with_overrides(config: Any, model_chunks: list, config_overrides: Any = None,
-                           **kwargs: Any) -> Any:
-            name = modules.get(id(model_chunks[0]))
-            if name in overrides:
-                base = (config_overrides if config_overrides is not None
-                        else optimizer_module.get_standard_config_overrides(config))
-                config_overrides = {**base, **overrides[name]}
-            return build(config, model_chunks, config_overrides, **kwargs)
+def module_overrides(overrides: Mapping[Any, Mapping[Any, Mapping[str, Any]]]) -> None:
+    """Gap 29: build the optimizer of each module chunk in ``overrides`` (as the ``MimoModel``
+    holds it, wrapped) with stock's standard parameter-group overrides plus its own
+    (``ParamKey`` -> ``ParamGroupOverride``, matched against the names inside the chunk), and
+    keep those values over a checkpoint's on resume. ``get_mimo_optimizer`` looks
+    ``get_megatron_optimizer`` up when it runs, so it finds this one."""
+    import megatron.core.optimizer as optimizer_module
 
-        optimizer_module.get_megatron_optimizer = with_overrides
-        try:
-            optimizer = stock(mimo_model, config)
-        finally:
-            optimizer_module.get_megatron_optimizer = build
-        _keep_run_values(optimizer)
-        return optimizer
-
-    mimo_optimizer.get_mimo_optimizer = get_mimo_optimizer
+    global _stock_get_megatron_optimizer
+    if _stock_get_megatron_optimizer is None:
+        _stock_get_megatron_optimizer = optimizer_module.get_megatron_optimizer
+    _overrides.clear()
+    _overrides.update({id(chunk): (chunk, values) for chunk, values in overrides.items()})
+    optimizer_module.get_megatron_optimizer = _with_overrides
     record("29")

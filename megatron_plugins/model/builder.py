@@ -218,7 +218,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         omit_frozen_base(model, {part: piece for name in module_pgs
                                  for part, piece in module_parts(model, name).items()
                                  if part in cfg.peft_base})
-        part_optimizer.install(cfg.part_settings)
+        part_optimizer.install(cfg.part_settings, model, module_pgs)
         if topology.layout.hosted:
             colocation.even_optimizer_gathers(topology.layout.most_modules_per_rank)
         if topology.hosted:

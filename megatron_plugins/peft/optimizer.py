@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from megatron_plugins.compat import optimizer
@@ -62,16 +62,21 @@ def part_settings(args: argparse.Namespace, layout: ParallelLayout) -> dict[str,
     return settings
 
 
-def _overrides(settings: Mapping[str, Mapping[str, float]]) -> dict[str, dict[Any, dict]]:
-    """Per module: ``ParamKey`` (by name inside the module) -> the part's group override."""
+def _overrides(settings: Mapping[str, Mapping[str, float]], model: Any,
+               modules: Iterable[str]) -> dict[Any, dict[Any, dict]]:
+    """Per module chunk of ``model`` this rank runs (``modules``): ``ParamKey`` (by name inside
+    the chunk) -> the part's group override."""
     from megatron.core.optimizer import ParamKey
 
-    overrides: dict[str, dict[Any, dict]] = {}
+    overrides: dict[Any, dict[Any, dict]] = {}
     for part, values in settings.items():
         module = encoder_of(part)
+        if module not in modules:
+            continue
+        chunk = model.language_model if module == LANGUAGE else model.modality_submodules[module]
         pattern = ("*" if part == LANGUAGE else
                    _PATTERNS["projection" if part.endswith(PROJECTION) else "network"])
-        overrides.setdefault(module, {})[ParamKey(name=pattern)] = {**values, PART_KEY: part}
+        overrides.setdefault(chunk, {})[ParamKey(name=pattern)] = {**values, PART_KEY: part}
     return overrides
 
 
@@ -106,13 +111,15 @@ def _logged(stock: Any) -> Any:
     return training_log
 
 
-def install(settings: Mapping[str, Mapping[str, float]]) -> None:
-    """Give each part its parameter group (compat Gap 29) and log every part's learning rate."""
+def install(settings: Mapping[str, Mapping[str, float]], model: Any,
+            modules: Iterable[str]) -> None:
+    """Give each part of the ``modules`` of ``model`` (this rank's ``MimoModel``, wrapped) its
+    parameter group (compat Gap 29) and log every part's learning rate."""
     if not settings:
         return
     import megatron.training.training as training
 
-    optimizer.module_overrides(_overrides(settings))
+    optimizer.module_overrides(_overrides(settings, model, modules))
     if not getattr(training.training_log, "logs_part_rates", False):
         training.get_canonical_lr_for_logging = _canonical_rate(
             training.get_canonical_lr_for_logging)

@@ -36,19 +36,21 @@ def _mimo(language, vision):
 @pytest.fixture
 def built_groups(one_rank_world, monkeypatch) -> list:
     """The parameter groups each module's optimizer is built with (its inner optimizer stubbed);
-    the stock ``get_mimo_optimizer`` restored afterwards."""
-    import megatron.core.models.mimo.optimizer as mimo_optimizer
+    stock's ``get_megatron_optimizer`` and the bridge's registry restored afterwards."""
     import megatron.core.optimizer as optimizer_module
 
     built = []
 
     def stub(**kwargs):
         built.append(kwargs["param_groups"])
-        return SimpleNamespace(param_groups=kwargs["param_groups"])
+        return SimpleNamespace(param_groups=kwargs["param_groups"],
+                               load_state_dict=lambda state: None)
 
     monkeypatch.setattr(optimizer_module, "_get_megatron_optimizer_based_on_param_groups", stub)
-    monkeypatch.setattr(mimo_optimizer, "get_mimo_optimizer", mimo_optimizer.get_mimo_optimizer)
-    monkeypatch.setattr(optimizer_bridge, "_stock_mimo_optimizer", None)
+    monkeypatch.setattr(optimizer_module, "get_megatron_optimizer",
+                        optimizer_module.get_megatron_optimizer)
+    monkeypatch.setattr(optimizer_bridge, "_stock_get_megatron_optimizer", None)
+    monkeypatch.setattr(optimizer_bridge, "_overrides", {})
     return built
 
 
@@ -62,7 +64,7 @@ def test_gap29_canary_mimo_optimizer_builds_each_module_without_config_overrides
     calls = []
     monkeypatch.setattr(optimizer_module, "get_megatron_optimizer",
                         lambda *args, **kwargs: calls.append(kwargs) or SimpleNamespace())
-    stock = optimizer_bridge._stock_mimo_optimizer or get_mimo_optimizer
+    stock = get_mimo_optimizer
     grid = SimpleNamespace(is_current_rank_in_grid=lambda: True, get_pg=lambda *a, **k: None)
     model = SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map={"language": grid}),
                             language_model=_module("linear"), modality_submodules={})
@@ -78,9 +80,9 @@ def test_gap29_bridge_gives_each_module_its_overrides_and_keeps_them_over_a_load
     import megatron.core.models.mimo.optimizer as mimo_optimizer
     from megatron.core.optimizer import OptimizerConfig, ParamKey
 
-    optimizer_bridge.module_overrides({
-        "vision": {ParamKey(name="projection.*"): {"max_lr": 2e-5, "min_lr": 2e-6}}})
     language, vision = _module("network"), _module("projection")
+    optimizer_bridge.module_overrides({
+        vision: {ParamKey(name="projection.*"): {"max_lr": 2e-5, "min_lr": 2e-6}}})
     config = OptimizerConfig(optimizer="adam", lr=0.1, min_lr=0.01)
     optimizer = mimo_optimizer.get_mimo_optimizer(_mimo(language, vision), config)
     language_groups, vision_groups = built_groups
@@ -90,11 +92,11 @@ def test_gap29_bridge_gives_each_module_its_overrides_and_keeps_them_over_a_load
     assert {g["min_lr"] for g in overridden} == {2e-6}
     assert {g["wd_mult"] for g in overridden} == {0.0, 1.0}  # the bias keeps no weight decay
     assert all(g["max_lr"] == 0.1 for g in language_groups if g["params"])
-    for group in optimizer.param_groups:  # what a checkpoint of other settings would load
+    vision_optimizer = optimizer.module_infos["vision"].optimizer
+    for group in vision_optimizer.param_groups:  # what a checkpoint of other settings would load
         group.update(max_lr=9.0, min_lr=0.9)
-    optimizer.load_state_dict({})
-    assert sorted({g["max_lr"] for g in optimizer.param_groups}) == [2e-5, 0.1]
-    assert sorted({g["min_lr"] for g in optimizer.param_groups}) == [2e-6, 0.01]
+    vision_optimizer.load_state_dict({})
+    assert {(g["max_lr"], g["min_lr"]) for g in vision_optimizer.param_groups} == {(2e-5, 2e-6)}
 
 
 def test_the_bridge_leaves_modules_without_overrides_as_stock_builds_them(built_groups):
@@ -107,7 +109,7 @@ def test_the_bridge_leaves_modules_without_overrides_as_stock_builds_them(built_
     stock = [[(g["max_lr"], g["wd_mult"], len(g["params"])) for g in groups]
              for groups in built_groups]
     built_groups.clear()
-    optimizer_bridge.module_overrides({})
+    optimizer_bridge.module_overrides({_module("other"): {}})
     mimo_optimizer.get_mimo_optimizer(_mimo(language, vision), config)
     assert [[(g["max_lr"], g["wd_mult"], len(g["params"])) for g in groups]
             for groups in built_groups] == stock

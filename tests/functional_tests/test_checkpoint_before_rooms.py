@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 from megatron_plugins.model.builder import MimoBuildConfig, MimoModelBuilder
-from tests.multiprocess import REPO_ROOT, launch_preforked
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.multiprocess import REPO_ROOT, launch_preforked
+from tests.harness.tensorboard_scalars import read_scalars
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "checkpoint_before_rooms"
 ENTRY_POINT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"

@@ -7,7 +7,7 @@ micro-batch 2, language dp 2), two steps, dropout 0.1 in the encoder and the lan
 recomputed forward must draw the masks phase 1 drew). A colocated rank keeps every microbatch's
 encoder activations until the step's encoder backward; with the recompute it keeps one
 microbatch's at a time and trains identically. Saved-for-backward bytes are measured per rank by
-:class:`tests.activation_memory.HeldActivations`; the per-microbatch reference is the separate
+:class:`tests.harness.activation_memory.HeldActivations`; the per-microbatch reference is the separate
 layout's encoder forwards (the same positions per encoder DP rank in every layout).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.mimo_runs import module_params, train_mimo
+from tests.harness.mimo_runs import module_params, train_mimo
 
 MICROBATCHES = 4
 BASE = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--encoder", "vision=vit",

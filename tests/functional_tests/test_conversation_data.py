@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.energon_data import energon_flags, synthetic_dataset
-from tests.mimo_runs import TINY_MIMO, train_mimo
-from tests.multiprocess import REPO_ROOT, run_script
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.energon_data import energon_flags, synthetic_dataset
+from tests.harness.mimo_runs import TINY_MIMO, train_mimo
+from tests.harness.multiprocess import REPO_ROOT, run_script
+from tests.harness.tensorboard_scalars import read_scalars
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "chat_template.jinja"

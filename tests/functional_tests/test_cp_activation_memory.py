@@ -8,7 +8,7 @@ dominates the total): a CP split that leaves every rank the whole row keeps it a
 
 from __future__ import annotations
 
-from tests.activation_memory import measure
+from tests.harness.activation_memory import measure
 
 SEQ_LENGTH = 1024
 MOST = 0.6

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
-from tests.mimo_runs import TINY_MIMO, module_params, train_mimo
-from tests.multiprocess import REPO_ROOT, WorkerFailure, run_script
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
+from tests.harness.mimo_runs import TINY_MIMO, module_params, train_mimo
+from tests.harness.multiprocess import REPO_ROOT, WorkerFailure, run_script
+from tests.harness.tensorboard_scalars import read_scalars
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 

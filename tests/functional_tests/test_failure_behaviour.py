@@ -10,8 +10,8 @@ import time
 
 import psutil
 
-from tests.mimo_runs import TINY_MIMO
-from tests.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
+from tests.harness.mimo_runs import TINY_MIMO
+from tests.harness.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 LAYOUT = ["--encoder", "vision=faulty_encoder:FaultyViT", "--grid", "vision:dp=1",

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.mimo_runs import TINY_MIMO
-from tests.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
+from tests.harness.mimo_runs import TINY_MIMO
+from tests.harness.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 PYTHONPATH = f"{REPO_ROOT / 'tests' / 'fixtures'}{os.pathsep}{REPO_ROOT}"

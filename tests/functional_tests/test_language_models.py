@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_plugins.model.language import LanguageModelError, language_config_from_args
-from tests.mimo_runs import cached_mimo_run
+from tests.harness.mimo_runs import cached_mimo_run
 
 SHORT = ("--train-iters", "6", "--eval-interval", "6", "--lr", "3e-3", "--min-lr", "3e-4")
 MOE = ("--num-experts", "4", "--moe-router-topk", "2")

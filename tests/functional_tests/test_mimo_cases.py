@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import launch_preforked
+from tests.harness.multiprocess import launch_preforked
 from tools.functional_tests.comparison import compare
 from tools.functional_tests.runner import (
     ENTRY_POINT,

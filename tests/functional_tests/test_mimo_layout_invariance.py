@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mimo_runs import cached_mimo_run, consumed_keys, module_params, train_mimo
-from tests.multiprocess import WorkerFailure
+from tests.harness.mimo_runs import cached_mimo_run, consumed_keys, module_params, train_mimo
+from tests.harness.multiprocess import WorkerFailure
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 VISION = (*SGD, "--encoder", "vision=vit", "--grid")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.mimo_runs import train_mimo
+from tests.harness.mimo_runs import train_mimo
 
 LAYOUT = ("--encoder", "sensors=tests.fixtures.plain_encoder:PlainEncoder",
           "--grid", "sensors:tp=2", "--grid", "language:dp=1",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_models import MIMO_FLAGS, VIT, save_tiny
-from tests.mimo_runs import TINY_MIMO
-from tests.multiprocess import REPO_ROOT, run_in_processes, run_script
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.mimo_runs import TINY_MIMO
+from tests.harness.multiprocess import REPO_ROOT, run_in_processes, run_script
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.models.hf import MIMO_FLAGS, VIT, save_tiny
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 

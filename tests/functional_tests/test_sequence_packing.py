@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from tests.mimo_runs import module_params, train_mimo
+from tests.harness.mimo_runs import module_params, train_mimo
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 ROW = ("--seq-length", "64", "--max-position-embeddings", "64")

@@ -19,7 +19,7 @@ import torch
 from megatron_plugins.parallel.routing import RoutingPlan, RoutingSummary, summarize
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.parallel.layout import LayoutError, ModulePlacement, ParallelLayout
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 
 def _encoder(tp: int = 1, dp: int = 1, pp: int = 1, rank_offset: int = 0) -> ModulePlacement:

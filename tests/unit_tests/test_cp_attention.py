@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_plugins.ops.cp_attention import ContextParallelAttention
 from megatron_plugins.ops.cp_positions import local_positions
 from megatron_plugins.ops.packed_attention import PackedAttention
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 HEADS, GROUPS, DIM = 4, 2, 8
 SEQ, BATCH = 16, 2

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 SEQ, BATCH, VOCAB = 16, 2, 64
 SECTION = ("4", "2", "2")  # 8 rotary pairs of a 16-dim head

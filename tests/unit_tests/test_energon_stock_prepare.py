@@ -23,7 +23,7 @@ from megatron_plugins.data.text import SampleText
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from tests.energon_data import (
+from tests.harness.energon_data import (
     STOCK_FIELD_MAPS,
     energon_prepare,
     source_args,

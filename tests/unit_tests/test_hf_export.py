@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import (
+from tests.models.hf import (
     export_rank,
     hf_logits,
     rel_diff,
@@ -17,7 +17,7 @@ from tests.hf_models import (
     save_tiny,
     train_from_hf,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 from tools import export_hf
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_plugins.encoders import EncoderPluginError
-from tests.hf_vision_models import (
+from tests.models.hf_vision import (
     assert_streams_back,
     drop_tensor,
     encoder_rank,
@@ -25,8 +25,8 @@ from tests.hf_vision_models import (
     save_tiny,
     train_and_export,
 )
-from tests.hf_models import safetensors_of
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
+from tests.models.hf import safetensors_of
 
 TOLERANCE = 1e-5
 PATCHES = (16 // 4) ** 2

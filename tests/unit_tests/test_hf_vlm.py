@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import (
+from tests.models.hf import rel_diff, safetensors_of
+from tests.models.hf_vlm import (
     IMAGE_TOKEN,
     LAYOUTS,
     PATCHES,
@@ -93,8 +93,8 @@ def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exp
 
 def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_models import save_tiny
-    from tests.hf_vlm_models import vlm_flags
+    from tests.models.hf import save_tiny
+    from tests.models.hf_vlm import vlm_flags
 
     folder = llava[0]
     grids = ("image:dp=1", "language:dp=1")
@@ -127,7 +127,7 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
 def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
         llava, tmp_path, monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_vlm_models import vlm_flags
+    from tests.models.hf_vlm import vlm_flags
 
     folder = llava[0]
     grids = ("image:dp=1", "language:dp=1")
@@ -167,7 +167,7 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
     ({"vision_feature_layer": 1}, PATCHES, 1),
 ], ids=["default", "full", "last-layer", "layer-1"])
 def test_feature_selection_shapes_the_clip_encoder(llava, selection, tokens, layers, tmp_path):
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     folder = edited(llava[0], tmp_path / "llava", config=selection)
     encoder = plugin("clip", folder)

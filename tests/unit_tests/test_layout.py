@@ -17,7 +17,7 @@ from megatron_plugins.parallel.flags import (
     layout_from_args,
     required_world_size,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 
 def parse(command: str, **model: object) -> argparse.Namespace:

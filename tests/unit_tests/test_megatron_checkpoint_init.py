@@ -19,8 +19,8 @@ from megatron_plugins.weights.megatron_init import (
     split_key,
     tensor_problems,
 )
-from tests.megatron_checkpoints import write_checkpoints
-from tests.mimo_runs import TINY_MIMO
+from tests.harness.mimo_runs import TINY_MIMO
+from tests.models.megatron_checkpoints import write_checkpoints
 
 LAYOUT = ["--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=2"]
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.multiprocess import WorkerFailure, launch_preforked, run_in_processes
+from tests.harness.multiprocess import WorkerFailure, launch_preforked, run_in_processes
 
 
 def _rank_one_dies() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_plugins.launch.plan import main
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 GOOD = ["--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:pp=2,dp=2,ep=2",
         "--num-experts", "4", "--nproc-per-node", "6"]

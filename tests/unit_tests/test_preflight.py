@@ -16,7 +16,7 @@ from megatron_plugins.launch.preflight import (
     check_run,
     resolve_freeze,
 )
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 TWO = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "vision:",
        "--grid", "audio:", "--grid", "language:dp=2"]

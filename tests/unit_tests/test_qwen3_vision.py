@@ -11,8 +11,8 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
-from tests.hf_vision_models import (
+from tests.models.hf import pieces_from, safetensors_of
+from tests.models.hf_vision import (
     QWEN_IMAGES,
     QWEN_PIXELS,
     language_config,
@@ -24,8 +24,8 @@ from tests.hf_vision_models import (
     save_tiny_qwen,
     train_and_export,
 )
-from tests.multiprocess import run_in_processes
-from tests.qwen3_vlm_models import (
+from tests.harness.multiprocess import run_in_processes
+from tests.models.qwen3_vlm import (
     TEXT,
     hf_features,
     processor,
@@ -144,7 +144,7 @@ def test_trained_tower_and_mergers_export_to_a_vision_folder_transformers_reprod
     no DeepStack input): the tower at encoder TP 2 and its merger as the projection, trained 2
     steps, saved, exported; the exported vision folder holds exactly the live tensors and
     transformers on it gives our encoder + projection's features."""
-    from tests.hf_models import SHAPE
+    from tests.models.hf import SHAPE
 
     qwen = save_tiny_qwen3_vl(tmp_path / "qwen3", text={"hidden_size": SHAPE["hidden_size"]},
                               deepstack_visual_indexes=[])

@@ -13,9 +13,9 @@ import torch
 from megatron_plugins.data.positions import mrope_position_ids
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
-from tests.hf_models import rel_diff
-from tests.multiprocess import run_in_processes
-from tests.qwen3_text_models import (
+from tests.harness.multiprocess import run_in_processes
+from tests.models.hf import rel_diff
+from tests.models.qwen3_text import (
     HIDDEN,
     IMAGE_TOKEN,
     LEVELS,

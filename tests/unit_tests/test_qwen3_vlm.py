@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import safetensors_of
-from tests.hf_vlm_models import (
+from tests.models.hf import safetensors_of
+from tests.models.hf_vlm import (
     LAYOUTS,
     bad_input,
     check_export,
@@ -28,8 +28,8 @@ from tests.hf_vlm_models import (
     train_and_export,
     vlm_flags,
 )
-from tests.qwen3_whole_models import hf_logits, save_whole
-from tests.qwen_vlm_models import forward_diff, images, sample
+from tests.models.qwen3_whole import hf_logits, save_whole
+from tests.models.qwen_vlm import forward_diff, images, sample
 
 TOLERANCE = 1e-5
 
@@ -98,8 +98,8 @@ def test_training_starts_from_transformers_loss_on_the_first_batch(exported):
     regenerates here with its positions (the mock lays image runs side by side, which
     transformers' Qwen3-VL positions cannot read; ``test_qwen3_vl_language.py`` checks the
     positions against them where they can)."""
-    from tests.qwen_vlm_models import hf_first_batch_loss
-    from tests.tensorboard_scalars import read_scalars
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.qwen_vlm import hf_first_batch_loss
 
     root, folder, _ = exported
     losses = read_scalars(root / "tensorboard", "lm loss")
@@ -164,8 +164,8 @@ TRAIN = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--train-ite
 def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
              extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """Per-iteration ``lm loss`` and every trained tensor of a short run of ``folder``."""
-    from tests.hf_vlm_models import vlm_train
-    from tests.tensorboard_scalars import read_scalars
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vlm import vlm_train
 
     pieces = vlm_train(nproc, folder, grids, (*TRAIN, "--tensorboard-dir", str(root / name),
                                               *extra))

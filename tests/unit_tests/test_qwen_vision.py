@@ -13,8 +13,8 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
-from tests.hf_vision_models import (
+from tests.models.hf import pieces_from, safetensors_of
+from tests.models.hf_vision import (
     QWEN_IMAGES,
     QWEN_PIXELS,
     plugin,
@@ -28,7 +28,7 @@ from tests.hf_vision_models import (
     save_tiny_qwen,
     train_and_export,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 
@@ -149,7 +149,7 @@ def test_a_video_at_grid_size_is_hf_image_processors_frames_paired(tmp_path):
 
 
 def test_errors_name_the_flag_and_both_sizes_or_types(tmp_path):
-    from tests.hf_vision_models import language_config
+    from tests.models.hf_vision import language_config
 
     clip = save_tiny("clip", tmp_path / "clip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"--encoder-hf-weights vision=.*clip: "
@@ -187,7 +187,7 @@ def test_trained_tower_and_merger_export_to_a_vision_folder_transformers_reprodu
     projection, loaded from a whole folder, trained 2 steps, saved, exported; the exported
     vision folder holds exactly the live tower + merger's streamed tensors (no projections file
     for it), and transformers on that folder gives our encoder + projection's features."""
-    from tests.hf_models import SHAPE
+    from tests.models.hf import SHAPE
 
     qwen = save_tiny_qwen(tmp_path / "qwen", text_hidden=SHAPE["hidden_size"])
     streamed, out = train_and_export(tmp_path, "qwen2_5_vl", qwen, seq_length=64)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from megatron_plugins.media.codec import Video
-from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import LAYOUTS, check_export, identical_exports, train_and_export
-from tests.multiprocess import REPO_ROOT
-from tests.qwen_vlm_models import (
+from tests.harness.multiprocess import REPO_ROOT
+from tests.models.hf import rel_diff, safetensors_of
+from tests.models.hf_vlm import LAYOUTS, check_export, identical_exports, train_and_export
+from tests.models.qwen_vlm import (
     IMAGE_TOKEN,
     VOCAB,
     WRAPPING,
@@ -115,7 +115,7 @@ def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
 def test_a_merger_that_does_not_meet_the_language_model_is_one_line(qwen, tmp_path,
                                                                      monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_vlm_models import bad_input, edited, vlm_flags
+    from tests.models.hf_vlm import bad_input, edited, vlm_flags
 
     folder = qwen[0]
     text = json.loads((folder / "config.json").read_text())["text_config"]
@@ -147,7 +147,7 @@ def test_the_folder_splits_into_tower_merger_and_language_parts(qwen):
 
 def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(qwen):
     from megatron_plugins.data.mock import MockSource
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     encoder = plugin("qwen2_5_vl", qwen[0])
     source = MockSource(seed=1, seq_length=64, vocab_size=VOCAB, plugins={"image": encoder},
@@ -168,7 +168,7 @@ def test_the_checkpoints_vision_start_and_end_wrap_every_mock_run(qwen, tmp_path
 
     from megatron_plugins.data.mock import MockSource
     from megatron_plugins.weights.flags import checkpoint_item_wrapping
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     def wrapping(folder):
         return checkpoint_item_wrapping(argparse.Namespace(
@@ -212,9 +212,9 @@ def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_l
     import subprocess
 
     from megatron_plugins.data.mock import MockSource
-    from tests.hf_vision_models import plugin
-    from tests.qwen_vlm_models import hf_first_batch_loss
-    from tests.tensorboard_scalars import read_scalars
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen_vlm import hf_first_batch_loss
 
     folder = qwen[0]
     result = subprocess.run(["bash", str(RECIPE), str(folder), "--mock-video-frames", "3",

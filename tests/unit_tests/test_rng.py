@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 SEED = 1234
 STREAMS = ("python", "numpy", "torch", "cuda", "model-parallel", "expert-parallel")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_plugins.errors import UsageError
-from tests.mimo_runs import TINY_MIMO
+from tests.harness.mimo_runs import TINY_MIMO
 
 LAYOUT = ["--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=2"]
 NO_TOKENIZER = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "NullTokenizer")]

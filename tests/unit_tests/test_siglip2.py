@@ -12,8 +12,8 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.encoders.siglip2 import siglip2_image_size
-from tests.hf_models import safetensors_of
-from tests.hf_vision_models import (
+from tests.models.hf import safetensors_of
+from tests.models.hf_vision import (
     assert_streams_back,
     SIGLIP2_MAX_PATCHES,
     plugin,
@@ -25,7 +25,7 @@ from tests.hf_vision_models import (
     train_and_export,
     uint8_image,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 SIZES = [(16, 16), (12, 40), (44, 10), (90, 70), (3, 5), (16, 16)]

@@ -14,7 +14,7 @@ import shlex
 import pytest
 
 from megatron_plugins.launch.plan import main as plan_main
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 DENSE = ("tp", "cp", "dp", "pp")
 EXPERT = ("expt_tp", "ep", "expt_dp", "pp")

@@ -15,9 +15,9 @@ import torch
 from megatron_plugins.media.codec import Waveform
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
-from tests.hf_vision_models import drop_tensor, rel_diff
-from tests.hf_whisper_models import (
+from tests.models.hf import pieces_from, safetensors_of
+from tests.models.hf_vision import drop_tensor, rel_diff
+from tests.models.hf_whisper import (
     RATE,
     SHAPE,
     encoder_rank,
@@ -28,7 +28,7 @@ from tests.hf_whisper_models import (
     save_tiny,
     waveforms,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 POSITIONS = SHAPE["max_source_positions"]
@@ -146,7 +146,7 @@ def test_missing_hf_tensor_is_one_line_naming_it(whisper, tmp_path):
 
 
 def test_errors_name_the_flag_file_and_sample_field(whisper, tmp_path):
-    from tests.hf_vision_models import save_tiny as save_vision
+    from tests.models.hf_vision import save_tiny as save_vision
 
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights audio=DIR"):
         plugin("")
@@ -175,7 +175,7 @@ def test_trained_whisper_encoder_exports_what_it_streams_and_transformers_loads_
     transformers' WhisperEncoder loads it with no tensor missing or left over."""
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    from tests import hf_models
+    from tests.models import hf as hf_models
 
     language = hf_models.save_tiny("llama", tmp_path / "llama")
     whisper = save_tiny(tmp_path / "whisper", seed=7)

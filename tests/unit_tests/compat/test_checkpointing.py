@@ -17,7 +17,7 @@ from megatron_plugins.compat.checkpointing import (
     put_plain_values,
     restore_module_rng,
 )
-from tests.multiprocess import REPO_ROOT, run_in_processes
+from tests.harness.multiprocess import REPO_ROOT, run_in_processes
 
 
 def test_gap5_canary_mimo_optimizer_keeps_plain_state_in_rank_zero_common_state():

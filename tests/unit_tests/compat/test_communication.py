@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_plugins.compat import MegatronCompatError, communication
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 from tests.unit_tests.compat.wheel_source import source_digest
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from megatron_plugins.compat import GAPS
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 
 SNAPSHOT = """

@@ -18,7 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.compat import model_build
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 
 STOCK_LOCAL_ATTENTION = """

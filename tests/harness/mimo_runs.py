@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from tests.activation_memory import HeldActivations
-from tests.multiprocess import run_in_processes
-from tests.tensorboard_scalars import read_scalars
-from tests.tiny_model import TINY_TRANSFORMER
+from tests.harness.activation_memory import HeldActivations
+from tests.harness.multiprocess import run_in_processes
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.models.tiny import TINY_TRANSFORMER
 
 TINY_MIMO = [*TINY_TRANSFORMER, "--train-iters", "10", "--eval-interval", "5"]
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tools.functional_tests.runner import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerFailure(RuntimeError):
@@ -82,12 +82,12 @@ def _kill(processes: Sequence[mp.Process]) -> None:
         process.join(timeout=10)
 
 
-SIMULATION_PRELOAD = "tests.simulation_preload"
+SIMULATION_PRELOAD = "tests.harness.simulation_preload"
 
 
 def _context(simulated: bool) -> Any:
     """Fresh interpreters (spawn), or forks of one server that already activated the CPU
-    simulation and imported Megatron (:mod:`tests.simulation_preload`)."""
+    simulation and imported Megatron (:mod:`tests.harness.simulation_preload`)."""
     if not simulated:
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")

@@ -112,8 +112,8 @@ def encoder_rank(folder: str, tp: int, features: np.ndarray) -> dict[str, Any]:
 
     from megatron_plugins.weights.flags import ENCODER_FLAG
     from megatron_plugins.weights.hf_import import load_hf_weights
-    from tests.hf_models import streamed
-    from tests.hf_vision_models import language_config
+    from tests.models.hf import streamed
+    from tests.models.hf_vision import language_config
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

@@ -21,6 +21,8 @@ import pytest
 
 from tests.harness.mimo_runs import module_params, train_mimo
 
+pytestmark = pytest.mark.multirank
+
 MICROBATCHES = 4
 BASE = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--encoder", "vision=vit",
         "--global-batch-size", "16", "--train-iters", "2", "--eval-iters", "0",

@@ -28,6 +28,8 @@ from tests.harness.mimo_runs import TINY_MIMO, train_mimo
 from tests.harness.multiprocess import REPO_ROOT, run_script
 from tests.harness.tensorboard_scalars import read_scalars
 
+pytestmark = pytest.mark.multirank
+
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "chat_template.jinja"
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")

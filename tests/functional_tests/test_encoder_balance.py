@@ -8,8 +8,12 @@ one-rank-per-module run to 1e-5 relative, on the same language samples.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.functional_tests.test_mimo_layout_invariance import NATIVE, _assert_same_training
 from tests.harness.mimo_runs import cached_mimo_run
+
+pytestmark = pytest.mark.multirank
 
 BALANCE = "--balance-encoder-work"
 LANGUAGE1 = ("--grid", "language:")

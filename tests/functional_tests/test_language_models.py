@@ -36,6 +36,7 @@ def _assert_trains(losses: dict[int, float]) -> None:
     assert losses[6] < losses[1] - 0.1, losses
 
 
+@pytest.mark.multirank
 def test_moe_on_one_expert_rank_with_biases_trains() -> None:
     scalars, results = cached_mimo_run(3, _layout("language:dp=2", *MOE))
     _assert_trains(scalars["lm loss"])
@@ -44,6 +45,7 @@ def test_moe_on_one_expert_rank_with_biases_trains() -> None:
     assert "module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.bias" in params
 
 
+@pytest.mark.multirank
 def test_cpu_initialized_experts_are_distinct_and_the_same_model_at_ep1_and_ep2() -> None:
     ep1_scalars, _ = cached_mimo_run(3, _layout("language:dp=2", *MOE))
     ep2_scalars, results = cached_mimo_run(3, _layout("language:dp=2,ep=2", *MOE))
@@ -56,6 +58,7 @@ def test_cpu_initialized_experts_are_distinct_and_the_same_model_at_ep1_and_ep2(
     assert all(np.array_equal(ep0[name], ep1[name]) for name in dense)
 
 
+@pytest.mark.multirank
 def test_hybrid_attention_and_mlp_pattern_trains() -> None:
     scalars, results = cached_mimo_run(2, _layout("language:", "--hybrid-layer-pattern", "*-"))
     _assert_trains(scalars["lm loss"])
@@ -64,6 +67,7 @@ def test_hybrid_attention_and_mlp_pattern_trains() -> None:
     assert "module.decoder.final_norm.weight" in params
 
 
+@pytest.mark.multirank
 def test_hybrid_moe_pattern_trains() -> None:
     scalars, results = cached_mimo_run(
         2, _layout("language:", "--hybrid-layer-pattern", "*E", *MOE))

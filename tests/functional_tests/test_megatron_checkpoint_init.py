@@ -14,6 +14,8 @@ from tests.harness.mimo_runs import TINY_MIMO, module_params, train_mimo, train_
 from tests.harness.multiprocess import WorkerFailure, run_in_processes
 from tests.models.megatron_checkpoints import read_modules, write_checkpoints
 
+pytestmark = pytest.mark.multirank
+
 ENCODER_TP2 = ("--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:")
 LANGUAGE_PP2 = ("--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:pp=2")
 UNTIED = ("--untie-embeddings-and-output-weights",)  # a pipelined MiMo language model needs it

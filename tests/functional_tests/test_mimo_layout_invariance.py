@@ -16,6 +16,8 @@ import pytest
 from tests.harness.mimo_runs import cached_mimo_run, consumed_keys, module_params, train_mimo
 from tests.harness.multiprocess import WorkerFailure
 
+pytestmark = pytest.mark.multirank
+
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 VISION = (*SGD, "--encoder", "vision=vit", "--grid")
 ONE_ENCODER = {  # name: (processes, layout flags)

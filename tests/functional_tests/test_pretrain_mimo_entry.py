@@ -16,6 +16,8 @@ from tests.harness.multiprocess import REPO_ROOT, run_in_processes, run_script
 from tests.harness.tensorboard_scalars import read_scalars
 from tests.models.hf import MIMO_FLAGS, VIT, save_tiny
 
+pytestmark = pytest.mark.multirank
+
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.harness.mimo_runs import module_params, train_mimo
 
+pytestmark = pytest.mark.multirank
+
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 ROW = ("--seq-length", "64", "--max-position-embeddings", "64")
 BASE = (*SGD, *ROW, "--encoder", "vision=vit", "--grid")

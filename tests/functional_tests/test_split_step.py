@@ -17,6 +17,8 @@ import pytest
 
 from tests.harness.split_step_runs import run_plans
 
+pytestmark = pytest.mark.multirank
+
 STOCK = (("stock",), ("stock",), ("stock",))
 SPLIT_WITH_ABORTS = (("abort", 1, False), ("split", None), ("abort", 1, True), ("split", None),
                      ("abort", 0, True), ("split", None))

@@ -19,6 +19,8 @@ from tests.harness.multiprocess import REPO_ROOT, run_script
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import step_overhead  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 ENCODERS = 1
 MICROBATCHES = 4
 WORLD_WIDE_TARGET = 2

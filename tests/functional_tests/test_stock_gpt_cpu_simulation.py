@@ -10,6 +10,8 @@ import pytest
 from tests.harness.gpt_runs import cached_gpt_run, train_gpt
 from tests.harness.multiprocess import WorkerFailure
 
+pytestmark = pytest.mark.multirank
+
 # name: (processes, extra stock flags, whether all ranks are data-parallel replicas)
 LAYOUTS = {
     "dp2": (2, (), True),

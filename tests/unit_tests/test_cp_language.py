@@ -171,6 +171,7 @@ def cp2_ranks() -> list[dict[str, object]]:
 
 @pytest.mark.parametrize("case", range(len(CASES)),
                          ids=[f"{rope}-{'thd' if packed else 'sbhd'}" for rope, packed in CASES])
+@pytest.mark.multirank
 def test_cp2_language_model_equals_cp1(cp2_ranks, case):
     from megatron.core.packed_seq_params import PackedSeqParams
 

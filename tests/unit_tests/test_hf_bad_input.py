@@ -87,6 +87,7 @@ def _rewrite(folder, change):
     return str(folder)
 
 
+@pytest.mark.multirank
 def test_bad_tensors_are_named_before_training(tmp_path):
     def drop(t):
         del t["model.layers.1.mlp.up_proj.weight"]

@@ -20,6 +20,8 @@ from tests.models.hf import (
 )
 from tests.harness.multiprocess import run_in_processes
 
+pytestmark = pytest.mark.multirank
+
 TOLERANCE = 1e-5
 
 

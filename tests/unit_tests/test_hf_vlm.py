@@ -42,6 +42,7 @@ def llava(tmp_path_factory):
 
 
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_llava_reproduces_transformers_logits_on_two_images_and_streams_back(
         llava, grids, nproc):
     folder, ids, pixels, want = llava
@@ -69,12 +70,14 @@ def exported(llava, tmp_path_factory):
     return root, folder, train_and_export(folder, root)
 
 
+@pytest.mark.multirank
 def test_two_saving_layouts_export_one_identical_llava_folder(exported):
     # generation_config.json: the source folder's other files are copied unchanged
     assert identical_exports(exported[0]) == ["config.json", "generation_config.json",
                                               "model.safetensors"]
 
 
+@pytest.mark.multirank
 def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exported):
     import transformers
 

@@ -444,6 +444,7 @@ def _with_stock_parser(command: str) -> dict[str, object]:
     }
 
 
+@pytest.mark.multirank
 def test_layout_flags_work_with_stock_parser_and_validation():
     command = (
         "--encoder vision=vit --grid vision:dp=2 --grid language:tp=2,pp=2,dp=2 --num-layers 4 "

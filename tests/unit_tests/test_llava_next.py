@@ -74,6 +74,7 @@ def test_crops_and_token_counts_equal_hf_for_sizes_and_aspect_ratios(llava_next)
 
 
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_llava_next_reproduces_transformers_logits_on_three_images_and_streams_back(
         llava_next, grids, nproc):
     folder, pictures, ids, want, counts = llava_next
@@ -103,6 +104,7 @@ def exported(llava_next, tmp_path_factory):
     return root, folder, train_and_export(folder, root, SEQ_LENGTH)
 
 
+@pytest.mark.multirank
 def test_export_loads_as_llava_next_with_the_trained_newline_the_same_from_two_layouts(
         exported):
     import transformers

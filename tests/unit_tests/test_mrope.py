@@ -253,6 +253,7 @@ def test_qwen2_5_vl_folder_implies_mrope_and_refuses_sections_megatron_splits_ot
         language_args(str(bad))
 
 
+@pytest.mark.multirank
 def test_qwen2_5_vl_language_model_reproduces_transformers_logits(tmp_path) -> None:
     """Same embeddings, same 3D positions (two samples with images of different grids): the
     imported Megatron mrope GPT's logits equal transformers' language model + lm_head."""

@@ -146,6 +146,7 @@ def packed_and_alone(tp: int) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.multirank
 def test_packed_microbatch_equals_each_image_alone(tp: int) -> None:
     results = run_in_processes(packed_and_alone, tp, args=(tp,), simulated=True, timeout=180)
     for rank, result in enumerate(results):

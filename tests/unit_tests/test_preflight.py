@@ -113,6 +113,7 @@ def test_language_context_parallelism_passes_the_preflight():
     assert args.cp_comm_type == ["p2p", "a2a"]  # one per layer, as stock parses it
 
 
+@pytest.mark.multirank
 def test_a_process_spawned_by_a_rank_re_imports_the_entry_point_without_torch():
     """Stock's first checkpoint save spawns a Manager per rank, which re-imports the launched
     script as ``__mp_main__``: importing torch and Megatron there cost ~6 s and ~750 MiB a rank."""
@@ -135,6 +136,7 @@ def _entry_point(flags: list[str], world_size: int) -> subprocess.CompletedProce
                           text=True, timeout=60, env={"WORLD_SIZE": str(world_size), "PATH": ""})
 
 
+@pytest.mark.multirank
 def test_a_refused_layout_exits_2_before_torch_is_imported():
     start = time.monotonic()
     result = _entry_point(["--grid", "language:dp=4"], 3)
@@ -178,6 +180,7 @@ def test_encoder_recompute_needs_an_encoder_on_the_language_ranks():
         "--grid NAME:...@language")
 
 
+@pytest.mark.multirank
 def test_the_entry_point_refuses_a_colocated_grid_of_the_wrong_size_before_torch_is_imported():
     result = _entry_point([*COLOCATED[:4], "--grid", "language:dp=2"], 2)
     assert result.returncode == 2

@@ -55,6 +55,7 @@ def test_positions_equal_qwen3_vl_get_rope_index() -> None:
     assert torch.equal(mrope_position_ids(TOKENS[1], {IMAGE_TOKEN: layouts[2:]}), want[:, 1])
 
 
+@pytest.mark.multirank
 def test_language_logits_with_deepstack_equal_transformers_at_3d_positions(tmp_path) -> None:
     """Same embeddings and 3D positions; the image positions' rows ``[main, level 0, level 1]``
     split by DeepStack: the logits are transformers' (which adds the levels after layers 0

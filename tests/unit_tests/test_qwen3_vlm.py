@@ -44,6 +44,7 @@ def qwen3(tmp_path_factory):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.multirank
 def test_whole_qwen3_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
         qwen3, layout):
     folder, ids, pictures, want = qwen3
@@ -60,6 +61,7 @@ def exported(qwen3, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_a_colocated_saving_layout_exports_the_same_qwen3_vl_folder(exported):
     """The trained weights re-saved with the tower on the language ranks (tower TP 2 on language
     DP 2) export byte-identical files: checkpoint keys do not depend on where modules ran."""
@@ -70,6 +72,7 @@ def test_a_colocated_saving_layout_exports_the_same_qwen3_vl_folder(exported):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_loads(exported):
     import transformers
 
@@ -92,6 +95,7 @@ def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_lo
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_training_starts_from_transformers_loss_on_the_first_batch(exported):
     """Step 1 of the run (weights still the folder's; DeepStack in the forward step) is
     transformers' loss on the same first global batch, which the deterministic mock source
@@ -173,6 +177,7 @@ def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.multirank
 def test_deepstack_trains_identically_at_language_tp2_packed_and_colocated(tmp_path):
     """DeepStack's levels, scattered to several images of varied sizes per sample, shard as
     MiMo shards the text embeddings: language TP 2, packed rows, and the tower on the language

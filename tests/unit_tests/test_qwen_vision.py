@@ -33,6 +33,7 @@ from tests.harness.multiprocess import run_in_processes
 TOLERANCE = 1e-5
 
 
+@pytest.mark.multirank
 def test_one_rank_reproduces_transformers_merged_features_of_a_packed_microbatch(tmp_path):
     """A whole Qwen2.5-VL folder (language tensors left out); five images of different sizes in
     one packed microbatch, window layers and a full-attention layer."""
@@ -51,6 +52,7 @@ def test_one_rank_reproduces_transformers_merged_features_of_a_packed_microbatch
     assert rel_diff(result["output"], want) < TOLERANCE
 
 
+@pytest.mark.multirank
 def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_path):
     """Encoder TP 2 over gloo: fused qkv, SwiGLU and the merger MLP sharded; the two ranks'
     streamed pieces reassemble to exactly the folder's vision tensors (merger included)."""
@@ -74,6 +76,7 @@ def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_pat
         assert torch.equal(assembled[name], tensor), name
 
 
+@pytest.mark.multirank
 def test_vision_model_folder_loads_too(tmp_path):
     """A folder of just Qwen2_5_VisionTransformerPretrainedModel (names without ``visual.``)."""
     folder = save_tiny_qwen(tmp_path / "visual", seed=5, vision_only=True)
@@ -182,6 +185,7 @@ def test_item_tokens_follow_the_resized_grid(tmp_path):
     assert encoder.tokens_per_item == 20
 
 
+@pytest.mark.multirank
 def test_trained_tower_and_merger_export_to_a_vision_folder_transformers_reproduces(tmp_path):
     """Round trip through a MiMo run: Qwen2.5-VL's tower at encoder TP 2 and its merger as the
     projection, loaded from a whole folder, trained 2 steps, saved, exported; the exported

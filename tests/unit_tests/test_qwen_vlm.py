@@ -44,6 +44,7 @@ def qwen(tmp_path_factory):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
         qwen, grids, nproc):
     folder, ids, pictures, want = qwen
@@ -63,6 +64,7 @@ def video(qwen):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_a_video_an_image_and_text(
         qwen, video, grids, nproc):
     """A 5-frame video at 3 fps (three temporal steps, the last frame repeated; time positions
@@ -85,6 +87,7 @@ def exported(qwen, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
     # the processor's and generation files are carried from the source folder
     assert identical_exports(exported[0]) == ["config.json", "generation_config.json",
@@ -92,6 +95,7 @@ def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
     import transformers
 
@@ -201,6 +205,7 @@ RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simul
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_loss(
         qwen, tmp_path):
     """The recipe script trains the tiny folder whole (0 to 3 mock items a sample, images of

@@ -16,6 +16,8 @@ import pytest
 from megatron_plugins.launch.plan import main as plan_main
 from tests.harness.multiprocess import run_in_processes
 
+pytestmark = pytest.mark.multirank
+
 DENSE = ("tp", "cp", "dp", "pp")
 EXPERT = ("expt_tp", "ep", "expt_dp", "pp")
 

@@ -69,6 +69,7 @@ def test_features_follow_preprocessor_config_json(tmp_path):
     np.testing.assert_array_equal(got.numpy(), want["input_features"][0])
 
 
+@pytest.mark.multirank
 def test_one_rank_encoder_reproduces_transformers_and_keeps_key_bias_out(whisper):
     features = _features(whisper)
     [result] = run_in_processes(encoder_rank, 1, args=(str(whisper), 1, features), timeout=120,
@@ -83,6 +84,7 @@ def test_one_rank_encoder_reproduces_transformers_and_keeps_key_bias_out(whisper
 
 
 @pytest.mark.parametrize("model", ["WhisperModel", "WhisperEncoder"])
+@pytest.mark.multirank
 def test_other_whisper_folders_load_their_encoder(model, tmp_path):
     """A WhisperModel (encoder. prefix, a decoder left out) and an encoder-only save."""
     folder = save_tiny(tmp_path / model, seed=5, model=model)
@@ -92,6 +94,7 @@ def test_other_whisper_folders_load_their_encoder(model, tmp_path):
     assert rel_diff(result["output"], hf_hidden_states(folder, features)) < TOLERANCE
 
 
+@pytest.mark.multirank
 def test_encoder_tp2_reproduces_transformers_and_streams_back(tmp_path):
     folder = save_tiny(tmp_path / "whisper", seed=3)
     features = _features(folder, ("long", "silence", "short"))
@@ -135,6 +138,7 @@ def test_export_refuses_a_nonzero_key_bias():
         list(pieces_of(LocalParam(name, bias, bound, 0, 1), bias.view(-1), heads, None))
 
 
+@pytest.mark.multirank
 def test_missing_hf_tensor_is_one_line_naming_it(whisper, tmp_path):
     broken = drop_tensor(whisper, tmp_path / "broken", "model.encoder.layers.1.fc2.bias")
     shutil.copy(whisper / "preprocessor_config.json", broken)
@@ -168,6 +172,7 @@ def test_errors_name_the_flag_file_and_sample_field(whisper, tmp_path):
         plugin(config)
 
 
+@pytest.mark.multirank
 def test_trained_whisper_encoder_exports_what_it_streams_and_transformers_loads_it(tmp_path):
     """Round trip through stock pretrain(): Whisper imported at encoder TP 2 behind a language
     model, trained 2 steps, saved, exported; the key bias stayed zero (streaming refuses it

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_plugins.compat.checkpointing import (
     MODULE_RNG_STATES,
     carry_module_rng,
@@ -122,6 +124,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.multirank
 def test_gap6_canary_stock_distributed_optimizer_resume_without_te_or_apex():
     """Gap 6, every part, on torch Adam in a one-rank world under the CPU simulation: a fresh
     optimizer cannot make a load template; the dp_reshardable param-state load copies into
@@ -413,6 +416,7 @@ def _language_cp2_checkpoints(folder: str) -> dict:
     return report
 
 
+@pytest.mark.multirank
 def test_gap22_bridge_saves_and_resumes_language_optimizer_state_at_cp2(tmp_path):
     """Stock save validation rejects every case's MiMo optimizer objects as duplicated over CP;
     with the bridges each CP rank resumes exactly the Adam state it saved, and CP ranks of a

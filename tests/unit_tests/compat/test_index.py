@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from megatron_plugins.compat import GAPS
 from tests.harness.multiprocess import REPO_ROOT
 
@@ -35,6 +37,7 @@ print(len(names), changed)
 """
 
 
+@pytest.mark.multirank
 def test_importing_every_plugin_module_changes_nothing_in_torch_or_megatron():
     result = subprocess.run([sys.executable, "-c", SNAPSHOT], cwd=REPO_ROOT, text=True,
                             capture_output=True, timeout=240)

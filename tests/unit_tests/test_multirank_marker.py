@@ -1,0 +1,55 @@
+"""A test that starts processes without ``@pytest.mark.multirank`` fails, so the fast subset
+(``pytest -m "not multirank"``) cannot silently start ranks again."""
+
+from __future__ import annotations
+
+import pytest
+
+INNER_TESTS = '''
+import multiprocessing
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def launched():
+    subprocess.run(["true"], check=True)
+
+
+def test_unmarked_subprocess():
+    subprocess.run(["true"], check=True)
+
+
+def test_unmarked_rank():
+    process = multiprocessing.get_context("spawn").Process(target=int)
+    process.start()
+    process.join()
+
+
+def test_unmarked_fixture_launch(launched):
+    pass
+
+
+@pytest.mark.multirank
+def test_marked_subprocess():
+    subprocess.run(["true"], check=True)
+
+
+def test_in_process():
+    assert sum([1, 2]) == 3
+'''
+
+
+def test_starting_processes_without_the_marker_fails_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nmarkers =\n    multirank: starts processes\n")
+    pytester.makepyfile(test_inner=INNER_TESTS)
+    result = pytester.runpytest_inprocess("-p", "tests.harness.multirank", "-p",
+                                          "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2, errors=1)
+    result.stdout.fnmatch_lines([  # errors (setup) are reported before failures
+        "*test_unmarked_fixture_launch started 1 process(es) in its setup *",
+        "*test_unmarked_subprocess started 1 process(es) in its call without "
+        "@pytest.mark.multirank (first: true)*",
+        "*test_unmarked_rank started 1 process(es) in its call * (first: multiprocessing *",
+    ])

@@ -1,13 +1,14 @@
 """The ``multirank`` marker and the check that keeps it true (a pytest plugin, loaded by
 ``tests/conftest.py``).
 
-A test starts processes when it runs gloo ranks, a torchrun or entry-point launch, or a fresh
-interpreter (``run_in_processes``, ``run_script``, ``launch_preforked``, ``subprocess``, data
-loader workers): each costs seconds of imports on a 2-core machine. Such a test, or a fixture it
-uses, must carry ``@pytest.mark.multirank``, so that ``pytest -m "not multirank"`` is the fast,
-in-process subset. Forgetting the marker cannot go unnoticed: a test phase that starts a process
-(a ``multiprocessing`` start or a ``subprocess.Popen`` audit event) without it fails, naming
-what it started.
+A test starts processes when it runs gloo ranks, a torchrun or entry-point launch, or any other
+fresh interpreter (``run_in_processes``, ``run_script``, ``launch_preforked``, ``subprocess``):
+each costs seconds of imports or a preloaded server's start on a 2-core machine. Such a test, or
+a fixture it uses, must carry ``@pytest.mark.multirank``, so that ``pytest -m "not multirank"``
+is the fast, in-process subset. Forgetting the marker cannot go unnoticed: a test phase that
+starts one (a ``subprocess.Popen`` audit event, a ``multiprocessing`` start by spawn or
+forkserver) without it fails, naming what it started. Plain forks of the test process (Energon's
+indexing pool, data loader workers) start nothing new and are allowed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ _stock_start = multiprocessing.process.BaseProcess.start
 
 
 def _start(self: multiprocessing.process.BaseProcess) -> None:
-    _record(f"multiprocessing {self.name} running {getattr(self, '_target', None)!r}")
+    method = getattr(self, "_start_method", None) or multiprocessing.get_start_method()
+    if method != "fork":
+        _record(f"{method} {self.name} running {getattr(self, '_target', None)!r}")
     _stock_start(self)
 
 

@@ -1,5 +1,5 @@
 """A test that starts processes without ``@pytest.mark.multirank`` fails, so the fast subset
-(``pytest -m "not multirank"``) cannot silently start ranks again."""
+(``pytest -m "not multirank"``) cannot silently start ranks again; plain forks stay allowed."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def test_unmarked_fixture_launch(launched):
     pass
 
 
+def test_forked_worker():
+    process = multiprocessing.get_context("fork").Process(target=int)
+    process.start()
+    process.join()
+
+
 @pytest.mark.multirank
 def test_marked_subprocess():
     subprocess.run(["true"], check=True)
@@ -46,10 +52,10 @@ def test_starting_processes_without_the_marker_fails_the_test(pytester: pytest.P
     pytester.makepyfile(test_inner=INNER_TESTS)
     result = pytester.runpytest_inprocess("-p", "tests.harness.multirank", "-p",
                                           "no:cacheprovider")
-    result.assert_outcomes(passed=2, failed=2, errors=1)
+    result.assert_outcomes(passed=3, failed=2, errors=1)
     result.stdout.fnmatch_lines([  # errors (setup) are reported before failures
         "*test_unmarked_fixture_launch started 1 process(es) in its setup *",
         "*test_unmarked_subprocess started 1 process(es) in its call without "
         "@pytest.mark.multirank (first: true)*",
-        "*test_unmarked_rank started 1 process(es) in its call * (first: multiprocessing *",
+        "*test_unmarked_rank started 1 process(es) in its call * (first: spawn SpawnProcess-1 *",
     ])

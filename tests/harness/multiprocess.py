@@ -2,8 +2,9 @@
 
 Three ways in: :func:`run_in_processes` runs a picklable function on every rank of a fresh gloo
 world and returns the per-rank results; :func:`run_script` launches a script through ``torchrun``
-in its own process group; :func:`launch_preforked` runs a CPU-simulation script's ranks as forks of
-a server that has already imported torch and Megatron. All kill every child on failure or timeout.
+in its own process group; :func:`launch_preforked` (and :func:`run_preforked`) runs a
+CPU-simulation script's ranks as forks of a server that has already imported torch and Megatron.
+All kill every child on failure or timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -107,6 +109,12 @@ def _context(simulated: bool) -> Any:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([SIMULATION_PRELOAD])
     return context
+
+
+def start_simulation_server() -> None:
+    """Start the simulated ranks' forkserver if it is not running yet (it imports torch and
+    Megatron once, seconds of CPU), so that what the caller times next is its launch alone."""
+    run_in_processes(int, 1, simulated=True, timeout=300)
 
 
 def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float = 90.0,
@@ -304,3 +312,17 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
             time.sleep(0.1)
     finally:
         _kill_trees(processes)
+
+
+def run_preforked(script: str | Path, argv: Sequence[str], nproc: int, *,
+                  timeout: float) -> ScriptRun:
+    """:func:`launch_preforked` in this process's environment, answered as :func:`run_script`
+    answers (exit code, every rank's output, seconds); for launches whose point is what the
+    ranks print, not torchrun's own handling."""
+    start_simulation_server()
+    with tempfile.TemporaryDirectory(prefix="preforked-") as folder:
+        log = Path(folder) / "launch.log"
+        start = time.monotonic()
+        code = launch_preforked(script, argv, nproc, env=dict(os.environ), log=log,
+                                timeout=timeout)
+        return ScriptRun(code, log.read_text(), time.monotonic() - start)

@@ -9,7 +9,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness.multiprocess import WorkerFailure, launch_preforked, run_in_processes
+from tests.harness.multiprocess import (
+    WorkerFailure,
+    launch_preforked,
+    run_in_processes,
+    start_simulation_server,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -82,7 +87,7 @@ every rank's mark (writing the time to ``exited``), the others wait to be killed
 def preforked_server() -> None:
     """The forkserver behind preforked launches imports torch and Megatron on its first use:
     start it first, so that the launches' time bounds measure the launches."""
-    run_in_processes(int, 1, simulated=True, timeout=300)
+    start_simulation_server()
 
 
 def _launch(tmp_path: Path, failing_rank: str, **kwargs) -> tuple[int, str]:

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+from tests.harness.multirank import MARKER
 
 INNER_TESTS = '''
 import multiprocessing
@@ -59,3 +63,11 @@ def test_starting_processes_without_the_marker_fails_the_test(pytester: pytest.P
         "@pytest.mark.multirank (first: true)*",
         "*test_unmarked_rank started 1 process(es) in its call * (first: spawn SpawnProcess-1 *",
     ])
+
+
+def test_the_readme_fast_subset_command_names_the_registered_marker(
+        pytestconfig: pytest.Config) -> None:
+    registered = [line.split(":")[0].strip() for line in pytestconfig.getini("markers")]
+    assert MARKER in registered
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f'bash scripts/test.sh -m "not {MARKER}"' in readme

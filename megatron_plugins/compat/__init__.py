@@ -6,13 +6,22 @@ this package or any of its modules applies nothing); a *canary* is the unit test
 the stock behaviour behind the gap and fails once a release closes it, so the bridge is noticed
 and removed. :data:`GAPS` indexes them. Callers import the area they need, e.g.
 ``from megatron_plugins.compat import model_build``.
+
+Which bridges a process installs depends on its layout (context parallelism, colocation, MoE,
+...): each bridge calls :func:`record` with its gap once it has changed something, and
+:func:`installed` says which gaps this process has bridged so far. The launch prints them with
+the installed megatron-core version on rank 0 once the model is built, and warns when that
+version is not :data:`MEGATRON_CORE_VERSION` (:mod:`megatron_plugins.compat.startup`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GAPS", "Gap", "MegatronCompatError"]
+__all__ = ["GAPS", "MEGATRON_CORE_VERSION", "Gap", "MegatronCompatError", "installed", "record"]
+
+MEGATRON_CORE_VERSION = "0.19.2"
+"""The megatron-core release the bridges and their canaries were written against."""
 
 
 class MegatronCompatError(RuntimeError):
@@ -159,5 +168,27 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", _BUILD,
         _canary("checkpointing", "test_gap26_canary_stock_rng_state_holds_the_process_"
                                  "generators_only")),
+    Gap("27", "checkpoint save/load read a GTP-inclusive DP x CP group only parallel_state makes",
+        "checkpointing", "parallel.topology._collection",
+        _canary("checkpointing", "test_gap27_canary_stock_checkpoints_read_the_gtp_remat_group_"
+                                 "and_fall_back_to_parallel_state")),
 )
 """Every gap in the order the bridges were added."""
+
+
+_recorded: set[str] = set()
+"""Ids of the gaps this process has bridged."""
+
+
+def record(*gap_ids: str) -> None:
+    """Note that this process bridged ``gap_ids``; each bridge calls it once it has changed
+    something, and a gap counts once per process however often its bridge is applied."""
+    unknown = sorted(set(gap_ids) - {gap.id for gap in GAPS})
+    if unknown:
+        raise MegatronCompatError(f"no gap {', '.join(unknown)} in megatron_plugins.compat.GAPS")
+    _recorded.update(gap_ids)
+
+
+def installed() -> tuple[str, ...]:
+    """The gaps this process has bridged so far, in :data:`GAPS` order."""
+    return tuple(gap.id for gap in GAPS if gap.id in _recorded)

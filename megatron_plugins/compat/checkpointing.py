@@ -1,5 +1,5 @@
-"""Checkpoint bridges for MiMo processes (Gaps 5, 6, 10, 16, 22 and 26), applied together by
-:func:`install_checkpoint_bridges`; stock callers keep stock checkpoint behaviour."""
+"""Checkpoint bridges for MiMo processes (stock callers keep stock checkpoint behaviour): Gaps 5,
+6, 10, 16, 22 and 26 (:func:`install_checkpoint_bridges`) and 27 (:func:`bind_checkpoint_group`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODULE_RNG_STATES", "carry_module_rng", "install_checkpoint_bridges", "plain_values",
-           "put_plain_values", "restore_module_rng"]
+from megatron_plugins.compat import record
+
+__all__ = ["MODULE_RNG_STATES", "bind_checkpoint_group", "carry_module_rng",
+           "install_checkpoint_bridges", "plain_values", "put_plain_values", "restore_module_rng"]
 
 MODULE_RNG_STATES = "module_rng_states"
 """Key of a colocated rank's RNG object that holds the streams of the encoders it hosts."""
@@ -18,7 +20,7 @@ MODULE_RNG_STATES = "module_rng_states"
 COMMON_STATE_KEY = "_mimo_module_common_state"
 """Where the per-module ShardedObject sits inside a module's optimizer state dict."""
 
-_checkpoint_bridges_installed = False
+_checkpoint_bridges_installed: set[str] = set()
 
 
 def _is_sharded(value: Any) -> bool:
@@ -123,6 +125,7 @@ def _install_mimo_module_common_state() -> None:
     load_state_dict.__doc__ = stock_load_state_dict.__doc__
     MimoOptimizer.sharded_state_dict = sharded_state_dict
     MimoOptimizer.load_state_dict = load_state_dict
+    record("5")
 
 
 def _install_distributed_optimizer_resume() -> None:
@@ -193,6 +196,7 @@ def _install_distributed_optimizer_resume() -> None:
     DistributedOptimizer.state_dict = state_dict
     DistributedOptimizer.load_state_dict = load_state_dict
     DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    record("6")
 
 
 def _install_module_data_state() -> None:
@@ -220,6 +224,7 @@ def _install_module_data_state() -> None:
 
     maybe_save_dataloader_state.__doc__ = stock.__doc__
     checkpointing.maybe_save_dataloader_state = maybe_save_dataloader_state
+    record("10")
 
 
 def _install_rng_state_per_data_parallel_replica() -> None:
@@ -253,6 +258,7 @@ def _install_rng_state_per_data_parallel_replica() -> None:
 
     get_rng_state.__doc__ = stock.__doc__
     checkpointing.get_rng_state = get_rng_state
+    record("16")
 
 
 def _install_mimo_replica_ids_over_context_parallel() -> None:
@@ -282,6 +288,7 @@ def _install_mimo_replica_ids_over_context_parallel() -> None:
         return (tp_rank, pp_rank, dp_rank if dp_cp is None else dp_cp.rank())
 
     mimo_optimizer._get_replica_id = get_replica_id
+    record("22")
 
 
 _module_rng: Any = None
@@ -355,19 +362,37 @@ def _install_module_rng_states() -> None:
     get_rng_state.__doc__ = stock_state.__doc__
     checkpointing.get_rng_state = get_rng_state
     checkpointing._load_base_checkpoint = _load_base_checkpoint
+    record("26")
 
 
-def install_checkpoint_bridges() -> None:
-    """Apply Gaps 5, 6, 10, 16, 22 and 26. Idempotent; the MiMo builder calls it before stock
+def install_checkpoint_bridges(context_parallel: bool = False, colocated: bool = False) -> None:
+    """Apply Gaps 5, 6, 10 and 16, Gap 22 with ``context_parallel`` (a module of the layout has
+    cp > 1) and Gap 26 with ``colocated`` (an encoder runs on the language ranks); without them
+    those two would change nothing. Idempotent per gap; the MiMo builder calls it before stock
     ``pretrain()`` builds the optimizer (MiMo processes only: stock callers keep stock checkpoint
     behaviour)."""
-    global _checkpoint_bridges_installed
-    if _checkpoint_bridges_installed:
-        return
-    _install_mimo_module_common_state()
-    _install_distributed_optimizer_resume()
-    _install_module_data_state()
-    _install_rng_state_per_data_parallel_replica()
-    _install_mimo_replica_ids_over_context_parallel()
-    _install_module_rng_states()
-    _checkpoint_bridges_installed = True
+    for gap, install, wanted in (
+            ("5", _install_mimo_module_common_state, True),
+            ("6", _install_distributed_optimizer_resume, True),
+            ("10", _install_module_data_state, True),
+            ("16", _install_rng_state_per_data_parallel_replica, True),
+            ("22", _install_mimo_replica_ids_over_context_parallel, context_parallel),
+            ("26", _install_module_rng_states, colocated)):
+        if wanted and gap not in _checkpoint_bridges_installed:
+            install()
+            _checkpoint_bridges_installed.add(gap)
+
+
+def bind_checkpoint_group(pg_collection: Any) -> None:
+    """Give a module's process-group collection the group stock checkpoint save and load take as
+    its data-parallel x context-parallel group (Gap 27).
+
+    Gap 27 (GTP-remat group in checkpoints): stock ``save_checkpoint_and_time`` and
+    ``setup_model_and_optimizer`` pass the model's ``pg_collection.dp_cp_gtp_remat`` (the DP x CP
+    group widened by GTP weight-remat peers, training/training.py:2211, 3073) to the checkpoint
+    functions, which without it fall back to ``parallel_state``'s group
+    (training/checkpointing.py:510-511), uninitialized on disjoint grids. With GTP remat off
+    (always here) that group is the module's ``dp_cp``.
+    """
+    pg_collection.dp_cp_gtp_remat = pg_collection.dp_cp
+    record("27")

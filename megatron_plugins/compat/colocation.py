@@ -37,6 +37,8 @@ from typing import Any, ContextManager
 
 import torch
 
+from megatron_plugins.compat import record
+
 __all__ = ["build_presenting_language", "even_optimizer_gathers", "wrap_schedules"]
 
 
@@ -81,6 +83,7 @@ def build_presenting_language(mimo_config: Any, hosted: Sequence[str],
         with context(name):
             model.modality_submodules[name] = spec.module.from_spec(
                 spec, is_first_stage=True, is_last_stage=True)
+    record("23")
     return model
 
 
@@ -101,6 +104,7 @@ def wrap_schedules(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> 
         return wrap(stock(*args, **kwargs))
 
     training.get_forward_backward_func = get_forward_backward_func
+    record("24")
 
 
 _stock_mimo_optimizer: Callable[..., Any] | None = None
@@ -139,3 +143,4 @@ def even_optimizer_gathers(modules: int) -> None:
         return optimizer
 
     mimo_optimizer.get_mimo_optimizer = get_mimo_optimizer
+    record("25")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_plugins.compat import MegatronCompatError
+from megatron_plugins.compat import MegatronCompatError, record
 
 __all__ = [
     "exchange_shapes_once", "fold_destination_cp", "reduce_destination_cp_gradients",
@@ -98,6 +98,7 @@ def _static_bridge_shapes(bridge: Any) -> None:
         return (memo.known["fwd"] if recv_prev else [], memo.known["grad"] if recv_next else [])
 
     bridge._communicate_shapes = communicate_shapes
+    record("9")
 
 
 def _static_stage_shapes(p2p: Any, module: str) -> None:
@@ -125,6 +126,7 @@ def _static_stage_shapes(p2p: Any, module: str) -> None:
                 memo.known["grad in"] if recv_next else [0, 0, 0])
 
     p2p._communicate_shapes = communicate_shapes
+    record("13")
 
 
 class _LoneBroadcastSkipping:
@@ -157,6 +159,7 @@ def skip_lone_broadcasts() -> None:
 
     if not isinstance(bridge_communicator.dist, _LoneBroadcastSkipping):
         bridge_communicator.dist = _LoneBroadcastSkipping()
+    record("12")
 
 
 def split_fan_in_gradients_as_received(communicator: Any) -> None:
@@ -218,6 +221,7 @@ def _split_as_received(bridge: Any, sources: int) -> None:
     bridge.recv_forward = noting_sizes(bridge.recv_forward)
     bridge.send_backward_recv_forward = noting_sizes(bridge.send_backward_recv_forward)
     bridge._split_tensor_at_batch_dim = split
+    record("15")
 
 
 _FOLDABLE_DIMS = ["tp", "cp", "dp", "pp"]
@@ -266,6 +270,7 @@ def fold_destination_cp() -> Iterator[None]:
             return stock(src_grid=src_grid, dest_grid=dest_grid, **kwargs)
         built = stock(src_grid=src_grid, dest_grid=_cp_folded(dest_grid), **kwargs)
         built.dest_grid = dest_grid
+        record("18")
         return built
 
     multimodule_communicator.BridgeCommunicator = bridge

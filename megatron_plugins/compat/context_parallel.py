@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megatron_plugins.compat import record
 from megatron_plugins.ops.cp_positions import thd_partitioned_indices
 
 __all__ = ["bind_mrope_cp_group", "split_packed_rows_without_te", "whole_packed_mrope_rows"]
@@ -67,6 +68,7 @@ def split_packed_rows_without_te(model: Any) -> None:
     if adapter is None or utils._HAVE_TEX or not adapter.cfg.use_cp:
         return
     model.partition_adapter = _partition_adapter_class()(adapter.cfg)
+    record("19")
 
 
 def _multimodal_rope(model: torch.nn.Module) -> Any:
@@ -92,6 +94,7 @@ def bind_mrope_cp_group(model: torch.nn.Module, cp_group: torch.distributed.Proc
     rotary = _multimodal_rope(model)
     if rotary is not None:
         rotary.cp_group = cp_group
+        record("20")
 
 
 def _thd_row(forward: Any, args: tuple, kwargs: dict) -> bool:
@@ -151,3 +154,4 @@ def whole_packed_mrope_rows(model: torch.nn.Module) -> None:
         return
     rotary.__class__ = _whole_packed_row_class(type(rotary))
     model.register_forward_pre_hook(_note_packed_row, with_kwargs=True)
+    record("21")

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from megatron_plugins.compat import MegatronCompatError, record
+
 __all__ = [
     "bind_tp_group", "direct_single_rank_expert_output", "distinct_cpu_init_experts",
     "ensure_global_memory_buffer", "exact_fp32_router_buffers", "interleave_mrope",
@@ -36,6 +38,7 @@ def ensure_global_memory_buffer() -> None:
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
+        record("2")
 
 
 def bind_tp_group(module: torch.nn.Module, tp_group: torch.distributed.ProcessGroup) -> None:
@@ -51,6 +54,7 @@ def bind_tp_group(module: torch.nn.Module, tp_group: torch.distributed.ProcessGr
     for child in module.modules():
         if isinstance(child, MegatronModule) and not hasattr(child, "tp_group"):
             child.tp_group = tp_group
+            record("3")
 
 
 def with_explicit_moe_spec(model_config: Any, pp_rank: int) -> Any:
@@ -77,6 +81,7 @@ def with_explicit_moe_spec(model_config: Any, pp_rank: int) -> Any:
         normalization=transformer.normalization, qk_l2_norm=transformer.qk_l2_norm,
         pp_rank=pp_rank,
     )
+    record("4")
     return resolved
 
 
@@ -103,6 +108,7 @@ def direct_single_rank_expert_output(model: torch.nn.Module) -> None:
         if (isinstance(module, RowParallelLinear) and module.is_expert
                 and not module.explicit_expert_comm and module.skip_bias_add):
             module.explicit_expert_comm = True
+            record("4a")
 
 
 @contextlib.contextmanager
@@ -120,6 +126,8 @@ def exact_fp32_router_buffers(module: torch.nn.Module) -> Iterator[None]:
     kept = [(router, {name: buffer.clone() for name, buffer in router.named_buffers(recurse=False)
                       if buffer.dtype == torch.float32 and not buffer.is_meta})
             for router in module.modules() if hasattr(router, "_maintain_float32_expert_bias")]
+    if kept:
+        record("14")
     yield
     with torch.no_grad():
         for router, buffers in kept:
@@ -154,6 +162,7 @@ def distinct_cpu_init_experts() -> Iterator[None]:
         if not (config.use_cpu_initialization and config.perform_initialization):
             stock_init(self, num_local_experts, config, submodules, pg_collection, name)
             return
+        record("4b")
         generator = torch.default_generator
         layer_seed = int(torch.randint(2**62, (1,), generator=generator))
         global_index = itertools.count(pg_collection.ep.rank() * num_local_experts)
@@ -259,6 +268,7 @@ def with_local_hybrid_spec(model_config: Any) -> Any:
     resolved = copy.copy(model_config)
     resolved.hybrid_stack_spec = ModuleSpec(module=_local_norm_hybrid_stack(),
                                             submodules=submodules)
+    record("4c")
     return resolved
 
 
@@ -313,8 +323,6 @@ def interleave_mrope(model: torch.nn.Module) -> None:
         MultimodalRotaryEmbedding,
     )
 
-    from megatron_plugins.compat import MegatronCompatError
-
     rotary = getattr(model, "rotary_pos_emb", None)
     if type(rotary) is not MultimodalRotaryEmbedding:
         raise MegatronCompatError(
@@ -322,3 +330,4 @@ def interleave_mrope(model: torch.nn.Module) -> None:
             f"MultimodalRotaryEmbedding (--position-embedding-type mrope), found "
             f"{type(rotary).__name__}")
     rotary.__class__ = _interleaved_mrope_class()
+    record("17")

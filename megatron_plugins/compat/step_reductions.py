@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron_plugins.compat import MegatronCompatError
+from megatron_plugins.compat import MegatronCompatError, record
 
 __all__ = ["always_succeeds", "install_step_bridges", "rerun_vote", "settle_rerun_vote"]
 
@@ -96,6 +96,7 @@ def install_step_bridges() -> None:
         global _stock_reduce_any
         _stock_reduce_any = RerunStateMachine._reduce_any
         RerunStateMachine._reduce_any = _settled_reduce_any
+    record("8", "11")
 
 
 _stock_reduce_any: Any = None

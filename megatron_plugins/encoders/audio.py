@@ -27,6 +27,8 @@ from megatron_plugins.encoders.base import (
     encoder_config,
     encoder_layer_spec,
 )
+from megatron_plugins.flops.count import EncoderFlops
+from megatron_plugins.flops.encoder import embedding, tower
 
 __all__ = ["AudioFrameEncoder", "LogMelPreprocessor", "hz_to_mel", "mel_filterbank", "mel_to_hz"]
 
@@ -160,6 +162,15 @@ class AudioFrameEncoder(EncoderPlugin):
     @property
     def tokens_per_item(self) -> int:
         return self.args.audio_num_frames // DOWNSAMPLE
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """The strided convolution (``DOWNSAMPLE`` frames per token), the layers over the item's
+        tokens and the projection; every clip is cut or padded to the same frames."""
+        tokens = self.tokens_per_item
+        stem = embedding(tokens, self.args.audio_num_features * DOWNSAMPLE, config.hidden_size)
+        return EncoderFlops(stem + tower(config, [tokens]),
+                            self.projection_flops(tokens, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         return encoder_config(language, self.grid, num_layers=self.args.audio_num_layers,

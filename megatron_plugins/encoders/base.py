@@ -26,8 +26,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from megatron_plugins.media.mock import example_size, mock_media
 from megatron_plugins.errors import UsageError
+from megatron_plugins.flops.count import EncoderFlops, Work
+from megatron_plugins.flops.encoder import projection
+from megatron_plugins.media.mock import example_size, mock_media
 from megatron_plugins.parallel.layout import ModulePlacement
 
 __all__ = [
@@ -230,6 +232,28 @@ class EncoderPlugin(abc.ABC):
         its steps (:mod:`megatron_plugins.data.positions`). None (the default) gives the item's
         tokens consecutive positions, as text has."""
         return None
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops | None:
+        """Forward matmul FLOPs of one item of this ``size`` (as :meth:`item_tokens` takes it)
+        through the encoder built on ``config`` and its projection, sorted by what their
+        backward computes, so frozen modules count right (:meth:`EncoderFlops.flops`); a pure
+        function of the size, composed from :mod:`megatron_plugins.flops.encoder`. A microbatch
+        costs the sum of its items'. None (the default): this encoder does not count its FLOPs,
+        and throughput leaves it out with a notice rather than a wrong number."""
+        return None
+
+    @property
+    def counts_flops(self) -> bool:
+        """Whether the class counts its items' FLOPs (overrides :meth:`item_flops`)."""
+        return type(self).item_flops is not EncoderPlugin.item_flops
+
+    def projection_flops(self, tokens: int, config: TransformerConfig,
+                         language_hidden_size: int) -> Work:
+        """The work of the default :meth:`projection_spec` over ``tokens`` rows of encoder
+        output; a class with another projection overrides both."""
+        return projection(tokens, config.hidden_size, language_hidden_size, language_hidden_size,
+                          config.transformer_impl)
 
     @property
     def deepstack_levels(self) -> int:

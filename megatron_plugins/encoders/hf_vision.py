@@ -45,6 +45,8 @@ from megatron_plugins.encoders.base import (
     encoder_config,
 )
 from megatron_plugins.encoders.hf_source import HFSource
+from megatron_plugins.flops.count import EncoderFlops
+from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, clip_vit_spec
 from megatron_plugins.weights.mapping import Family, HFWeightsError
 from megatron_plugins.weights.vision_families import CLIP_VISION, SIGLIP_VISION
@@ -264,6 +266,16 @@ class HFVisionEncoder(EncoderPlugin):
     def tokens_per_item(self) -> int:
         patches = (self.hf_config.image_size // self.hf_config.patch_size) ** 2
         return patches + int(self.class_token and not self.drops_class_token)
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """The patch embedding, the built layers over the patches (and the class token), the
+        projection over the tokens that reach it (the class token dropped or not)."""
+        patch, tokens = self.hf_config.patch_size, self.item_tokens(size)
+        patches = tokens - int(self.class_token and not self.drops_class_token)
+        return EncoderFlops(embedding(patches, 3 * patch * patch, config.hidden_size)
+                            + tower(config, [patches + int(self.class_token)]),
+                            self.projection_flops(tokens, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         hf = self.hf_config

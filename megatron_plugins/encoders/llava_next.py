@@ -31,6 +31,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.base import EncoderPluginError, MediaPreprocessor
 from megatron_plugins.encoders.hf_vision import CLIPVisionEncoder, HFImagePreprocessor
+from megatron_plugins.flops.count import EncoderFlops
+from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
 
 __all__ = ["AnyresGeometry", "AnyresImagePreprocessor", "AnyresProjection", "AnyresSubmodules",
@@ -249,6 +251,16 @@ class LlavaNextEncoder(CLIPVisionEncoder):
     def item_tokens(self, size: tuple[int, ...]) -> int:
         """HF's image token count for an image of this (height, width)."""
         return self.geometry.tokens(size[0], size[1])
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """Every crop (the base, then the tiles) through the tower with its class token, the
+        projector MLP on every crop's patches (the anyres packing then only moves rows)."""
+        crops, patch = self.geometry.crops(size[0], size[1]), self.hf_config.patch_size
+        patches = self.geometry.cells ** 2
+        return EncoderFlops(embedding(crops * patches, 3 * patch * patch, config.hidden_size)
+                            + tower(config, [patches + 1] * crops),
+                            self.projection_flops(crops * patches, config, language_hidden_size))
 
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
                         pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

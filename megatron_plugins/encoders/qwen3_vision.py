@@ -32,6 +32,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.hf_vision import HALF
+from megatron_plugins.flops.count import EncoderFlops, Work
+from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.encoders.qwen_vision import (
     QwenImagePreprocessor,
@@ -231,6 +233,24 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
             "deepstack_layers": tuple(hf.deepstack_visual_indexes),
             "rope_theta": float(hf.rope_parameters["rope_theta"]),
             "pg_collection": pg_collection})
+
+    def item_flops(self, size: tuple[int | float, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """The patch embedding, whole-image attention in every layer, the merger and the
+        DeepStack mergers over the merged tokens."""
+        hf = self.hf_config
+        steps, rows, columns = self._preprocessor.item_grid(size)
+        patches = steps * rows * columns
+        stem = embedding(patches, 3 * hf.temporal_patch_size * hf.patch_size ** 2,
+                         config.hidden_size)
+        return EncoderFlops(stem + tower(config, [rows * columns] * steps), self.projection_flops(
+            patches // hf.spatial_merge_size ** 2, config, language_hidden_size))
+
+    def projection_flops(self, tokens: int, config: TransformerConfig,
+                         language_hidden_size: int) -> Work:
+        """The merger's MLP and each DeepStack merger's over ``tokens`` merged tokens."""
+        return super().projection_flops(tokens, config, language_hidden_size) * (
+            1 + self.deepstack_levels)
 
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
                         pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

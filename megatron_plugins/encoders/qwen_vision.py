@@ -42,6 +42,8 @@ from megatron_plugins.encoders.hf_vision import ACTIVATIONS, HFVisionEncoder, hf
 from megatron_plugins.encoders.native_vit import MAX_ASPECT_RATIO, nearest_grid
 from megatron_plugins.ops.packed_attention import packed_layer_spec, packed_seq_params
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
+from megatron_plugins.flops.count import EncoderFlops, Work
+from megatron_plugins.flops.encoder import embedding, projection, tower
 from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
 
 __all__ = ["QwenImagePreprocessor", "QwenViT", "QwenVisionEncoder", "merge_block_positions",
@@ -474,6 +476,30 @@ class QwenVisionEncoder(HFVisionEncoder):
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
         return qwen_vit_spec(config, pg_collection, self.hf_config)
+
+    def item_flops(self, size: tuple[int | float, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """The patch embedding, window attention (the item's windows, frame by frame) in all
+        but the ``fullatt_block_indexes`` layers, whole-frame attention in those, the merger's
+        MLP over the merged tokens."""
+        hf = self.hf_config
+        steps, rows, columns = self._preprocessor.item_grid(size)
+        patches, merge = steps * rows * columns, hf.spatial_merge_size
+        windows = window_order([(steps, rows, columns)], merge,
+                               hf.window_size // merge // hf.patch_size)[1].tolist()
+        full = len(set(hf.fullatt_block_indexes) & set(range(config.num_layers)))
+        stem = embedding(patches, 3 * hf.temporal_patch_size * hf.patch_size ** 2,
+                         config.hidden_size)
+        layers = (tower(config, [rows * columns] * steps, full)
+                  + tower(config, windows, config.num_layers - full))
+        return EncoderFlops(stem + layers, self.projection_flops(
+            patches // merge ** 2, config, language_hidden_size))
+
+    def projection_flops(self, tokens: int, config: TransformerConfig,
+                         language_hidden_size: int) -> Work:
+        """The merger's MLP (:meth:`projection_spec`) over ``tokens`` merged tokens."""
+        merged = config.hidden_size * self.hf_config.spatial_merge_size ** 2
+        return projection(tokens, merged, merged, language_hidden_size, config.transformer_impl)
 
     def projection_spec(self, config: TransformerConfig, language_hidden_size: int,
                         pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

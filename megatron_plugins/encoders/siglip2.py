@@ -157,6 +157,7 @@ class Siglip2VisionEncoder(HFVisionEncoder):
     provider = "siglip2"
     model_type = "siglip2_vision_model"
     hf_family = SIGLIP2_VISION
+    class_token = False
 
     def _check_shape(self, hf_config: Any) -> None:
         num_patches = hf_config.num_patches

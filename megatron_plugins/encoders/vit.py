@@ -36,6 +36,8 @@ from megatron_plugins.encoders.native_vit import (
     normalized_pixels,
     smart_resize,
 )
+from megatron_plugins.flops.count import EncoderFlops
+from megatron_plugins.flops.encoder import embedding, tower
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePreprocessor", "ViTEncoder", "clip_vit_spec"]
 
@@ -177,6 +179,15 @@ class ViTEncoder(EncoderPlugin):
         height, width = smart_resize(size[0], size[1], self.args.vit_patch_size,
                                      self.args.vit_min_pixels, self.args.vit_max_pixels)
         return 1, height // self.args.vit_patch_size, width // self.args.vit_patch_size
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """The patch embedding, the layers over the item's patches (one attention segment) and
+        the projection, each patch one token."""
+        tokens, patch = self.item_tokens(size), self.args.vit_patch_size
+        return EncoderFlops(
+            embedding(tokens, 3 * patch * patch, config.hidden_size) + tower(config, [tokens]),
+            self.projection_flops(tokens, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         return encoder_config(language, self.grid, num_layers=self.args.vit_num_layers,

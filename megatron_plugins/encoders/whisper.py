@@ -37,6 +37,9 @@ from megatron_plugins.encoders.base import (
     encoder_layer_spec,
 )
 from megatron_plugins.encoders.hf_source import HFSource
+from megatron_plugins.flops.count import EncoderFlops, Work
+from megatron_plugins.flops.encoder import embedding, tower
+from megatron_plugins.flops.transformer import linear
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
 if TYPE_CHECKING:
@@ -50,6 +53,9 @@ MEL_MAX_HZ = 8000.0
 
 CONV_STRIDE = 2
 """conv2 halves the frames: ``2 * max_source_positions`` mel frames per chunk."""
+
+CONV_KERNEL = 3
+"""Both convolutions' kernel size (padding 1)."""
 
 EXTRACTOR_DEFAULTS = {"sampling_rate": 16000, "hop_length": 160, "chunk_length": 30,
                       "n_fft": 400, "padding_value": 0.0, "dither": 0.0}
@@ -137,8 +143,9 @@ class WhisperNetwork(MegatronModule):
         if pg_collection is not None:
             self.tp_group = pg_collection.tp
         hidden, dtype = config.hidden_size, config.params_dtype
-        self.conv1 = torch.nn.Conv1d(num_mel_bins, hidden, kernel_size=3, padding=1, dtype=dtype)
-        self.conv2 = torch.nn.Conv1d(hidden, hidden, kernel_size=3, stride=CONV_STRIDE,
+        self.conv1 = torch.nn.Conv1d(num_mel_bins, hidden, kernel_size=CONV_KERNEL, padding=1,
+                                     dtype=dtype)
+        self.conv2 = torch.nn.Conv1d(hidden, hidden, kernel_size=CONV_KERNEL, stride=CONV_STRIDE,
                                      padding=1, dtype=dtype)
         self.embed_positions = torch.nn.Parameter(
             sinusoids(max_source_positions, hidden).to(dtype), requires_grad=False)
@@ -224,6 +231,17 @@ class WhisperEncoder(EncoderPlugin):
     @property
     def tokens_per_item(self) -> int:
         return self.hf_config.max_source_positions
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """conv1 over the chunk's mel frames, conv2 (stride 2) down to the positions, the layers
+        over them and the projection; every clip is cut or padded to one chunk."""
+        positions, hidden = self.hf_config.max_source_positions, config.hidden_size
+        stem = (embedding(CONV_STRIDE * positions, CONV_KERNEL * self.hf_config.num_mel_bins,
+                          hidden)
+                + Work(inner=linear(positions, CONV_KERNEL * hidden, hidden)))
+        return EncoderFlops(stem + tower(config, [positions]),
+                            self.projection_flops(positions, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         hf = self.hf_config

@@ -229,6 +229,8 @@ def train(run: MimoRun, customize: Callable[[MimoSession], None] | None = None) 
     teardown. ``customize`` sees the live session before training (tests observe the model)."""
     startup.install()
     session = start(run)
+    # One line on rank 0 once the model is built: megatron-core's version and the gaps bridged.
+    startup.announce_bridged_gaps(session.config.model, run.args.rank)
     try:
         if customize is not None:
             customize(session)

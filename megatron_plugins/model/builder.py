@@ -156,7 +156,9 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         cfg = self._model_config
         topology = self._topology()
         # Stock pretrain() builds the optimizer next; its checkpoints need these bridges.
-        checkpointing.install_checkpoint_bridges()
+        checkpointing.install_checkpoint_bridges(
+            context_parallel=any(module.dim_size("cp") > 1 for module in topology.layout.modules),
+            colocated=bool(topology.layout.hosted))
         step_reductions.install_step_bridges()
         language = cfg.language.transformer
         if not language.calculate_per_token_loss:

@@ -27,7 +27,7 @@ from megatron.core.process_groups_config import (
     ProcessGroupCollection,
 )
 
-from megatron_plugins.compat import communication
+from megatron_plugins.compat import checkpointing, communication
 from megatron_plugins.parallel.layout import DENSE_DIMS, EXPERT_DIMS, LANGUAGE, ModulePlacement, ParallelLayout
 
 __all__ = ["HeteroTopology", "build_topology", "groups_of", "pipeline_communicator"]
@@ -165,9 +165,7 @@ def _collection(module: ModulePlacement, grid: HyperCommGrid) -> ProcessGroupCol
     pgc = ProcessGroupCollection()
     for name, view, dims in groups_of(module):
         setattr(pgc, name, grid.get_pg(list(dims), view=view))
-    # Checkpoint save/load read the GTP-inclusive DP x CP group (training/training.py:2211, 3073)
-    # and fall back to the uninitialized parallel_state without it; with GTP off it is dp_cp.
-    pgc.dp_cp_gtp_remat = pgc.dp_cp
+    checkpointing.bind_checkpoint_group(pgc)  # the DP x CP group stock save / load read
     return pgc
 
 

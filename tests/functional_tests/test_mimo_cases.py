@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_plugins.compat import MEGATRON_CORE_VERSION
 from tests.harness.multiprocess import launch_preforked
 from tools.functional_tests.comparison import compare
 from tools.functional_tests.runner import (
@@ -29,6 +31,36 @@ UPSTREAM_LAUNCH = Path(__file__).with_name("upstream_launch.sh")
 DISPATCH_VARIANT = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
 """Other torch kernels and another BLAS code path on this very host: a stand-in for a CI host with
 another CPU, whose low bits drift the same way (tests/functional_tests/data/cross_host)."""
+
+STARTUP_LINE = re.compile(r"^pretrain_mimo\.py: megatron-core (\S+); gaps bridged on rank 0: "
+                          r"(.+) \(index: megatron_plugins\.compat\.GAPS\)$", re.MULTILINE)
+EVERY_LAUNCH_GAPS = {"1", "2", "5", "6", "7", "8", "10", "11", "12", "16", "27"}
+"""Gaps rank 0 bridges in every MiMo launch: start-up, checkpoints, step reductions, broadcasts."""
+CP_GAPS = {"18", "22"}
+"""Gaps rank 0 bridges only when the language model has context parallelism: a bridge into a CP
+grid, MiMo optimizer replica ids over CP (19-21 are the language ranks' own)."""
+COLOCATION_GAPS = {"23", "24", "25", "26"}
+"""Gaps rank 0 bridges only when it hosts an encoder next to the language model."""
+
+
+def gaps_bridged_on_rank_zero(log: Path) -> set[str]:
+    """The gaps named by the one start-up line a launch's log holds, its version checked."""
+    lines = STARTUP_LINE.findall(log.read_text())
+    assert len(lines) == 1, f"{log}: {len(lines)} start-up lines naming the bridged gaps"
+    [(version, gaps)] = lines
+    assert version == MEGATRON_CORE_VERSION
+    return set(gaps.split(", "))
+
+
+def assert_bridged_gaps(log: Path, grids: str) -> None:
+    """A launch names what it bridged, once: every launch's gaps, and CP's and colocation's
+    exactly when its ``--grid`` value has them."""
+    gaps = gaps_bridged_on_rank_zero(log)
+    assert EVERY_LAUNCH_GAPS <= gaps, (log.name, sorted(EVERY_LAUNCH_GAPS - gaps))
+    context_parallel = re.search(r"cp=(?!1\b)\d", grids) is not None
+    assert gaps & CP_GAPS == (CP_GAPS if context_parallel else set()), (log.name, gaps)
+    assert gaps & COLOCATION_GAPS == (COLOCATION_GAPS if "@" in grids else set()), (log.name,
+                                                                                   gaps)
 
 
 def preforked(nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float,
@@ -52,6 +84,8 @@ second launch of the same flags and ranks."""
 def test_case_matches_its_goldens(name: str, tmp_path) -> None:
     failures = check_case(name, workdir=tmp_path, launch=preforked)
     assert failures == [], "\n".join(failures)
+    for log in sorted(tmp_path.glob("run_*.log")):
+        assert_bridged_gaps(log, load_case(name).model_args["--grid"])
 
 
 @pytest.mark.parametrize("name", ["mimo_hetero/two_encoders", "mimo_hetero/language_pp2"])
@@ -74,3 +108,4 @@ def test_a_case_launched_by_upstreams_flag_loop_matches_its_goldens(tmp_path) ->
     same = not signature_differences(recorded, platform_signature(env))
     golden = json.loads(case.golden_path().read_text())
     assert compare(golden, actual, case.metrics, same_platform=same) == []
+    assert_bridged_gaps(tmp_path / "launch.log", case.model_args["--grid"])

@@ -143,6 +143,10 @@ README_LAUNCH = ["--cpu-simulation", "--encoder", "vision=vit", "--grid", "visio
                  "--lr", "1e-3", "--vocab-size", "128"]
 """The README's launch example: model, batch, optimizer and tokenizer flags only."""
 
+README_BRIDGED_GAPS = ("pretrain_mimo.py: megatron-core 0.19.2; gaps bridged on rank 0: 1, 2, 3, "
+                       "5, 6, 7, 8, 10, 11, 12, 16, 27 (index: megatron_plugins.compat.GAPS)")
+"""The start-up line README shows for that launch (rank 0 runs the vision encoder)."""
+
 
 def test_readme_launch_with_only_model_batch_optimizer_flags_trains(tmp_path: Path) -> None:
     run = run_script(SCRIPT, [*README_LAUNCH, "--tensorboard-dir", str(tmp_path)], nproc=3,
@@ -150,6 +154,9 @@ def test_readme_launch_with_only_model_batch_optimizer_flags_trains(tmp_path: Pa
     assert run.returncode == 0, run.output[-4000:]
     notices = re.findall(r"^pretrain_mimo\.py: notice: defaults set .*$", run.output, flags=re.M)
     assert len(notices) == 1 and "--transformer-impl local" in notices[0], run.output[-4000:]
+    bridged = re.findall(r"^pretrain_mimo\.py: megatron-core .*$", run.output, flags=re.M)
+    assert bridged == [README_BRIDGED_GAPS], run.output[-4000:]
+    assert f"\n{README_BRIDGED_GAPS}\n" in (REPO_ROOT / "README.md").read_text()
     assert "Transformer Engine and Apex are not installed" not in run.output
     losses = read_scalars(tmp_path, "lm loss")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], losses

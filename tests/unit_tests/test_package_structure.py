@@ -164,7 +164,8 @@ def test_other_modules_use_only_declared_names():
     assert outside == []
 
 
-LAYERS = ("errors", "cpu_simulation", "ops", "compat", "parallel", "media", "weights", "encoders",
+LAYERS = ("errors", "cpu_simulation", "ops", "compat", "parallel", "media", "flops", "weights",
+          "encoders",
           "data", "step", "model", "launch", "builder")
 """The package's rooms, lowest first: each may import only rooms before it (``builder`` is the
 import path older saved configs name, kept for them)."""

@@ -24,6 +24,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.media.codec import Waveform
 from megatron_plugins.encoders import EncoderPlugin, MediaPreprocessor, encoder_config
+from megatron_plugins.flops.count import EncoderFlops, Work
+from megatron_plugins.flops.encoder import embedding
+from megatron_plugins.flops.transformer import linear
 
 
 class WindowMLP(MegatronModule):
@@ -72,6 +75,15 @@ class SensorEncoder(EncoderPlugin):
     @property
     def tokens_per_item(self) -> int:
         return self.args.sensor_windows
+
+    def item_flops(self, size: tuple[int, ...], config: TransformerConfig,
+                   language_hidden_size: int) -> EncoderFlops:
+        """Optional: the window MLP's two linears per window, then the default projection;
+        throughput logging counts the encoder with it."""
+        windows, hidden = self.args.sensor_windows, config.hidden_size
+        network = (embedding(windows, self.args.sensor_window_width, hidden)
+                   + Work(inner=linear(windows, hidden, hidden)))
+        return EncoderFlops(network, self.projection_flops(windows, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         return encoder_config(language, self.grid, num_layers=1,

@@ -1,5 +1,5 @@
-"""Checkpoint bridges (Gaps 5, 6, 10, 16, 22): canaries that the stock wheel still has each gap, and the
-bridges' tests."""
+"""Checkpoint bridges (Gaps 5, 6, 10, 16, 22, 26, 27): canaries that the stock wheel still has
+each gap, and the bridges' tests."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from megatron_plugins.compat.checkpointing import (
     MODULE_RNG_STATES,
+    bind_checkpoint_group,
     carry_module_rng,
     install_checkpoint_bridges,
     plain_values,
@@ -234,7 +235,7 @@ def test_gap26_bridge_carries_and_restores_the_hosted_encoders_streams(monkeypat
     import torch
     from megatron.training import checkpointing
 
-    install_checkpoint_bridges()
+    install_checkpoint_bridges(colocated=True)
     monkeypatch.setattr(checkpointing, "get_args", lambda: SimpleNamespace(
         data_parallel_random_init=False, finetune=False, no_load_rng=False))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.zeros(4, dtype=torch.uint8))
@@ -259,6 +260,34 @@ def test_gap26_bridge_carries_and_restores_the_hosted_encoders_streams(monkeypat
         carry_module_rng(None, 0)
 
 
+def test_gap27_canary_stock_checkpoints_read_the_gtp_remat_group_and_fall_back_to_parallel_state(
+        monkeypatch):
+    """Stock save and load take the model's ``dp_cp_gtp_remat``; without it the checkpoint
+    metadata asks parallel_state, uninitialized on disjoint grids."""
+    from megatron.core import parallel_state
+    from megatron.training import checkpointing, training
+
+    for caller in (training.save_checkpoint_and_time, training.setup_model_and_optimizer):
+        assert 'getattr(ckpt_pgc, "dp_cp_gtp_remat", None)' in inspect.getsource(caller)
+    monkeypatch.setattr(parallel_state, "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", None)
+    args = SimpleNamespace(use_distributed_optimizer=False, ckpt_format="torch_dist")
+    with pytest.raises(AssertionError, match=r"data parallel group with CP .*not initialized"):
+        checkpointing._build_sharded_state_dict_metadata(args, dp_cp_group=None)
+
+
+def test_gap27_bridge_hands_stock_checkpoints_the_modules_dp_cp_group(monkeypatch):
+    from megatron.core import parallel_state
+    from megatron.training import checkpointing
+
+    monkeypatch.setattr(parallel_state, "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", None)
+    module = SimpleNamespace(dp_cp=object())
+    bind_checkpoint_group(module)
+    args = SimpleNamespace(use_distributed_optimizer=False, ckpt_format="torch_dist")
+    metadata = checkpointing._build_sharded_state_dict_metadata(
+        args, dp_cp_group=getattr(module, "dp_cp_gtp_remat", None))  # as stock reads it
+    assert metadata["dp_cp_group"] is module.dp_cp
+
+
 def _groups(tp: int = 0, pp: int = 0, dp: int = 0, dp_cp: int = 0) -> SimpleNamespace:
     """A process-group collection whose groups only know their rank."""
     return SimpleNamespace(**{name: SimpleNamespace(rank=lambda rank=rank: rank)
@@ -278,7 +307,7 @@ def test_gap22_canary_stock_mimo_replica_id_ignores_context_parallel_rank():
 def test_gap22_bridge_replica_id_counts_data_and_context_parallel_ranks():
     from megatron.core.models.mimo import optimizer as mimo_optimizer
 
-    install_checkpoint_bridges()
+    install_checkpoint_bridges(context_parallel=True)
     assert mimo_optimizer._get_replica_id(_groups(dp_cp=1)) == (0, 0, 1)
     assert mimo_optimizer._get_replica_id(_groups(tp=1, pp=2, dp=1, dp_cp=3)) == (1, 2, 3)
     assert mimo_optimizer._get_replica_id(_groups(dp=1, dp_cp=0)) == (0, 0, 0)
@@ -393,7 +422,7 @@ def _language_cp2_checkpoints(folder: str) -> dict:
         except CheckpointingException as error:
             report[case] = {"stock": str(error).splitlines()[0]}
 
-    install_checkpoint_bridges()
+    install_checkpoint_bridges(context_parallel=True)
     for index, (case, (bf16, distributed, sharding)) in enumerate(CP2_CASES.items()):
         ddp, optimizer = _cp2_language(topology, bf16, distributed, steps=2)
         saved = _adam_state(optimizer)

@@ -1,8 +1,9 @@
-"""The compat package as a whole: importing it changes nothing, and its index of gaps names
-real bridges and canaries."""
+"""The compat package as a whole: importing it changes nothing, its index of gaps names real
+bridges and canaries, and every bridge records itself."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -13,7 +14,8 @@ from types import ModuleType
 
 import pytest
 
-from megatron_plugins.compat import GAPS
+from megatron_plugins import compat
+from megatron_plugins.compat import GAPS, MegatronCompatError, installed, record
 from tests.harness.multiprocess import REPO_ROOT
 
 
@@ -94,3 +96,30 @@ def test_every_canary_in_the_compat_tests_is_indexed():
              for name, value in vars(_test_module(str(path.relative_to(REPO_ROOT)))).items()
              if re.fullmatch(r"test_gap\w+_canary_\w+", name) and inspect.isfunction(value)}
     assert found == {gap.canary for gap in GAPS}
+
+
+def _recorded_ids(module: ModuleType) -> set[str]:
+    """The gap ids ``module``'s code passes to :func:`megatron_plugins.compat.record`."""
+    calls = [node for node in ast.walk(ast.parse(inspect.getsource(module)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id == "record"]
+    return {arg.value for call in calls for arg in call.args if isinstance(arg, ast.Constant)}
+
+
+def test_every_gaps_bridge_records_it_in_its_area_and_only_its_areas_gaps():
+    areas = sorted({gap.area for gap in GAPS})
+    for area in areas:
+        module = importlib.import_module(f"megatron_plugins.compat.{area}")
+        assert _recorded_ids(module) == {gap.id for gap in GAPS if gap.area == area}, area
+
+
+def test_a_gap_is_recorded_once_per_process_and_listed_in_index_order(monkeypatch):
+    monkeypatch.setattr(compat, "_recorded", set())
+    assert installed() == ()
+    record("18")
+    record("4a", "2")
+    record("18")  # a second install of the same bridge
+    assert installed() == ("2", "4a", "18")
+    with pytest.raises(MegatronCompatError, match="no gap 99 in megatron_plugins.compat.GAPS"):
+        record("99")
+    assert installed() == ("2", "4a", "18")

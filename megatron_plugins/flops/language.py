@@ -1,0 +1,175 @@
+"""The language model's FLOPs over a microbatch's real token layout.
+
+Megatron's GPT from the stock flags (its ``TransformerConfig``, read by field name): dense or MoE
+layers by ``moe_layer_freq``, GQA, gated MLP, top-k routed and shared experts, the output layer
+(logits over the padded vocabulary), and ``mtp_num_layers`` multi-token-prediction layers (each
+its ``eh_proj``, a layer like the last decoder layer, and logits again). A hybrid model
+(``--hybrid-layer-pattern``) of attention (``*``), MLP (``-``) and MoE (``E``) layers counts
+the same parts layer by layer.
+
+The layout is one list of segment lengths per row: a whole unpacked row (``[seq_length]``,
+padding included: every position runs), or a packed row's documents (``--pack-sequences``: one
+segment per sample and the trailing padding as one more, as the batch's ``cu_seqlens`` say);
+attention is causal within a segment.
+
+Recomputation follows Megatron's ``--recompute-granularity``: ``full`` reruns whole layers
+(``--recompute-method uniform``: every layer and every MTP layer; ``block``: the first
+``--recompute-num-layers`` layers of every model chunk and no MTP layer, as 0.19.2 does),
+``selective`` reruns the ``--recompute-modules`` that hold matmuls: ``core_attn`` (the scores),
+``mlp`` (dense MLPs), ``moe`` (router, routed and shared experts), ``shared_experts``; the others
+(``layernorm``, ``moe_act``) rerun elementwise work only. DeepStack's additions after the first
+layers are elementwise and not counted (its mergers are the encoder's). Not supported (a
+:class:`FlopsError` naming the flag): multi-latent attention, linear-attention variants, MoE
+latent projections, Mamba / GDN / MLA / DSA hybrid layers, MTP in a hybrid pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from megatron_plugins.errors import UsageError
+from megatron_plugins.flops.count import Flops, Work
+from megatron_plugins.flops.transformer import (
+    AttentionKernel,
+    Layer,
+    MoE,
+    attention_kernel,
+    linear,
+)
+
+__all__ = ["FlopsError", "chunk_layers", "language_flops"]
+
+
+class FlopsError(UsageError):
+    """A model the FLOPs formulas do not describe; the message names the flag."""
+
+
+UNSUPPORTED = (("multi_latent_attention", "--multi-latent-attention"),
+               ("experimental_attention_variant", "--experimental-attention-variant"),
+               ("moe_latent_size", "--moe-latent-size"))
+"""Config fields (truthy: unsupported) and their flags."""
+
+ATTENTION, MLP, MOE = "*", "-", "E"
+"""Hybrid layer symbols counted (Megatron's ``Symbols``); a GPT layer is ``*-`` or ``*E``."""
+
+
+def _gpt_layer(config: Any, index: int) -> str:
+    if not config.num_moe_experts:
+        return ATTENTION + MLP
+    pattern = config.moe_layer_freq
+    moe = bool(pattern[index]) if isinstance(pattern, list) else index % pattern == 0
+    return ATTENTION + (MOE if moe else MLP)
+
+
+def _layers(config: Any, pattern: str | None) -> list[str]:
+    """Each decoder layer's parts as hybrid symbols."""
+    if pattern is None:
+        return [_gpt_layer(config, index) for index in range(config.num_layers)]
+    if "/" in pattern or config.mtp_num_layers:
+        raise FlopsError(f"--hybrid-layer-pattern {pattern} with MTP layers: the FLOPs count "
+                         "does not describe them; drop the MTP part")
+    layers = list(pattern.replace("|", ""))
+    unknown = sorted(set(layers) - {ATTENTION, MLP, MOE})
+    if unknown:
+        raise FlopsError(f"--hybrid-layer-pattern {pattern}: the FLOPs count has no formula for "
+                         f"its {', '.join(unknown)} layers (only {ATTENTION} {MLP} {MOE})")
+    return layers
+
+
+def chunk_layers(config: Any) -> list[int]:
+    """Decoder layers of each model chunk (pipeline stage, then virtual stage), as Megatron's
+    ``get_num_layers_to_build`` splits them: evenly, or with
+    ``--decoder-first/last-pipeline-num-layers``."""
+    if (config.pipeline_model_parallel_layout is not None
+            or config.account_for_embedding_in_pipeline_split
+            or config.account_for_loss_in_pipeline_split):
+        raise FlopsError("--recompute-method block with --pipeline-model-parallel-layout or "
+                         "--account-for-embedding/loss-in-pipeline-split: the FLOPs count does "
+                         "not split layers that way; pass the layers of each model chunk")
+    pp = config.pipeline_model_parallel_size
+    vp = (config.virtual_pipeline_model_parallel_size or 1) if pp > 1 else 1
+    first = config.num_layers_in_first_pipeline_stage
+    last = config.num_layers_in_last_pipeline_stage
+    given = [count for count in (first, last) if count is not None]
+    middle = pp - len(given)
+    stages = [(config.num_layers - sum(given)) // middle if middle else 0] * pp
+    if first is not None:
+        stages[0] = first
+    if last is not None:
+        stages[-1] = last
+    return [count // vp for count in stages for _ in range(vp)]
+
+
+def _recomputed(config: Any, layers: int, chunks: Sequence[int] | None,
+                hybrid: bool) -> list[bool]:
+    """Which decoder layers full recomputation reruns."""
+    if config.recompute_granularity != "full":
+        return [False] * layers
+    if config.recompute_method != "block":
+        return [True] * layers
+    if chunks is None and hybrid:
+        raise FlopsError("--recompute-method block with --hybrid-layer-pattern: pass the layers "
+                         "of each model chunk")
+    chosen = []
+    for count in chunks if chunks is not None else chunk_layers(config):
+        chosen += [index < config.recompute_num_layers for index in range(count)]
+    return chosen
+
+
+def _layer_flops(config: Any, parts: str, segments: list[int], *, kernel: AttentionKernel,
+                 full: bool, modules: set[str], trains: bool, input_grad: bool) -> Flops:
+    """One layer of these hybrid ``parts``: with ``full`` the whole layer recomputed, else the
+    selective ``modules``."""
+    tokens = sum(segments)
+    shape = Layer.of(config, causal=True, kernel=kernel, moe=MOE in parts)
+    works = []
+    if ATTENTION in parts:
+        works += [(shape.attention.projections(tokens), False),
+                  (shape.attention.scores(segments), "core_attn" in modules)]
+    if isinstance(shape.mlp, MoE):
+        whole = "moe" in modules
+        works += [(shape.mlp.routed(tokens), whole),
+                  (shape.mlp.shared_work(tokens), whole or "shared_experts" in modules)]
+    elif MLP in parts:
+        works.append((shape.mlp.work(tokens), "mlp" in modules))
+    return sum((work.flops(trains=trains, input_grad=input_grad, recomputed=full or again)
+                for work, again in works), Flops())
+
+
+def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], *,
+                   trains: bool = True, input_grad: bool = False,
+                   kernel: AttentionKernel | None = None, pattern: str | None = None,
+                   chunks: Sequence[int] | None = None) -> Flops:
+    """FLOPs of one microbatch through the language model.
+
+    ``config``: its TransformerConfig; ``vocab_size``: the padded vocabulary the output layer
+    has; ``rows``: segment lengths per row (see the module docstring); ``trains``: its weights
+    get gradients (not ``--freeze-language-model``); ``input_grad``: a trained encoder or
+    projection needs the gradient of its inputs (a frozen model then still runs a backward);
+    ``kernel``: the attention kernel (default: the one ``config.transformer_impl`` runs);
+    ``pattern``: the ``--hybrid-layer-pattern`` of a hybrid model; ``chunks``: layers per model
+    chunk, for ``--recompute-method block`` where :func:`chunk_layers` cannot tell.
+    """
+    for field, flag in UNSUPPORTED:
+        if getattr(config, field, None):
+            raise FlopsError(f"{flag}: the FLOPs count does not describe this language model; "
+                             "drop the flag or count its FLOPs elsewhere")
+    segments = [length for row in rows for length in row]
+    tokens = sum(segments)
+    layers = _layers(config, pattern)
+    modules = (set(config.recompute_modules or ["core_attn"])
+               if config.recompute_granularity == "selective" else set())
+    common = {"kernel": attention_kernel(config.transformer_impl) if kernel is None else kernel,
+              "modules": modules, "trains": trains, "input_grad": input_grad}
+    total = sum((_layer_flops(config, parts, segments, full=full, **common) for parts, full
+                 in zip(layers, _recomputed(config, len(layers), chunks, pattern is not None))),
+                Flops())
+    grads = {"trains": trains, "input_grad": input_grad}
+    mtp_full = config.recompute_granularity == "full" and config.recompute_method != "block"
+    eh_proj = Work(inner=linear(tokens, 2 * config.hidden_size, config.hidden_size))
+    for _ in range(config.mtp_num_layers or 0):
+        total += (eh_proj.flops(recomputed=mtp_full, **grads)
+                  + _layer_flops(config, layers[-1], segments, full=mtp_full, **common))
+    logits = Work(inner=linear(tokens, config.hidden_size, vocab_size))
+    return total + (logits * (1 + (config.mtp_num_layers or 0))).flops(**grads)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import psutil
+import torch
 import torch.distributed as dist
 
 from tools.functional_tests.runner import torchrun_command
@@ -54,10 +55,19 @@ def torchrun_variables(rank: int, world_size: int, store: dist.TCPStore) -> dict
             "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
+def _torchrun_threads() -> None:
+    """Size this rank's intra-op thread pool as torchrun sizes a rank's (``OMP_NUM_THREADS``, 1
+    unless set): a forked or spawned rank would otherwise keep one thread per core, and a world
+    of them on a 2-core machine spends most of its CPU spinning in each other's way (a 3-rank
+    tiny run: 7-10 s of CPU per rank with 2 threads, 1.4-1.6 s with 1)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
 def _worker(fn: Callable[..., Any], variables: dict[str, str], args: Sequence[Any],
             env: dict[str, str], results: "mp.Queue[tuple[int, bool, Any]]") -> None:
     os.environ.update(env)
     os.environ.update(variables)
+    _torchrun_threads()
     rank, world_size = int(variables["RANK"]), int(variables["WORLD_SIZE"])
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -238,10 +248,7 @@ def _run_script_rank(script: str, argv: Sequence[str], variables: dict[str, str]
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(variables)
-    import torch
-
-    # The server's OpenMP pool was sized when it started; size it as torchrun's rank would be.
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    _torchrun_threads()  # the server's pool was sized when it started
     out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(out, 1)
     os.dup2(out, 2)

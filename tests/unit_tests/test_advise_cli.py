@@ -20,9 +20,9 @@ MODEL = ["--encoder", "vision=vit", *TINY_TRANSFORMER]
 
 @pytest.mark.parametrize("flags, message", [
     (["--advise", "--gpus", "8", "--gpu", "v100"],
-     "--gpu v100: unknown GPU; known: h100-sxm, h100-pcie, h100-nvl, h200, h200-nvl, a100-80gb, "
-     "a100-40gb, b200, gb200, l40s (or give its figures: --peak-tflops, --gpu-memory-gib, "
-     "--intra-node-gbps, --inter-node-gbps)"),
+     "--gpu v100: unknown GPU; known: h100-sxm, h100-pcie, h100-nvl, h200, h200-nvl, gh200, "
+     "a100-80gb, a100-40gb, b200, gb200, l40s (or give its figures: --peak-tflops, "
+     "--gpu-memory-gib, --intra-node-gbps, --inter-node-gbps)"),
     (["--advise", "--gpus", "12", "--gpu", "h100"],
      "--gpus 12 is more than one node of --gpus-per-node 8 but not whole nodes; give 8 or 16 "
      "(a layout may leave GPUs of the last node idle)"),

@@ -166,11 +166,10 @@ def check_parser() -> argparse.ArgumentParser:
 
 def refuse_upstream_flags(argv: Sequence[str]) -> None:
     """One line for the first upstream ``examples/mimo`` flag that has no meaning here."""
-    for token in argv:
-        flag = token.partition("=")[0]
-        if flag in UPSTREAM_REFUSED:
-            raise FlagError(f"{flag} is upstream Megatron-LM examples/mimo's flag and has no "
-                            f"equivalent here: {UPSTREAM_REFUSED[flag]}")
+    flag = given_flag(argv, UPSTREAM_REFUSED)
+    if flag is not None:
+        raise FlagError(f"{flag} is upstream Megatron-LM examples/mimo's flag and has no "
+                        f"equivalent here: {UPSTREAM_REFUSED[flag]}")
 
 
 def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> list[str]:

@@ -144,7 +144,7 @@ def encoder_plugins(run: Settling) -> None:
     they are, the others built now."""
     built = run.checked.plugins
     run.settled.plugins = {
-        module.name: built.get(module.name) or instantiate(
+        module.name: built[module.name] if module.name in built else instantiate(
             module.provider, module.name, run.args, module, run.classes[module.name])
         for module in run.checked.layout.encoders}
 

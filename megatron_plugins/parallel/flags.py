@@ -28,7 +28,7 @@ from megatron_plugins.parallel.layout import (
     check_module_name,
 )
 from megatron_plugins.parallel.checks import check_layout
-from megatron_plugins.parallel.module_values import ModuleValues
+from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
 __all__ = [
     "ALIAS_ENCODER", "add_layout_args", "encoder_providers", "language_grid_flags",
@@ -137,9 +137,14 @@ def _check_encoder(name: str, provider: str) -> None:
         )
 
 
+def _encoders(args: Any) -> dict[str, str]:
+    """``--encoder``'s ``NAME -> PROVIDER`` (``args`` built by hand may hold the strings)."""
+    return module_values(getattr(args, "mimo_encoders", None), "--encoder", LayoutError)
+
+
 def encoder_providers(args: Any) -> dict[str, str]:
     """``--encoder``'s ``NAME -> PROVIDER``, or the alias flags' one encoder when none is given."""
-    return dict(getattr(args, "mimo_encoders", None) or dict([ALIAS_ENCODER]))
+    return _encoders(args) or dict([ALIAS_ENCODER])
 
 
 def _parse_grid(text: str) -> tuple[str, dict[str, int], str | None]:
@@ -184,7 +189,7 @@ class _Spec(NamedTuple):
 
 def _grid_specs(args: Any) -> list[_Spec]:
     """Every module, in flag order, from --grid or the alias flags."""
-    encoders: dict[str, str] = dict(getattr(args, "mimo_encoders", None) or {})
+    encoders = _encoders(args)
     for name, provider in encoders.items():
         _check_encoder(name, provider)
     grids = getattr(args, "mimo_grids", None) or []

@@ -68,13 +68,18 @@ BAD_FLAGS = [
     (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2",
       "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/nonexistent/tokenizer"],
      "--tokenizer-model /nonexistent/tokenizer: "),
+    # scripts/run_default.sh --train-iters 4 was a bare AssertionError from stock's scheduler.
+    (["--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2",
+      "--lr-warmup-iters", "12"],
+     "--lr-warmup-iters 12 must be below --train-iters 10 (the iterations the learning rate "
+     "decays over)"),
 ]
 
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=["world-size", "grid-key",
                                                            "encoder", "encoder-batch",
                                                            "missing-checkpoint", "lr-nan",
-                                                           "missing-tokenizer"])
+                                                           "missing-tokenizer", "lr-warmup"])
 def test_bad_flags_fail_fast_with_one_line(flags: list[str], message: str) -> None:
     run = run_script(SCRIPT, [*TINY_MIMO, *flags], nproc=3, timeout=90)
     assert run.returncode != 0

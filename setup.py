@@ -7,7 +7,6 @@ TORCH = "torch==2.14.1"
 DATA = [
     # Megatron's multimodal loader; WebDataset shards prepared by `energon prepare`.
     "megatron-energon==7.4.1",
-    "pillow==13.0.0",
     # HuggingFaceTokenizer (stock --tokenizer-type) and offline tokenizer training in tests.
     "transformers==5.23.0",
     "tokenizers==0.23.3",
@@ -35,6 +34,8 @@ setup(
         "pyyaml>=6.0",
         # Megatron's distributed checkpoint writer imports it at save time.
         "psutil==7.2.2",
+        # Images: the built-in encoders' preprocessing and the step timeline's picture.
+        "pillow==13.0.0",
     ],
     extras_require={
         # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.

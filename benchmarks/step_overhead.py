@@ -112,17 +112,18 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
 
 
 def record(mode: str, steps: int, warmup: int, probe_out: str, timeout: float = 600.0,
-           language_grid: str = "dp=1", items: str = STATIC_ITEMS) -> list[list[dict[str, Any]]]:
+           language_grid: str = "dp=1", items: str = STATIC_ITEMS,
+           extra: list[str] | None = None) -> list[list[dict[str, Any]]]:
     """Train the ``gpt`` (one rank) or ``mimo`` (the encoder's rank, then the language grid's:
     ``language_grid`` as ``--grid language:`` takes it; ``items`` per sample) configuration under
-    the probe; per rank, the recorded steps after warm-up."""
+    the probe, with ``extra`` flags last; per rank, the recorded steps after warm-up."""
     if mode == "gpt":
         nproc, flags = 1, ["--mock-data"]
     else:
         flags = mimo_flags(language_grid, items)
         nproc = 1 + math.prod(int(size) for size in re.findall(r"=(\d+)", language_grid))
     iters = ["--train-iters", str(steps + warmup)]
-    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters], probe_out, timeout)
+    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters, *(extra or [])], probe_out, timeout)
     return [json.loads(Path(f"{probe_out}.rank{r}.json").read_text())["steps"][warmup:]
             for r in range(nproc)]
 
@@ -233,6 +234,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out_dir: Path, stem: str, report: dict[str, Any], table: str) -> None:
+    """``stem.json`` and ``stem.md`` in ``out_dir``; the table printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (out_dir / f"{stem}.md").write_text(table)
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the tables, write JSON and markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -247,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     steps, warmup, rounds = (3, 1, 1) if args.smoke else (args.steps, args.warmup, args.rounds)
     report = measure(steps, warmup, args.timeout, rounds)
-    table = markdown(report)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "step_overhead.json").write_text(json.dumps(report, indent=1))
-    (args.out_dir / "step_overhead.md").write_text(table)
-    print(table)
+    write_report(args.out_dir, "step_overhead", report, markdown(report))
     return 0
 
 

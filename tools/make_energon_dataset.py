@@ -45,11 +45,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import megatron.energon
 import yaml
-from megatron.energon import CaptioningSample, Sample, VQASample
 from megatron.energon.flavors import BaseWebdatasetFactory
 from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
 from tqdm import tqdm
@@ -58,12 +57,10 @@ from webdataset import ShardWriter
 from megatron_plugins.media.codec import DECODERS, BadSampleError
 from megatron_plugins.data.samples import (
     AUDIO_PART,
-    LOADERS,
-    AudioTranscriptSample,
-    ConversationSample,
-    ImageAudioCaptionSample,
+    DATASET_KINDS,
+    ConversationKind,
+    SampleKind,
     conversation_part,
-    conversation_parts,
 )
 from megatron_plugins.data.text import media_marker
 from megatron_plugins.errors import UsageError, report
@@ -87,18 +84,24 @@ class DatasetError(UsageError):
 
 @dataclass(frozen=True)
 class Kind:
-    """What one kind of dataset reads from each annotation record, and its sample type."""
+    """What one kind of dataset reads from each annotation record; its samples are of the
+    schema's kind (:data:`~megatron_plugins.data.samples.DATASET_KINDS`), which the training
+    loader reads too."""
 
-    media: tuple[str, ...]
-    """Columns holding a media path: ``image`` and/or ``audio``."""
+    sample: SampleKind
     text: tuple[str, ...]
     """Columns holding text: one is stored as ``txt``, several as one ``json`` object."""
-    sample_type: type[Sample]
-    conversation: bool = False
-    """LLaVA-style records, converted by :func:`_conversation_row` into 0..N images and
-    ``text``."""
-    part_filter: Callable[[str], bool] | None = None
-    """Energon's part filter where :attr:`parts` cannot list every part (numbered images)."""
+
+    @property
+    def media(self) -> tuple[str, ...]:
+        """Columns holding a media path: ``image`` and/or ``audio``."""
+        return self.sample.media
+
+    @property
+    def conversation(self) -> bool:
+        """LLaVA-style records, converted by :func:`_conversation_row` into 0..N images and
+        ``text``."""
+        return isinstance(self.sample, ConversationKind)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -115,14 +118,13 @@ class Kind:
         return [part for parts in media for part in parts] + [self.text_part]
 
 
-KINDS: dict[str, Kind] = {
-    "caption": Kind(("image",), ("caption",), CaptioningSample),
-    "vqa": Kind(("image",), ("question", "answer"), VQASample),
-    "transcript": Kind(("audio",), ("transcript",), AudioTranscriptSample),
-    "image_audio_caption": Kind(("image", "audio"), ("caption",), ImageAudioCaptionSample),
-    "conversation": Kind(("image",), ("conversation",), ConversationSample, conversation=True,
-                         part_filter=conversation_parts),
-}
+KINDS: dict[str, Kind] = {name: Kind(DATASET_KINDS[name], text) for name, text in (
+    ("caption", ("caption",)),
+    ("vqa", ("question", "answer")),
+    ("transcript", ("transcript",)),
+    ("image_audio_caption", ("caption",)),
+    ("conversation", ("conversation",)),
+)}
 
 
 @dataclass(frozen=True)
@@ -357,13 +359,13 @@ def _dataset_yaml(kind_name: str) -> dict[str, Any]:
     """``.nv-meta/dataset.yaml``: the sample type, loaded by ``sample_loader.py`` (text as str,
     media as raw bytes whether Energon's decoder is on or off) from this kind's parts."""
     kind = KINDS[kind_name]
-    sample_type = kind.sample_type
+    sample_type = kind.sample.sample_type
     exported = getattr(megatron.energon, sample_type.__name__, None) is sample_type
     module = "megatron.energon" if exported else sample_type.__module__
     return {
         "sample_type": {"__module__": module, "__class__": sample_type.__name__},
         "sample_loader": "sample_loader.py:sample_loader",
-        "part_filter": "sample_loader.py:part_filter" if kind.part_filter else kind.parts,
+        "part_filter": "sample_loader.py:part_filter" if kind.sample.part_filter else kind.parts,
     }
 
 
@@ -380,7 +382,7 @@ def _write_meta(root: Path, kind_name: str, splits: dict[str, list[Record]]) -> 
         )
     meta = root / MAIN_FOLDER_NAME
     (meta / "dataset.yaml").write_text(yaml.safe_dump(_dataset_yaml(kind_name), sort_keys=False))
-    loader, part_filter = LOADERS[kind_name], KINDS[kind_name].part_filter
+    loader, part_filter = KINDS[kind_name].sample.loader, KINDS[kind_name].sample.part_filter
     lines = [f'"""Written by tools.make_energon_dataset: text parts as str, media as raw bytes."""',
              f"from {loader.__module__} import {loader.__name__} as sample_loader  # noqa: F401"]
     if part_filter is not None:

@@ -172,6 +172,10 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", "parallel.topology._collection",
         _canary("checkpointing", "test_gap27_canary_stock_checkpoints_read_the_gtp_remat_group_"
                                  "and_fall_back_to_parallel_state")),
+    Gap("28", "--log-throughput counts a GPT of the language flags over every rank of the world",
+        "throughput", "performance.measurement.install",
+        _canary("throughput", "test_gap28_canary_stock_throughput_counts_a_gpt_of_the_flags_"
+                              "over_the_world")),
 )
 """Every gap in the order the bridges were added."""
 

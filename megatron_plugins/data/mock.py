@@ -232,5 +232,6 @@ class MockSource:
                     module, preprocess,
                     [[preprocess(item) for item in self.media(module, split, index)]
                      for index in indices],
-                    [self.item_tokens(split, index)[module] for index in indices])
+                    [self.item_tokens(split, index)[module] for index in indices],
+                    [self.item_sizes(module, split, index) for index in indices])
             yield keys, {**batch, POSITIONS: positions}

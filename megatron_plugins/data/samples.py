@@ -1,25 +1,32 @@
-"""Energon sample types and sample loaders for the datasets ``tools.make_energon_dataset`` writes.
+"""The sample schema: which Energon sample types training reads, the fields of each (media, loss
+target, prompt), and the sample loaders of the datasets ``tools.make_energon_dataset`` writes.
 
-Training reads these datasets with Energon's decoder off, so media parts stay raw bytes until the
-rank that needs them decodes them; the loaders here turn the text parts (``txt`` / ``json``) into
-``str`` themselves, which Energon's ``field_map`` cannot do for undecoded parts. A dataset's
-``.nv-meta/sample_loader.py`` imports one of them (see ``LOADERS``).
+One table (:data:`DATASET_KINDS`, by ``--kind``; :data:`SAMPLE_KINDS`, by sample class) serves
+both the tool that writes datasets and the loader that reads them
+(:mod:`megatron_plugins.data.energon`). Training reads datasets with Energon's decoder off, so media
+parts stay raw bytes until the rank that needs them decodes them; the loaders here turn the text
+parts (``txt`` / ``json``) into ``str`` themselves, which Energon's ``field_map`` cannot do for
+undecoded parts. A dataset's ``.nv-meta/sample_loader.py`` imports one of them by name
+(``load_caption``, ...), so those names stay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Callable
 
-from megatron.energon import Sample
+from megatron.energon import CaptioningSample, Sample, VQASample
 from megatron.energon.edataclass import edataclass
 
+from megatron_plugins.data.text import ROLES, Conversation, SampleText
 from megatron_plugins.media.codec import BadSampleError, decode_text
 
 __all__ = [
-    "AUDIO_PART", "AudioTranscriptSample", "ConversationSample", "IMAGE_PARTS",
-    "ImageAudioCaptionSample", "LOADERS", "conversation_part", "conversation_parts"
+    "AUDIO_PART", "AudioTranscriptSample", "ConversationKind", "ConversationSample",
+    "DATASET_KINDS", "IMAGE_PARTS", "ImageAudioCaptionSample", "SAMPLE_KINDS", "SampleKind",
+    "conversation_part", "conversation_parts", "sample_kind"
 ]
 
 #: Tar part extensions an image may be stored under (the source file's own encoding is kept).
@@ -166,11 +173,120 @@ def load_conversation(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(images=_conversation_images(raw), conversation=text)
 
 
-#: The loader for each dataset kind of ``tools.make_energon_dataset``.
-LOADERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "caption": load_caption,
-    "vqa": load_vqa,
-    "transcript": load_transcript,
-    "image_audio_caption": load_image_audio_caption,
-    "conversation": load_conversation,
+Loader = Callable[[dict[str, Any]], dict[str, Any]]
+"""A sample loader: a sample's tar parts -> its sample type's fields."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleKind:
+    """What one sample type carries: its media fields and the text fields its loss target (and
+    prompt) come from, and the loader that fills them from a ``tools.make_energon_dataset``
+    sample's parts."""
+
+    sample_type: type[Sample]
+    media: tuple[str, ...]
+    target: str
+    loader: Loader
+    prompt: str | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Every field training reads, so every field a dataset's ``field_map`` must fill."""
+        return (*self.media, *([self.prompt] if self.prompt else []), self.target)
+
+    @property
+    def one_item_each(self) -> bool:
+        """Every sample holds exactly one item of each of its media kinds."""
+        return True
+
+    @property
+    def part_filter(self) -> Callable[[str], bool] | None:
+        """Energon's part filter where the parts cannot be listed (numbered items); None: the
+        dataset lists them."""
+        return None
+
+    def items(self, sample: Any, media: str) -> list[tuple[str, Any]]:
+        """The sample's undecoded items of ``media`` in order, each with the field it came from
+        (for messages); a missing or empty one stops naming the sample."""
+        data = getattr(sample, media, None)
+        if not data:
+            raise BadSampleError(sample.__key__, media, "is missing or empty")
+        return [(media, data)]
+
+    def text(self, sample: Any) -> SampleText:
+        """The sample's text as ``str``: a ``field_map`` hands text parts over as raw bytes."""
+        key = sample.__key__
+        prompt = decode_text(getattr(sample, self.prompt), key, self.prompt) if self.prompt else ""
+        target = getattr(sample, self.target)
+        if isinstance(target, (list, tuple)):  # VQA answers: the first one is the target.
+            if not target:
+                raise BadSampleError(key, self.target, "is an empty list")
+            target = target[0]
+        return SampleText(prompt, decode_text(target, key, self.target))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversationKind(SampleKind):
+    """Multi-turn samples: ``target`` holds the turns as JSON text, rendered with the chat
+    template; each media kind's 0..N items are in a list field (``image`` -> ``images``)."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (*(f"{media}s" for media in self.media), self.target)
+
+    @property
+    def one_item_each(self) -> bool:
+        return False
+
+    @property
+    def part_filter(self) -> Callable[[str], bool]:
+        return conversation_parts
+
+    def items(self, sample: Any, media: str) -> list[tuple[str, Any]]:
+        field = f"{media}s"
+        data = getattr(sample, field, None)
+        if data is None:
+            raise BadSampleError(sample.__key__, field, "is missing")
+        if isinstance(data, (bytes, bytearray, memoryview)):  # a field_map's single part
+            data = [data]
+        for index, item in enumerate(data):
+            if not item:
+                raise BadSampleError(sample.__key__, f"{field}[{index}]", "is empty")
+        return [(f"{field}[{index}]", item) for index, item in enumerate(data)]
+
+    def text(self, sample: Any) -> Conversation:  # type: ignore[override]
+        """The sample's turns, each a ``(role, content)`` of a known role."""
+        key = sample.__key__
+        raw = decode_text(getattr(sample, self.target), key, self.target)
+        try:
+            turns = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise BadSampleError(key, self.target, f"is not JSON ({error.msg})") from None
+        if not isinstance(turns, list) or not all(
+                isinstance(turn, dict) and turn.get("role") in ROLES
+                and isinstance(turn.get("content"), str) for turn in turns):
+            raise BadSampleError(key, self.target, "is not a list of {role, content} turns "
+                                 f"with role one of {', '.join(ROLES)}")
+        return Conversation(tuple((turn["role"], turn["content"]) for turn in turns))
+
+
+DATASET_KINDS: dict[str, SampleKind] = {
+    "caption": SampleKind(CaptioningSample, ("image",), "caption", load_caption),
+    "vqa": SampleKind(VQASample, ("image",), "answers", load_vqa, prompt="context"),
+    "transcript": SampleKind(AudioTranscriptSample, ("audio",), "transcript", load_transcript),
+    "image_audio_caption": SampleKind(ImageAudioCaptionSample, ("image", "audio"), "caption",
+                                      load_image_audio_caption),
+    "conversation": ConversationKind(ConversationSample, ("image",), "conversation",
+                                     load_conversation),
 }
+"""Each kind of ``tools.make_energon_dataset --kind``, the sample type training reads."""
+
+SAMPLE_KINDS: dict[str, SampleKind] = {
+    kind.sample_type.__name__: kind for kind in DATASET_KINDS.values()}
+"""The same kinds by sample class name, as a ``dataset.yaml`` names them (also for folders
+prepared by ``energon prepare``)."""
+
+
+def sample_kind(sample: Any) -> SampleKind:
+    """The kind of a loaded sample."""
+    return SAMPLE_KINDS[type(sample).__name__]

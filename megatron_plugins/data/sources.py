@@ -109,6 +109,6 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "
             f"that blends several); got {len(args.data_path)} values")
-    from megatron_plugins.data.energon import open_source
+    from megatron_plugins.data.energon.loader import open_source
 
     return open_source(Path(args.data_path[0]), args, dict(plugins))

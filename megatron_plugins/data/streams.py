@@ -31,8 +31,10 @@ from megatron_plugins.parallel.layout import LANGUAGE
 from megatron_plugins.parallel.topology import HeteroTopology
 
 __all__ = [
-    "COLOCATED", "ColocatedStream", "DataSource", "ITEM_TOKENS", "LENGTH", "Microbatch",
-    "MicrobatchStream", "POSITIONS", "Packing", "RECEIVED_ORDER", "SPLITS", "TRUNCATED",
+    "COLOCATED", "ColocatedStream", "DataSource", "ITEM_SIZES", "ITEM_TOKENS", "LENGTH",
+    "Microbatch",
+    "MicrobatchStream", "POSITIONS", "Packing", "REAL_TOKENS", "RECEIVED_ORDER", "SPLITS",
+    "TRUNCATED",
     "alignment_guard", "collate_items", "collate_text", "data_provider", "data_state_path",
     "is_witness", "rank_slice"
 ]
@@ -45,6 +47,11 @@ Microbatch = tuple[list[str], dict[str, Any]]
 ITEM_TOKENS = "item_tokens"
 """Batch entry: per encoder (every encoder on language ranks, its own on encoder ranks), each
 sample's item token counts, a tuple per sample (empty for a sample without such items)."""
+
+ITEM_SIZES = "item_sizes"
+"""Batch entry (encoder ranks, and each hosted encoder's batch on a colocated rank): per encoder,
+each sample's items' sizes (a list of size tuples per sample, as ``item_tokens(size)`` takes
+them), from which the encoder's FLOPs are counted."""
 
 POSITIONS = "positions"
 """Batch entry (set by every source, read by the stream): the positions of the global microbatch
@@ -66,6 +73,10 @@ the language replica's positions."""
 LENGTH = "length"
 """Language sample field (a 0-d tensor) and batch entry (``[samples]``): the positions each
 sample fills before its padding."""
+
+REAL_TOKENS = "real_tokens"
+"""Batch entry (language ranks, an ``int``): the positions of the microbatch's rows its samples
+fill, padding excluded (packed or not); what throughput counts as tokens."""
 
 
 class DataSource(Protocol):
@@ -98,13 +109,15 @@ def collate_text(samples: list[dict[str, torch.Tensor]],
 
 def collate_items(module: str, preprocessor: MediaPreprocessor,
                   samples: list[list[dict[str, torch.Tensor]]],
-                  item_tokens: list[tuple[int, ...]]) -> dict[str, Any]:
+                  item_tokens: list[tuple[int, ...]],
+                  item_sizes: list[list[tuple[int, ...]]]) -> dict[str, Any]:
     """Encoder ranks: every item of the microbatch's samples, in sample then item order, as the
     preprocessor collates them (no inputs when no sample holds an item: the model then hands
-    the language an empty output), and each sample's item token counts."""
+    the language an empty output), and each sample's item token counts and sizes."""
     items = [item for sample in samples for item in sample]
     inputs = {module: {module: preprocessor.collate(items)}} if items else None
-    return {"modality_inputs": inputs, ITEM_TOKENS: {module: [tuple(c) for c in item_tokens]}}
+    return {"modality_inputs": inputs, ITEM_TOKENS: {module: [tuple(c) for c in item_tokens]},
+            ITEM_SIZES: {module: [[tuple(size) for size in sizes] for sizes in item_sizes]}}
 
 
 def data_state_path(iteration_dir: Path, module: str, dp_rank: int) -> Path:
@@ -196,13 +209,14 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
         if lengths is None:
             return batch
         lengths = lengths.tolist()
+        batch[REAL_TOKENS] = sum(lengths)
         packed = min(sum(lengths), batch["tokens"].shape[-1])
         if self._packing is not None:
             row = pack_row(batch, lengths, keys, self._packing.placeholder_ids,
                            self._packing.multiple)
             batch = {**{key: value for key, value in batch.items() if key != "attention_mask"},
                      **row.fields, "packing_kwargs": row.packing_kwargs()}
-            packed = sum(row.kept)
+            packed = batch[REAL_TOKENS] = sum(row.kept)
             if row.cut and self._writes_state and not self._noticed_cut:
                 self._noticed_cut = True
                 print(f"pretrain_mimo.py: notice: sample {row.cut[0]!r} does not fit in its "

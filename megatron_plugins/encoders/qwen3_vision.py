@@ -3,7 +3,7 @@ tensor-parallel Megatron module, its merger and DeepStack mergers as the input p
 
 The folder given as ``--encoder-hf-weights NAME=DIR`` (a whole Qwen3-VL folder, or one of just its
 vision model) shapes the tower and holds its weights. Images are preprocessed as for Qwen2.5-VL
-(HF's Qwen2-VL image processor, :class:`~megatron_plugins.encoders.qwen_vision.
+(HF's Qwen2-VL image processor, :class:`~megatron_plugins.encoders.qwen_preprocessing.
 QwenImagePreprocessor`) and a microbatch's images run as one packed sequence: Conv3d patch
 embedding with bias, the learned square position table bilinearly resampled to each image's grid
 (HF's ``fast_pos_embed_interpolate``), 2D rotary positions, whole-image attention in every block,
@@ -32,17 +32,17 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.hf_vision import HALF
-from megatron_plugins.flops.count import EncoderFlops, Work
-from megatron_plugins.flops.encoder import embedding, tower
-from megatron_plugins.ops.packed_attention import packed_seq_params
-from megatron_plugins.encoders.qwen_vision import (
-    QwenImagePreprocessor,
-    QwenVisionEncoder,
+from megatron_plugins.encoders.qwen_preprocessing import QwenImagePreprocessor
+from megatron_plugins.encoders.qwen_tower import (
+    QwenTowerEncoder,
     merge_block_positions,
     packed_decoder,
     rotary_angles,
     vision_norm,
 )
+from megatron_plugins.flops.count import EncoderFlops, Work
+from megatron_plugins.flops.encoder import embedding, tower
+from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.weights.vision_families import QWEN3_VL_VISION
 
 __all__ = ["PatchMerger", "Qwen3ImagePreprocessor", "Qwen3Mergers", "Qwen3ViT", "Qwen3VisionEncoder",
@@ -104,8 +104,8 @@ class Qwen3ViT(MegatronModule):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` ``[patches, 3 * T * p * p]`` and ``grid_thw`` ``[items, 3]`` as
-        :meth:`~megatron_plugins.encoders.qwen_vision.QwenImagePreprocessor.collate` packs them
-        -> ``[patches, (1 + L) * hidden]``."""
+        :meth:`~megatron_plugins.encoders.qwen_preprocessing.QwenImagePreprocessor.collate`
+        packs them -> ``[patches, (1 + L) * hidden]``."""
         grids = [tuple(grid) for grid in grid_thw.tolist()]
         device = pixel_values.device
         weight = self.patch_embed
@@ -189,7 +189,7 @@ class Qwen3ImagePreprocessor(QwenImagePreprocessor):
     takes_video: ClassVar[bool] = False
 
 
-class Qwen3VisionEncoder(QwenVisionEncoder):
+class Qwen3VisionEncoder(QwenTowerEncoder):
     """Qwen3-VL's vision tower; its merger and DeepStack mergers are the projection to the
     language model, which adds the :attr:`deepstack_levels` extra feature levels."""
 

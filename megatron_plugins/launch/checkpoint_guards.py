@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_plugins.parallel.layout import ParallelLayout
+from megatron_plugins.parallel.layout import ParallelLayout, layout_record
 from megatron_plugins.weights.megatron_folder import (
     LAYOUT_FILE,
     CheckpointError,
@@ -39,15 +39,6 @@ from megatron_plugins.weights.megatron_folder import (
 )
 
 __all__ = ["check_checkpoint_flags", "layout_record", "write_layout"]
-
-
-def layout_record(layout: ParallelLayout) -> list[dict[str, Any]]:
-    """What identifies a layout for resuming: every module's name, provider and split, and for a
-    hosted (colocated) module the module it sits on; records of other modules do not mention it,
-    so a layout written before colocation existed still compares equal."""
-    return [{"name": m.name, "provider": m.provider, "tp": m.tp, "pp": m.pp, "cp": m.cp,
-             "dp": m.dp, "ep": m.ep, "etp": m.etp, **({"on": m.host} if m.host else {})}
-            for m in layout.modules]
 
 
 def check_checkpoint_flags(args: Any, layout: ParallelLayout) -> ResumePoint | None:

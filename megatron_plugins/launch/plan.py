@@ -1,4 +1,5 @@
-"""Print a heterogeneous layout's rank map without launching anything (``mimo-plan``).
+"""Print a heterogeneous layout's rank map without launching anything (``mimo-plan``), or with
+``--advise`` the layouts to launch on the GPUs given (:mod:`megatron_plugins.launch.advise`).
 
 Takes the whole training command line (flags it does not need are ignored) plus torchrun's
 ``--nproc-per-node`` / ``--nnodes``, runs the launch's own checks (:func:`preflight.check_run`),
@@ -17,7 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from megatron_plugins.parallel.routing import summarize
-from megatron_plugins.errors import FlagError, UsageError, report
+from megatron_plugins.errors import UsageError, report
+from megatron_plugins.launch.command_line import raise_flag_errors
 from megatron_plugins.parallel.layout import (
     DENSE_DIMS,
     EXPERT_DIMS,
@@ -25,15 +27,15 @@ from megatron_plugins.parallel.layout import (
     ParallelLayout,
 )
 from megatron_plugins.launch.preflight import check_parser, check_run
+from megatron_plugins.parallel.nodes import cross_node_groups
 
 __all__ = ["main"]
 
+ADVISE = "--advise"
+"""With this flag ``mimo-plan`` advises a layout instead (:mod:`megatron_plugins.launch.advise`)."""
+
 SMALL = 64
 """Layouts up to this many ranks get the per-rank table without ``--ranks``."""
-
-FAST_DIMS = ("tp", "cp", "ep", "expt_tp")
-"""Dims whose groups talk every layer: a group of them across nodes is the costly mistake."""
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -46,12 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--ranks", action="store_true",
                         help=f"Print the per-rank table (default: only up to {SMALL} ranks).")
-    parser.error = _raise  # type: ignore[method-assign]
-    return parser
-
-
-def _raise(message: str) -> None:
-    raise FlagError(message)
+    return raise_flag_errors(parser)
 
 
 def _dims(values: dict[str, int], dims: Sequence[str]) -> str:
@@ -69,24 +66,6 @@ def _coordinates(module: ModulePlacement, rank: int) -> str:
 
 def _span(values: range | list[int]) -> str:
     return f"{min(values)}-{max(values)}"
-
-
-def cross_node_groups(module: ModulePlacement, nproc_per_node: int) -> dict[str, tuple[int, int]]:
-    """Per dim of :data:`FAST_DIMS`: (groups spanning nodes, groups) of ``module``."""
-    found = {}
-    for dim in FAST_DIMS:
-        if module.dim_size(dim) == 1:
-            continue
-        dims = DENSE_DIMS if dim in DENSE_DIMS else EXPERT_DIMS
-        nodes: dict[tuple[int, ...], set[int]] = {}
-        for rank in module.ranks:
-            coords = module.coordinates(rank)
-            key = tuple(coords[d] for d in dims if d != dim)
-            nodes.setdefault(key, set()).add(rank // nproc_per_node)
-        spanning = sum(len(members) > 1 for members in nodes.values())
-        if spanning:
-            found[dim] = (spanning, len(nodes))
-    return found
 
 
 def _routing(layout: ParallelLayout, module: ModulePlacement, micro_batch_size: int) -> str:
@@ -148,6 +127,10 @@ def format_plan(layout: ParallelLayout, nproc_per_node: int, ranks: bool,
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mimo-plan`` and ``python -m megatron_plugins.launch.plan``; returns exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if ADVISE in argv:
+        from megatron_plugins.launch.advise import main as advise
+
+        return advise(argv)
     try:
         own, _ = _parser().parse_known_args(argv)
         layout = check_run(argv, own.nproc_per_node * own.nnodes, quiet=True).layout

@@ -204,12 +204,10 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
         )
         install_grad_sync(model, module_pgs, cfg._alignment)
         if topology.layout.hosted:
-            colocation.even_optimizer_gathers(max(
-                len(topology.layout.modules_of_rank(rank))
-                for rank in range(topology.layout.world_size)))
+            colocation.even_optimizer_gathers(topology.layout.most_modules_per_rank)
         if topology.hosted:
             checkpointing.carry_module_rng(rng, module_pgs[LANGUAGE].dp.rank())
-            ColocatedEncoders(topology.layout, torch.distributed.get_rank(), {
+            ColocatedEncoders(topology, torch.distributed.get_rank(), {
                 name: HostedEncoder(
                     topology.layout.module(name),
                     language.hidden_size * (1 + cfg._plugins[name].deepstack_levels),

@@ -17,13 +17,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_plugins.errors import UsageError
 
 __all__ = [
     "DENSE_DIMS", "EXPERT_DIMS", "GRID_EXAMPLE", "GRID_KEYS", "LANGUAGE", "LayoutError",
     "MODULE_NAME", "ModulePlacement", "ParallelLayout", "check_module_name", "check_supported", "choices",
-    "divisors", "encoder_micro_batch_size"
+    "divisors", "encoder_micro_batch_size", "layout_record"
 ]
 
 LANGUAGE = "language"
@@ -238,6 +239,12 @@ class ParallelLayout:
         owner = self.module_of_rank(rank)
         return (owner, *(m for m in self.hosted if m.host == owner.name))
 
+    @property
+    def most_modules_per_rank(self) -> int:
+        """The most modules any rank runs (2 where an encoder is colocated): every rank's
+        optimizer build must take part in that many world gathers (``compat`` Gap 25)."""
+        return max(len(self.modules_of_rank(rank)) for rank in range(self.world_size))
+
     def check_world_size(self, world_size: int) -> None:
         """Raise unless the launch has exactly the ranks the modules need."""
         if world_size != self.world_size:
@@ -311,3 +318,12 @@ def encoder_micro_batch_size(layout: ParallelLayout, encoder: str, micro_batch_s
             f"dp={module.dp}; choose a micro batch size that makes it divisible"
         )
     return total // module.dp
+
+
+def layout_record(layout: ParallelLayout) -> list[dict[str, Any]]:
+    """What identifies a layout for resuming: every module's name, provider and split, and for a
+    hosted (colocated) module the module it sits on; records of other modules do not mention it,
+    so a layout written before colocation existed still compares equal."""
+    return [{"name": m.name, "provider": m.provider, "tp": m.tp, "pp": m.pp, "cp": m.cp,
+             "dp": m.dp, "ep": m.ep, "etp": m.etp, **({"on": m.host} if m.host else {})}
+            for m in layout.modules]

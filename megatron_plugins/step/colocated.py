@@ -35,11 +35,18 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config, unwrap_model
 
 from megatron_plugins.parallel.routing import Exchange, RoutingPlan, Span
-from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS
-from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
+from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS, rank_slice
+from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement
 from megatron_plugins.parallel.rng import ModuleRng
-from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows
+from megatron_plugins.parallel.topology import HeteroTopology
+from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows, to_device
+from megatron_plugins.step.phases import (
+    ENCODER_BACKWARD,
+    ENCODER_FORWARD,
+    ROUTING,
+    consumed,
+    phase,
+)
 
 __all__ = ["ColocatedEncoders", "ColocatedSchedule", "HostedEncoder", "colocated_encoders",
            "route_backward", "route_forward"]
@@ -63,7 +70,9 @@ class HostedEncoder:
 class ColocatedEncoders:
     """What a rank hosting encoders keeps for its steps."""
 
-    layout: ParallelLayout
+    topology: HeteroTopology
+    """This rank's groups: its slice of each module's microbatches is the data path's
+    (:func:`~megatron_plugins.data.streams.rank_slice`)."""
     rank: int
     encoders: dict[str, HostedEncoder]
     rng: ModuleRng
@@ -79,17 +88,12 @@ class ColocatedEncoders:
         """Let the schedule find these encoders from the model it is handed."""
         setattr(unwrap_model(model), _ATTRIBUTE, self)
 
-    def slice(self, module: str, micro_batch_size: int) -> RankSlice:
-        """This rank's slice of every global microbatch for ``module``."""
-        dp = self.layout.module(module).coordinates(self.rank)["dp"]
-        return RankSlice.of(self.layout, module, dp, micro_batch_size)
-
     def row_counts(self, name: str, batches: list[dict[str, Any]],
                    micro_batch_size: int) -> list[dict[int, int]]:
         """Rows of each position this rank computes or merges, per microbatch, from the counts
         both its encoder and its language batches carry (so no rank has to ask another)."""
-        computed = self.slice(name, micro_batch_size).positions
-        consumed = self.slice(LANGUAGE, micro_batch_size).positions
+        computed = rank_slice(self.topology, name, micro_batch_size).positions
+        consumed = rank_slice(self.topology, LANGUAGE, micro_batch_size).positions
         counts = []
         for batch in batches:
             rows = dict(zip(consumed, map(sum, batch[ITEM_TOKENS][name])))
@@ -250,16 +254,19 @@ class ColocatedSchedule:
             recompute = hosted.recompute and encoder.trains and not forward_only
             outputs, replays = [], []
             with hosted.rng.enter(name), torch.set_grad_enabled(not (forward_only or recompute)):
-                for batch in batches:
-                    inputs = batch[COLOCATED][name]
+                for index, batch in enumerate(batches):
+                    inputs = to_device(batch[COLOCATED][name])
                     if recompute:
                         replays.append((inputs, hosted.rng.state_dict([name])))
-                    outputs.append(_encoder_rows(mimo, name, encoder.width, inputs))
+                    consumed(inputs, name)
+                    with phase(ENCODER_FORWARD, name, index):
+                        outputs.append(_encoder_rows(mimo, name, encoder.width, inputs))
             computed = torch.cat(outputs)
-            plan = RoutingPlan.build(encoder.placement, hosted.layout.language, hosted.rank,
+            plan = RoutingPlan.build(encoder.placement, hosted.topology.layout.language, hosted.rank,
                                      micro_batch_size,
                                      hosted.row_counts(name, batches, micro_batch_size))
-            leaf = route_forward(computed, plan)
+            with phase(ROUTING, name):
+                leaf = route_forward(computed, plan)
             leaf.requires_grad_(encoder.trains and not forward_only)
             if not forward_only:
                 hosted.traffic[name] = (plan.bytes_moved(encoder.width, computed.dtype),
@@ -277,12 +284,14 @@ class ColocatedSchedule:
             if not hosted.encoders[name].trains:
                 continue
             grad = route.leaf.grad if route.leaf.grad is not None else torch.zeros_like(route.leaf)
-            rows = route_backward(grad, route.plan)
-            if route.replays:
-                _replay(mimo, hosted, name, route, rows)
-            elif route.computed.requires_grad:
-                with hosted.rng.enter(name):
-                    torch.autograd.backward(route.computed, rows)
+            with phase(ROUTING, name):
+                rows = route_backward(grad, route.plan)
+            with phase(ENCODER_BACKWARD, name):
+                if route.replays:
+                    _replay(mimo, hosted, name, route, rows)
+                elif route.computed.requires_grad:
+                    with hosted.rng.enter(name):
+                        torch.autograd.backward(route.computed, rows)
 
 
 def _replay(mimo: torch.nn.Module, hosted: ColocatedEncoders, name: str, route: _Routed,

@@ -30,6 +30,7 @@ from megatron.core.utils import unwrap_model
 from megatron_plugins.compat import step_reductions
 from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.parallel.layout import LANGUAGE
+from megatron_plugins.step.phases import GRAD_REDUCE, phase
 
 __all__ = ["CrossGridGradSync", "counts_tokens", "install_grad_sync", "scale_module_gradients"]
 
@@ -129,8 +130,9 @@ class CrossGridGradSync:
                  pg_collection: object = None, force_all_reduce: bool = False) -> None:
         """Stock per-module finalization, then division by the global token count."""
         assert unwrap_model(model[0]) is self._model, "grad sync installed on another model"
-        self.reduce_gradients(force_all_reduce)
-        self.scale_gradients(self.global_token_count(num_tokens, carry_rerun_vote=True))
+        with phase(GRAD_REDUCE):
+            self.reduce_gradients(force_all_reduce)
+            self.scale_gradients(self.global_token_count(num_tokens, carry_rerun_vote=True))
 
 
 def install_grad_sync(model: MimoModel, module_pgs: Mapping[str, ProcessGroupCollection],

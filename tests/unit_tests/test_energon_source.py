@@ -12,7 +12,7 @@ import pytest
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.sources import build_source
-from megatron_plugins.data.energon import DataPathError
+from megatron_plugins.data.energon.dataset import DataPathError
 from megatron_plugins.media.codec import BadSampleError
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder

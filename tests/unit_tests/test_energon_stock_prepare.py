@@ -16,7 +16,8 @@ import yaml
 from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_val_dataset
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.energon import SAMPLE_KINDS, DataPathError, _check_dataset
+from megatron_plugins.data.energon.dataset import DataPathError, check_dataset
+from megatron_plugins.data.samples import SAMPLE_KINDS
 from megatron_plugins.media.codec import BadSampleError
 from megatron_plugins.data.sources import build_source
 from megatron_plugins.data.text import SampleText
@@ -155,7 +156,7 @@ def test_a_field_map_that_cannot_fill_the_sample_is_one_line(caption_root, tmp_p
     _, _, args, plugins = _source(caption_root, "caption")
     with pytest.raises(DataPathError, match=rf"^--data-path {root / 'energon'}: its "
                                                  rf"\.nv-meta/dataset\.yaml {match}") as error:
-        _check_dataset(root / "energon", plugins, args)
+        check_dataset(root / "energon", plugins, args)
     assert "\n" not in str(error.value)
 
 
@@ -167,7 +168,7 @@ def test_a_sample_loader_dataset_needs_no_field_map(tmp_path):
     spec = yaml.safe_load((tmp_path / "energon" / ".nv-meta" / "dataset.yaml").read_text())
     assert "field_map" not in spec and spec["sample_loader"]
     _, _, args, plugins = _source(tmp_path, "caption", global_batch_size=4, eval_iters=0)
-    _check_dataset(tmp_path / "energon", plugins, args)
+    check_dataset(tmp_path / "energon", plugins, args)
 
 
 @pytest.mark.multirank

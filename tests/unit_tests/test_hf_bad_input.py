@@ -211,7 +211,7 @@ def test_a_truncated_encoder_folder_is_named_by_the_launchs_flag_checks(tmp_path
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1])
     with pytest.raises(HFWeightsError) as error:
-        encoder_folders([f"vision={folder}"], {"vision": plugin("clip", folder)})
+        encoder_folders({"vision": str(folder)}, {"vision": plugin("clip", folder)})
     assert str(error.value) == (f"--encoder-hf-weights vision= {weights}: not a readable "
                                 "safetensors file (Error while deserializing header: incomplete "
                                 "metadata, file not fully covered); copy the folder again")

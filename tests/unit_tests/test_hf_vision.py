@@ -132,7 +132,7 @@ def test_preprocessor_config_json_is_followed_like_hf(provider, config, tmp_path
 def test_errors_name_the_flag_and_what_to_fix(tmp_path):
     siglip = save_tiny("siglip", tmp_path / "siglip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights vision=DIR"):
-        plugin("clip", "")
+        plugin("clip", None)
     with pytest.raises(EncoderPluginError, match=r"vision=.*siglip: config.json is a "
                                                  r"'siglip_vision_model' model, not "
                                                  r"'clip_vision_model'"):

@@ -230,6 +230,7 @@ def test_grids_take_consecutive_ranks_in_flag_order():
     assert [layout.module_of_rank(r).name for r in range(10)] == (
         ["v"] * 2 + ["a"] * 4 + [LANGUAGE] * 4
     )
+    assert layout.most_modules_per_rank == 1  # disjoint grids: one module a rank
     with pytest.raises(ValueError):
         layout.module_of_rank(10)
 
@@ -289,6 +290,7 @@ def test_one_colocated_and_one_separate_encoder_on_three_ranks():
     assert [[m.name for m in layout.modules_of_rank(r)] for r in range(3)] == [
         ["audio"], [LANGUAGE, "vision"], [LANGUAGE, "vision"]]
     assert [layout.module_of_rank(r).name for r in range(3)] == ["audio", LANGUAGE, LANGUAGE]
+    assert layout.most_modules_per_rank == 2  # the language ranks also run vision
     # A hosted grid takes no ranks, so it may also follow the language model's --grid.
     after = layout_from_args(parse("--encoder vision=vit --encoder audio=audio --grid audio:dp=1 "
                                    "--grid language:dp=2 --grid vision:dp=2@language"), 3)

@@ -329,7 +329,7 @@ def test_a_transformers_4_config_with_top_level_text_fields_imports_alike(tmp_pa
 
 def test_sections_that_do_not_split_a_heads_rotary_pairs_are_one_line() -> None:
     from megatron_plugins.errors import FlagError
-    from megatron_plugins.launch.settle import check_mrope
+    from megatron_plugins.launch.flag_checks import check_mrope
 
     def args(section):
         return argparse.Namespace(position_embedding_type="mrope", mrope_section=section,

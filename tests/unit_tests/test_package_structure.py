@@ -165,8 +165,7 @@ def test_other_modules_use_only_declared_names():
 
 
 LAYERS = ("errors", "cpu_simulation", "ops", "compat", "parallel", "media", "flops", "weights",
-          "encoders",
-          "data", "step", "model", "launch", "builder")
+          "encoders", "data", "step", "model", "performance", "launch", "builder")
 """The package's rooms, lowest first: each may import only rooms before it (``builder`` is the
 import path older saved configs name, kept for them)."""
 

@@ -114,7 +114,7 @@ def test_deepstack_layers_off_the_first_stage_or_recomputed_are_one_line() -> No
 
 def test_interleaved_mrope_without_mrope_is_one_line() -> None:
     from megatron_plugins.errors import FlagError
-    from megatron_plugins.launch.settle import check_mrope
+    from megatron_plugins.launch.flag_checks import check_mrope
 
     args = argparse.Namespace(position_embedding_type="rope", mrope_interleaved=True)
     with pytest.raises(FlagError, match=r"^--mrope-interleaved lays out multimodal RoPE's "

@@ -248,7 +248,7 @@ def test_a_dataset_tokenizer_whose_image_token_is_not_the_checkpoints_is_one_lin
     import types
 
     from megatron_plugins.errors import UsageError
-    from megatron_plugins.launch.settle import check_image_token
+    from megatron_plugins.launch.flag_checks import check_image_token
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
 
     folder = str(qwen[0])

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_plugins.data.text import (PromptTokenizer, SampleText, placeholder_token,
-                                        special_tokens_flag)
+from megatron_plugins.data.text import SampleText, placeholder_token, special_tokens_flag
+from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.errors import FlagError
 from tools.train_tokenizer import main as train_tokenizer_main
 from tools.train_tokenizer import train_tokenizer

@@ -1,0 +1,216 @@
+"""What one training step asks of each module, independent of the layout: FLOPs, parameters,
+tokens through the layers, activation bytes.
+
+The language model is counted by :func:`megatron_plugins.flops.language.language_flops` over the
+rows a microbatch holds (unpacked: ``micro`` rows of ``--seq-length``, every position computed;
+packed: one row with ``micro`` documents of the data's mean length and the padding); an encoder by
+its plugin's ``item_flops`` over the data's items (the launch computes those, here they arrive as
+numbers). Shapes come from a ``TransformerConfig`` or anything with its field names, so nothing
+here needs torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_plugins.flops.count import Flops, Work
+from megatron_plugins.flops.language import language_flops
+from megatron_plugins.flops.transformer import linear
+
+__all__ = ["EncoderWork", "LanguageWork", "TransformerShape", "Workload"]
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A transformer stack's shape: what parameters, activations and TP/CP/EP traffic follow."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    gated: bool = False
+    output_gate: bool = False
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    moe_layers: int = 0
+
+    @classmethod
+    def of(cls, config: Any) -> TransformerShape:
+        """The shape a ``TransformerConfig`` (read by field name) describes."""
+        heads = config.num_attention_heads
+        hidden = config.hidden_size
+        ffn = config.ffn_hidden_size or 4 * hidden
+        experts = getattr(config, "num_moe_experts", None) or 0
+        freq = getattr(config, "moe_layer_freq", 1)
+        if not experts:
+            moe_layers = 0
+        elif isinstance(freq, list):
+            moe_layers = sum(bool(flag) for flag in freq)
+        else:
+            moe_layers = len(range(0, config.num_layers, freq))
+        return cls(
+            layers=config.num_layers, hidden=hidden, ffn=ffn, heads=heads,
+            groups=getattr(config, "num_query_groups", None) or heads,
+            head_dim=getattr(config, "kv_channels", None) or hidden // heads,
+            gated=bool(getattr(config, "gated_linear_unit", False)),
+            output_gate=bool(getattr(config, "attention_output_gate", False)), experts=experts,
+            topk=getattr(config, "moe_router_topk", 0) if experts else 0,
+            expert_ffn=(getattr(config, "moe_ffn_hidden_size", None) or ffn) if experts else 0,
+            shared_ffn=getattr(config, "moe_shared_expert_intermediate_size", None) or 0,
+            moe_layers=moe_layers)
+
+    @property
+    def attention_params(self) -> int:
+        query, key_value = self.heads * self.head_dim, self.groups * self.head_dim
+        gates = query if self.output_gate else 0
+        return self.hidden * (query + gates + 2 * key_value) + query * self.hidden
+
+    def mlp_params(self, ffn: int) -> int:
+        return self.hidden * ffn * (3 if self.gated else 2)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of the routed experts, all MoE layers: what EP splits."""
+        return self.moe_layers * self.experts * self.mlp_params(self.expert_ffn)
+
+    @property
+    def params(self) -> int:
+        """Parameters of the layers (norms and biases left out)."""
+        dense = self.layers - self.moe_layers
+        moe = self.moe_layers * (self.hidden * self.experts + self.mlp_params(self.shared_ffn))
+        return (self.layers * self.attention_params + dense * self.mlp_params(self.ffn) + moe
+                + self.expert_params)
+
+    def activation_elements(self, tokens: float) -> float:
+        """Elements one layer keeps for its backward over ``tokens`` (flash attention: no score
+        matrix): both norms' inputs and outputs, Q/K/V (and an output gate) and the attention
+        output, the MLP's first layer's outputs and its activation's; routed tokens count
+        ``topk`` times."""
+        query, key_value = self.heads * self.head_dim, self.groups * self.head_dim
+        attention = (2 * self.hidden + (3 if self.output_gate else 2) * query
+                     + 2 * key_value)
+        width = 3 if self.gated else 2
+        dense_mlp = 2 * self.hidden + width * self.ffn
+        if not self.moe_layers:
+            return tokens * (attention + dense_mlp)
+        moe_mlp = (2 * self.hidden + self.topk * width * self.expert_ffn
+                   + width * self.shared_ffn)
+        share = self.moe_layers / self.layers
+        return tokens * (attention + share * moe_mlp + (1 - share) * dense_mlp)
+
+
+@dataclass(frozen=True)
+class EncoderWork:
+    """One encoder's work per sample, averaged over the data: its items' FLOPs (encoder and
+    projection, trained or frozen as the run says), tokens through its layers, language positions
+    its output fills (``output_tokens``, the rows it sends), parameters."""
+
+    name: str
+    shape: TransformerShape
+    params: int
+    flops: Flops
+    tokens: float
+    output_tokens: float
+    output_width: int
+    """Elements per output row (language hidden x (1 + DeepStack levels))."""
+    trains: bool = True
+
+
+@dataclass(frozen=True)
+class LanguageWork:
+    """The language model: its config (TransformerConfig field names), padded vocabulary,
+    parameters outside the layers (embedding, output layer, MTP) and the data's rows."""
+
+    config: Any
+    vocab: int
+    seq_length: int
+    sample_tokens: float
+    """Mean positions a sample fills before padding (text and items)."""
+    packed: bool = False
+    trains: bool = True
+    input_grad: bool = True
+    """A trained encoder or projection needs the gradient of the language model's input."""
+    embedding_params: int = 0
+    output_params: int = 0
+    mtp_params: int = 0
+    _counted: dict[tuple[int, bool], Flops] = field(default_factory=dict, compare=False,
+                                                   repr=False)
+    """Counts already made, by (micro-batch size, recompute): candidates share them."""
+
+    @property
+    def shape(self) -> TransformerShape:
+        return TransformerShape.of(self.config)
+
+    def rows(self, micro: int) -> list[list[int]]:
+        """Segment lengths of one microbatch's rows: ``micro`` whole rows, or one packed row of
+        ``micro`` documents and its padding."""
+        if not self.packed:
+            return [[self.seq_length]] * micro
+        document = max(1, round(self.sample_tokens))
+        used = min(micro * document, self.seq_length)
+        pieces = [document] * (used // document) + ([used % document] if used % document else [])
+        return [pieces + ([self.seq_length - used] if used < self.seq_length else [])]
+
+    def microbatch_flops(self, micro: int, recompute: bool) -> Flops:
+        """FLOPs of one microbatch (``recompute``: every layer recomputed in full)."""
+        if (micro, recompute) not in self._counted:
+            config = self.config
+            if recompute:
+                config = _with(config, recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=1)
+            self._counted[micro, recompute] = language_flops(
+                config, self.vocab, self.rows(micro), trains=self.trains,
+                input_grad=self.input_grad)
+        return self._counted[micro, recompute]
+
+    def logits_flops(self, micro: int) -> Flops:
+        """The output layer's share of :meth:`microbatch_flops` (on the last pipeline stage)."""
+        tokens = sum(sum(row) for row in self.rows(micro))
+        heads = 1 + (getattr(self.config, "mtp_num_layers", None) or 0)
+        logits = Work(inner=linear(tokens, self.shape.hidden, self.vocab)) * heads
+        return logits.flops(trains=self.trains, input_grad=self.input_grad)
+
+    @property
+    def params(self) -> int:
+        return self.shape.params + self.embedding_params + self.output_params + self.mtp_params
+
+
+def _with(config: Any, **fields: Any) -> Any:
+    """A copy of ``config`` (a dataclass or a namespace) with ``fields`` changed."""
+    if dataclasses.is_dataclass(config):
+        return dataclasses.replace(config, **fields)
+    copy = type(config)(**vars(config))
+    for name, value in fields.items():
+        setattr(copy, name, value)
+    return copy
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A run's modules and batch: what every layout of it must compute."""
+
+    language: LanguageWork
+    encoders: tuple[EncoderWork, ...]
+    global_batch: int
+    bytes_per_param: float = 2.0
+    """Parameters' and activations' element size (bf16/fp16: 2, fp32: 4)."""
+    grad_bytes: float = 4.0
+    """Main gradient bytes per parameter (the DDP buffer)."""
+    optimizer_bytes: float = 12.0
+    """Optimizer state bytes per parameter (fp32 master copy and Adam's moments)."""
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+
+    @property
+    def real_tokens(self) -> float:
+        """Language positions a step fills before padding: what tokens/s counts."""
+        return self.global_batch * self.language.sample_tokens
+
+    def encoder(self, name: str) -> EncoderWork:
+        return next(work for work in self.encoders if work.name == name)

@@ -45,6 +45,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, flags, message):
     assert captured.err.splitlines() == [f"mimo-plan: error: {message}"]
 
 
+@pytest.mark.multirank
 def test_bad_input_is_refused_before_torch_is_imported():
     code = ("import sys; from megatron_plugins.launch.plan import main; "
             "code = main(['--advise', '--gpus', '3', '--gpus-per-node', '2', '--gpu', 'h100']); "

@@ -61,7 +61,7 @@ def test_starting_processes_without_the_marker_fails_the_test(pytester: pytest.P
         "*test_unmarked_fixture_launch started 1 process(es) in its setup *",
         "*test_unmarked_subprocess started 1 process(es) in its call without "
         "@pytest.mark.multirank (first: true)*",
-        "*test_unmarked_rank started 1 process(es) in its call * (first: spawn SpawnProcess-1 *",
+        "*test_unmarked_rank started 1 process(es) in its call * (first: spawn SpawnProcess-* *",
     ])
 
 

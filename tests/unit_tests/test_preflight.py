@@ -215,6 +215,7 @@ runpy.run_path("examples/mimo/pretrain_mimo.py", run_name="__main__")
 """
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_cpu_simulation_is_active_before_megatron_is_imported(tp):
     """An encoder at tp > 1 makes the pre-import checks build its plugin (its head count),

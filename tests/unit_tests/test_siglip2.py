@@ -145,7 +145,7 @@ def test_export_config_is_the_loaded_vision_config(tmp_path) -> None:
 def test_errors_name_the_flag_and_both_model_types(tmp_path) -> None:
     siglip = save_tiny("siglip", tmp_path / "siglip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights vision=DIR"):
-        plugin("siglip2", "")
+        plugin("siglip2", None)
     with pytest.raises(EncoderPluginError, match=r"--encoder-hf-weights vision=.*siglip: "
                                                  r"config.json is a 'siglip_vision_model' model, "
                                                  r"not 'siglip2_vision_model'"):

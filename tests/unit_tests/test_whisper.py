@@ -153,7 +153,7 @@ def test_errors_name_the_flag_file_and_sample_field(whisper, tmp_path):
     from tests.models.hf_vision import save_tiny as save_vision
 
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights audio=DIR"):
-        plugin("")
+        plugin(None)
     clip = save_vision("clip", tmp_path / "clip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"audio=.*clip: config.json is a "
                                                  r"'clip_vision_model' model, not 'whisper'"):

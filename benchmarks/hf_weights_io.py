@@ -94,8 +94,8 @@ def whole_vlm(size: str, rounds: int, root: Path) -> None:
     from megatron_plugins.weights.encoder_view import EncoderView
     from megatron_plugins.weights.hf_import import load_hf_weights
     from megatron_plugins.weights.language_families import FAMILIES
-    from tests.hf_models import build_stock_gpt
-    from tests.hf_vision_models import language_config, plugin
+    from tests.models.hf import build_stock_gpt
+    from tests.models.hf_vision import language_config, plugin
 
     text = {**SIZES[size], "max_position_embeddings": 64,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -167,7 +167,7 @@ def main() -> None:
     from megatron_plugins.weights.hf_import import load_hf_weights
     from megatron_plugins.weights.language_families import FAMILIES
     from megatron_plugins.weights.streaming import assemble, iter_hf_weights
-    from tests.hf_models import build_stock_gpt, save_tiny
+    from tests.models.hf import build_stock_gpt, save_tiny
     from tools.export_hf import export, write_folder
 
     torch.set_num_threads(1)

@@ -72,7 +72,7 @@ def main() -> None:
 
     from megatron_plugins.encoders.vit import ViTEncoder
     from megatron_plugins.parallel.layout import ModulePlacement
-    from tests.hf_vision_models import language_config
+    from tests.models.hf_vision import language_config
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -147,7 +147,7 @@ def measure_rank(argv: list[str]) -> dict[str, Any]:
 
 def measured() -> dict[str, Any]:
     """Part 2: the small model, full fine-tuning and LoRA, on the CPU simulation."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     return {name: run_in_processes(measure_rank, 2, args=([*SMALL, *flags],), timeout=1200,
                                    simulated=True)

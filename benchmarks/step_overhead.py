@@ -54,7 +54,7 @@ LANGUAGE_MODEL = [
     "--eval-iters", "0", "--eval-interval", "1000000", "--log-interval", "1000000",
     "--timing-log-level", "1", "--no-barrier-with-level-1-timing",
 ]
-"""The language model of every run (same shapes as tests/tiny_model.py), 4 microbatches/step."""
+"""The language model of every run (same shapes as tests/models/tiny.py), 4 microbatches/step."""
 
 MIMO_LAYOUT = [
     "--encoder", "vision=vit", "--grid", "vision:dp=1",

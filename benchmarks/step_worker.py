@@ -59,7 +59,6 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     from megatron_plugins.compat import model_build
     from megatron_plugins.data.addressing import RankSlice
     from megatron_plugins.data.sources import build_source
-    from megatron_plugins.model.language import language_config_from_args
     from megatron_plugins.launch.pretrain import parse_mimo_args
     from megatron_plugins.model.lifecycle import prepare_module
     from megatron_plugins.parallel.topology import _collection, _grid, groups_of
@@ -78,7 +77,7 @@ def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:
     model_build.ensure_global_memory_buffer()
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
     plugin = run.plugins[module.name]
-    language = language_config_from_args(args).transformer
+    language = run.language.transformer
     config = plugin.transformer_config(language)
     spec = plugin.submodule_spec(config, language.hidden_size, pgc)
     submodule = spec.module.from_spec(spec, is_first_stage=True, is_last_stage=True)

@@ -9,10 +9,9 @@ bash "$root/scripts/setup_env.sh"
 out="${MIMO_RUN_DIR:-$root/runs/default}"
 rm -rf "$out"
 python="$root/.venv/bin/python"
-port="$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 cd "$root"
-exec "$python" -m torch.distributed.run --nproc-per-node 3 --master-addr 127.0.0.1 \
-  --master-port "$port" examples/mimo/pretrain_mimo.py --cpu-simulation \
+exec "$python" -m torch.distributed.run --standalone --nproc-per-node 3 \
+  examples/mimo/pretrain_mimo.py --cpu-simulation \
   --encoder vision=vit --grid vision:tp=1,dp=1 --grid language:tp=1,pp=1,dp=2 \
   --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 \
   --seq-length 32 --max-position-embeddings 32 --vocab-size 128 --tokenizer-type NullTokenizer \

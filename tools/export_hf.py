@@ -35,6 +35,7 @@ from megatron_plugins.errors import UsageError, report
 from megatron_plugins.parallel.layout import LANGUAGE
 from megatron_plugins.peft.export import AdapterReader, HFAdapter, merge, write_peft
 from megatron_plugins.peft.flags import PROJECTION
+from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.encoder_view import includes_projection, module_tensors
 from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
@@ -204,11 +205,8 @@ def _encoder_families(args: Any) -> dict[str, Family | None]:
     from megatron_plugins.encoders import resolve
     from megatron_plugins.weights.flags import encoder_family
 
-    families = {}
-    for value in getattr(args, "mimo_encoders", None) or []:
-        name, _, provider = value.partition("=")
-        families[name] = encoder_family(resolve(provider, name))
-    return families
+    providers = module_values(getattr(args, "mimo_encoders", None), "--encoder")
+    return {name: encoder_family(resolve(provider, name)) for name, provider in providers.items()}
 
 
 def _heads(args: Any) -> Heads:
@@ -298,12 +296,10 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
 
 def _processor_files(args: Any, name: str, folder: Path) -> list[Path]:
     """Copy :data:`PROCESSOR_FILES` from encoder ``name``'s ``--encoder-hf-weights`` folder."""
-    given = getattr(args, "encoder_hf_weights", None) or []
-    # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
-    pairs = given.items() if isinstance(given, Mapping) else (v.partition("=")[::2] for v in given)
-    source = next((Path(path) for key, path in pairs if key == name), None)
-    if source is None:
+    folders = module_values(getattr(args, "encoder_hf_weights", None), "--encoder-hf-weights")
+    if name not in folders:
         return []
+    source = Path(folders[name])
     return [Path(shutil.copyfile(source / file, folder / file)) for file in PROCESSOR_FILES
             if (source / file).is_file()]
 

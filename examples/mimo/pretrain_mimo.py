@@ -15,32 +15,26 @@ at the first save), and it must start in a moment, not import torch and Megatron
 
 import sys
 
-from megatron_plugins import cpu_simulation
 from megatron_plugins.launch import preflight
+
+PROG = "pretrain_mimo.py"
 
 
 def main() -> int:
-    """Check the layout before torch or Megatron is imported, then parse, bring up the grids, run
-    stock pretrain(), tear down."""
-    checked = preflight.run(sys.argv[1:], "pretrain_mimo.py")
+    """Check the layout before torch or Megatron is imported (switching the CPU simulation on
+    when asked), then parse, bring up the grids, run stock pretrain(), tear down."""
+    checked = preflight.run(sys.argv[1:], PROG)
     if isinstance(checked, int):
         return checked
-    if cpu_simulation.FLAG in sys.argv:
-        from megatron_plugins.cpu_simulation import patches
-
-        patches.activate()
 
     from megatron_plugins.errors import UsageError, report
     from megatron_plugins.launch.pretrain import parse_mimo_args, train
 
     try:
-        run = parse_mimo_args(checked=checked)
+        # HF weights that do not fit are found once the model is built, inside train().
+        train(parse_mimo_args(checked=checked))
     except UsageError as error:
-        return report("pretrain_mimo.py", error)
-    try:
-        train(run)
-    except UsageError as error:  # e.g. HF weights that do not fit, found once the model is built
-        return report("pretrain_mimo.py", error)
+        return report(PROG, error)
     return 0
 
 

@@ -67,7 +67,8 @@ def quiet_gpu_library_warnings() -> None:
 def add_cli_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register ``--cpu-simulation`` so stock parsers accept (and document) the flag.
 
-    The flag itself is acted on before Megatron is imported, by scanning ``sys.argv`` for it.
+    The flag itself is acted on before Megatron is imported: the MiMo launch's pre-import checks
+    read it (``megatron_plugins.launch.preflight``), other entry points scan ``sys.argv`` for it.
     """
     group = parser.add_argument_group("megatron-plugins CPU simulation")
     group.add_argument(

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import inspect
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -79,11 +79,12 @@ def _hook_error(flag: str, plugin: type, hook: str, error: Exception) -> Encoder
                               f"{type(error).__name__}: {message}")
 
 
-def instantiate(provider: str, encoder: str, args: argparse.Namespace,
-                grid: ModulePlacement) -> EncoderPlugin:
-    """The plugin for ``--encoder ENCODER=PROVIDER``; an ``__init__`` or a shape property that
-    raises is one line naming it."""
-    plugin_class = resolve(provider, encoder)
+def instantiate(provider: str, encoder: str, args: argparse.Namespace, grid: ModulePlacement,
+                plugin_class: type[EncoderPlugin] | None = None) -> EncoderPlugin:
+    """The plugin for ``--encoder ENCODER=PROVIDER`` (``plugin_class``: the class :func:`resolve`
+    gave, when the caller resolved it already); an ``__init__`` or a shape property that raises is
+    one line naming it."""
+    plugin_class = plugin_class or resolve(provider, encoder)
     hook = "__init__"
     try:
         plugin = plugin_class(encoder, args, grid)
@@ -142,15 +143,9 @@ def _check_preprocessor(flag: str, plugin: type, preprocessor: object) -> None:
 
 
 def add_encoder_args(parser: argparse.ArgumentParser,
-                     providers: Mapping[str, str]) -> argparse.ArgumentParser:
-    """Register the flags of every plugin class named in ``providers`` (encoder -> provider).
-
-    Each class registers its flags once, however many encoders use it.
-    """
-    seen: set[type[EncoderPlugin]] = set()
-    for encoder, provider in providers.items():
-        plugin = resolve(provider, encoder)
-        if plugin not in seen:
-            seen.add(plugin)
-            plugin.add_arguments(parser)
+                     classes: Iterable[type[EncoderPlugin]]) -> argparse.ArgumentParser:
+    """Register the flags of every plugin class in ``classes`` (resolved by :func:`resolve`), once
+    per class however many encoders use it."""
+    for plugin in dict.fromkeys(classes):
+        plugin.add_arguments(parser)
     return parser

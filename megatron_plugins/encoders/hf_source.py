@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_plugins.encoders.base import EncoderPluginError
+from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.flags import ENCODER_FLAG
 
 __all__ = ["HFSource"]
@@ -25,14 +26,14 @@ class HFSource:
 
     @classmethod
     def of(cls, name: str, provider: str, args: argparse.Namespace, what: str) -> "HFSource":
-        """Encoder ``name``'s folder (the last ``NAME=DIR`` for it); ``what`` describes the
-        folder the provider needs, for the error when there is none."""
-        folders = [value.partition("=")[2] for value in getattr(args, "encoder_hf_weights", None)
-                   or [] if value.partition("=")[0] == name]
-        if not folders or not folders[-1]:
+        """Encoder ``name``'s folder; ``what`` describes the folder the provider needs, for the
+        error when there is none."""
+        folders = module_values(getattr(args, "encoder_hf_weights", None), ENCODER_FLAG,
+                                EncoderPluginError)
+        if name not in folders:
             raise EncoderPluginError(f"--encoder {name}={provider} needs {ENCODER_FLAG} "
                                      f"{name}=DIR, {what} (its config.json shapes the encoder)")
-        folder = Path(folders[-1])
+        folder = Path(folders[name])
         return cls(folder, f"{ENCODER_FLAG} {name}={folder}")
 
     def read_json(self, filename: str) -> dict[str, Any] | None:

@@ -1,8 +1,10 @@
 """What ``examples/mimo/pretrain_mimo.py`` and ``mimo-plan`` do before and around stock
-``pretrain()``: the pre-import checks (:mod:`.preflight`), which flags the command line gives
-(:mod:`.command_line`), settling the run's flags (:mod:`.settle`), the optimizer flags
-(:mod:`.optimizer_flags`), the checkpoint guards (:mod:`.checkpoint_guards`), the launch itself
-(:mod:`.pretrain`) and the planning view (:mod:`.plan`).
+``pretrain()``: the pre-import checks, which parse the MiMo flags once (:mod:`.preflight`), the
+command line as given (:mod:`.command_line`), settling the run's flags in declared steps
+(:mod:`.settle`) with the checks that set nothing (:mod:`.flag_checks`) and the learning-rate
+schedule's (:mod:`.scheduler_flags`), the optimizer flags (:mod:`.optimizer_flags`), the checkpoint
+guards (:mod:`.checkpoint_guards`), the launch itself (:mod:`.pretrain`) and the planning view
+(:mod:`.plan`).
 
 Nothing is imported here: the entry point imports torch and Megatron only after its checks.
 """

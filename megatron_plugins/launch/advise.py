@@ -22,13 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_plugins.errors import FlagError, UsageError, report
-from megatron_plugins.launch.command_line import given_flag
-from megatron_plugins.launch.preflight import check_parser, check_run
-from megatron_plugins.parallel.flags import (
-    ALIAS_ENCODER,
-    add_layout_args,
-    required_world_size,
-)
+from megatron_plugins.launch.command_line import given_flag, raise_flag_errors
+from megatron_plugins.launch.preflight import CommandLine, check_run, read_command_line
+from megatron_plugins.parallel.flags import add_layout_args, required_world_size
 from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
 from megatron_plugins.performance.advisor import OBJECTIVES, advise, format_advice
 from megatron_plugins.performance.assumptions import add_assumption_args, assumptions_from_args
@@ -47,7 +43,6 @@ from megatron_plugins.performance.data import (
 )
 from megatron_plugins.performance.gpus import FIGURES, Hardware, hardware
 from megatron_plugins.performance.workload import Workload
-from megatron_plugins.weights.flags import expand_hf_model
 
 __all__ = ["FLAG", "Planned", "advisor_flags", "main", "plan_inputs"]
 
@@ -78,12 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--advise-objective", choices=sorted(OBJECTIVES), default="per-gpu")
     add_data_description_args(parser)
     add_assumption_args(parser)
-
-    def error(message: str) -> None:
-        raise FlagError(message)
-
-    parser.error = error  # type: ignore[method-assign]
-    return parser
+    return raise_flag_errors(parser)
 
 
 def _layout_flags() -> dict[str, int]:
@@ -108,21 +98,20 @@ def _without(argv: Sequence[str], flags: dict[str, int]) -> list[str]:
     return kept
 
 
-def _given_layout(argv: list[str]) -> ParallelLayout | None:
+def _given_layout(command_line: CommandLine) -> ParallelLayout | None:
     """The layout the command line gives, checked as the launch checks it; None without one."""
+    argv = list(command_line.argv)
     if not given_flag(argv, _layout_flags()):
         return None
-    args, _ = check_parser().parse_known_args(argv)
-    return check_run(argv, required_world_size(args), quiet=True).layout
+    return check_run(argv, required_world_size(command_line.flags), quiet=True).layout
 
 
-def _providers(argv: list[str]) -> dict[str, str]:
-    """Encoder name -> provider from ``--encoder`` (or the alias flags' implicit encoder)."""
-    parser = add_layout_args(argparse.ArgumentParser(add_help=False))
-    known, _ = parser.parse_known_args(argv)
-    providers = dict(text.partition("=")[::2] for text in known.mimo_encoders or [])
-    if not providers and given_flag(argv, _layout_flags()):
-        providers = dict([ALIAS_ENCODER])
+def _providers(command_line: CommandLine) -> dict[str, str]:
+    """Encoder name -> provider from ``--encoder`` or ``--hf-model`` (or the alias flags'
+    implicit encoder)."""
+    providers = dict(command_line.flags.mimo_encoders)
+    if not providers and given_flag(command_line.argv, _layout_flags()):
+        providers = command_line.providers
     if not providers:
         raise FlagError("mimo-plan --advise: no encoder; name each with --encoder NAME=PROVIDER "
                         "(or give --hf-model)")
@@ -194,10 +183,11 @@ class Planned:
 def plan_inputs(own: argparse.Namespace, argv: Sequence[str]) -> Planned:
     """The launch's parse of ``argv`` (a launch's command line; ``own`` the advisor's flags),
     the data described and each module's work."""
-    launch = expand_hf_model(_without(argv, PLAN_FLAGS))
-    providers = _providers(launch)
+    launch = _without(argv, PLAN_FLAGS)
+    command_line = read_command_line(launch)
+    providers = _providers(command_line)
     _check_given_data(own, providers, launch)
-    given = _given_layout(launch)
+    given = _given_layout(command_line)
     with _quiet():
         from megatron_plugins.launch.advise_workload import describe_data, run_workload
 

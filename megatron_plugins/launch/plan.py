@@ -18,7 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from megatron_plugins.parallel.routing import summarize
-from megatron_plugins.errors import FlagError, UsageError, report
+from megatron_plugins.errors import UsageError, report
+from megatron_plugins.launch.command_line import raise_flag_errors
 from megatron_plugins.parallel.layout import (
     DENSE_DIMS,
     EXPERT_DIMS,
@@ -47,12 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--ranks", action="store_true",
                         help=f"Print the per-rank table (default: only up to {SMALL} ranks).")
-    parser.error = _raise  # type: ignore[method-assign]
-    return parser
-
-
-def _raise(message: str) -> None:
-    raise FlagError(message)
+    return raise_flag_errors(parser)
 
 
 def _dims(values: dict[str, int], dims: Sequence[str]) -> str:

@@ -1,31 +1,41 @@
-"""The checks that run before torch or Megatron is imported, shared by the launch and ``mimo-plan``.
+"""The checks that run before torch or Megatron is imported, shared by the launch and ``mimo-plan``;
+what they read and build is handed on, never computed again.
 
 Importing Megatron's argument parser costs ~5 s per process on a small machine, 20-30 s under
-torchrun with several ranks. A refused layout must not wait for it: :func:`check_run` reads the
-layout flags, the MiMo flags and the few stock model flags the layout checks need from the raw
-command line (ignoring every other flag) and raises one :class:`FlagError` / ``LayoutError``.
-Only an encoder with tp > 1 imports its plugin (the head-count check needs it). The result
-(:class:`Preflight`) is handed on to the launch, which does not check again.
+torchrun with several ranks. A refused layout must not wait for it. :func:`read_command_line`
+parses the MiMo flags of the raw command line once (the layout, freezing, HF and Megatron-checkpoint
+weights, ``--cpu-simulation``; ``--hf-model``'s encoder written in) and leaves every other flag to
+stock's parser. :func:`check_run` checks them with the few stock model flags the layout checks
+read, raising one :class:`FlagError` / ``LayoutError``; then, for a launch, it switches the CPU
+simulation on (with ``--cpu-simulation``) before anything imports Megatron, and builds the plugins
+of the encoders at tp > 1, whose head counts the layout checks need. The launch takes the result
+(:class:`Preflight`) as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from megatron_plugins import cpu_simulation
-from megatron_plugins.launch.command_line import given_flag
 from megatron_plugins.errors import FlagError, UsageError, report
-from megatron_plugins.parallel.layout import LayoutError, ParallelLayout, encoder_micro_batch_size
-from megatron_plugins.parallel.flags import add_layout_args, layout_from_args
+from megatron_plugins.launch.command_line import given_flag, raise_flag_errors
+from megatron_plugins.parallel.flags import add_layout_args, encoder_providers, layout_from_args
+from megatron_plugins.parallel.layout import ModulePlacement, ParallelLayout, encoder_micro_batch_size
 from megatron_plugins.peft.flags import add_peft_args, check_peft
-from megatron_plugins.weights.flags import expand_hf_model, fill_layout_flags
+from megatron_plugins.weights.flags import add_weights_args, expand_hf_model, fill_layout_flags
+from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
+
+if TYPE_CHECKING:
+    from megatron_plugins.encoders import EncoderPlugin
 
 __all__ = [
-    "EVERY_ENCODER", "Preflight", "add_mimo_args", "asks_help", "check_parser", "check_run",
-    "resolve_freeze", "run", "world_size_from_env"
+    "CommandLine", "EVERY_ENCODER", "MIMO_FLAGS", "Preflight", "add_mimo_args", "asks_help",
+    "check_parser", "check_run", "read_command_line", "resolve_freeze", "run",
+    "world_size_from_env"
 ]
 
 EVERY_ENCODER = "*"
@@ -63,23 +73,6 @@ UPSTREAM_REFUSED: Mapping[str, str] = {
 """Upstream Megatron-LM ``examples/mimo`` flags without an equivalent here, and what to use."""
 
 
-@dataclass(frozen=True)
-class Preflight:
-    """What the pre-import checks settled: the checked layout and the freeze lists by name."""
-
-    layout: ParallelLayout
-    freeze_encoder: list[str]
-    freeze_projection: list[str]
-
-
-def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    def error(message: str) -> None:
-        raise FlagError(message)
-
-    parser.error = error  # type: ignore[method-assign]
-    return parser
-
-
 def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """MiMo training flags beyond the layout (freezing, encoder DDP overlap), upstream aliases too."""
     group = parser.add_argument_group("megatron-plugins MiMo training")
@@ -108,12 +101,52 @@ def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def check_parser() -> argparse.ArgumentParser:
-    """Layout and MiMo flags plus the stock model flags the checks read; errors raise FlagError."""
+MIMO_FLAGS: tuple[Callable[[argparse.ArgumentParser], argparse.ArgumentParser], ...] = (
+    add_layout_args, add_mimo_args, add_weights_args, add_checkpoint_init_args, add_peft_args,
+    cpu_simulation.add_cli_flag)
+"""The flag groups :func:`read_command_line` parses; stock's parser lists them in ``--help`` but
+never reads their values."""
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """The raw command line, split once: the MiMo flags parsed, the rest for stock's parser."""
+
+    argv: tuple[str, ...]
+    flags: argparse.Namespace
+    """The :data:`MIMO_FLAGS` values (per-module flags as ``NAME -> VALUE`` dicts); the launch adds
+    stock's values to this namespace, which becomes the run's ``args``."""
+    stock_argv: tuple[str, ...]
+    """``argv`` without the MiMo flags, in order: what stock's parser reads."""
+
+    @property
+    def providers(self) -> dict[str, str]:
+        """Encoder name -> provider (``--encoder``, or the alias flags' one encoder)."""
+        return encoder_providers(self.flags)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the pre-import checks settled: the command line, the checked layout, the projections to
+    freeze by name, and the plugins of the encoders at tp > 1 (built for their head counts, on the
+    namespace that becomes the run's ``args``)."""
+
+    command_line: CommandLine
+    layout: ParallelLayout
+    freeze_projection: list[str]
+    plugins: dict[str, EncoderPlugin]
+
+
+def _parser(*groups: Callable[[argparse.ArgumentParser], Any]) -> argparse.ArgumentParser:
+    """A parser of ``groups`` that takes no abbreviations and raises FlagError."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_layout_args(parser)
-    add_mimo_args(parser)
-    add_peft_args(parser)
+    for add in groups:
+        add(parser)
+    return raise_flag_errors(parser)
+
+
+def _add_checked_stock_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The stock model (and data) flags the layout checks read; stock's parser reads them too."""
     stock = parser.add_argument_group("stock Megatron (and data) flags the layout checks read")
     for flag in ("--num-attention-heads", "--num-query-groups", "--num-experts",
                  "--tensor-parallel-num-weight-shards",
@@ -124,20 +157,20 @@ def check_parser() -> argparse.ArgumentParser:
                  "--hybrid-context-parallel", "--pack-sequences", "--balance-encoder-work"):
         stock.add_argument(flag, action="store_true")
     stock.add_argument("--cp-comm-type", nargs="+")
-    stock.add_argument("--language-hf-weights")
-    # An HF encoder (clip, siglip, whisper) reads its head count from this folder's config.json.
-    stock.add_argument("--encoder-hf-weights", action="append", default=[])
-    stock.add_argument("--hf-model")
-    return _raise_instead_of_exit(parser)
+    return parser
+
+
+def check_parser() -> argparse.ArgumentParser:
+    """The MiMo flags and the stock flags the checks read, in one parser (``mimo-plan``'s)."""
+    return _parser(*MIMO_FLAGS, _add_checked_stock_flags)
 
 
 def refuse_upstream_flags(argv: Sequence[str]) -> None:
     """One line for the first upstream ``examples/mimo`` flag that has no meaning here."""
-    for token in argv:
-        flag = token.partition("=")[0]
-        if flag in UPSTREAM_REFUSED:
-            raise FlagError(f"{flag} is upstream Megatron-LM examples/mimo's flag and has no "
-                            f"equivalent here: {UPSTREAM_REFUSED[flag]}")
+    flag = given_flag(argv, UPSTREAM_REFUSED)
+    if flag is not None:
+        raise FlagError(f"{flag} is upstream Megatron-LM examples/mimo's flag and has no "
+                        f"equivalent here: {UPSTREAM_REFUSED[flag]}")
 
 
 def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> list[str]:
@@ -158,44 +191,53 @@ def resolve_freeze(args: argparse.Namespace, layout: ParallelLayout) -> list[str
     return list(names) if EVERY_ENCODER in args.freeze_projection else list(args.freeze_projection)
 
 
-def _encoder_heads(argv: Sequence[str], layout: ParallelLayout, quiet: bool) -> dict[str, int]:
-    """Attention heads of the encoders whose tp must divide them (tp > 1); imports their plugins."""
-    sharded = [module for module in layout.encoders if module.tp > 1]
+def read_command_line(argv: Sequence[str]) -> CommandLine:
+    """Parse the MiMo flags of ``argv`` once (``--hf-model`` expanded); refuses upstream
+    examples/mimo flags that mean nothing here."""
+    refuse_upstream_flags(argv)
+    flags, rest = _parser(*MIMO_FLAGS).parse_known_args(list(argv))
+    expand_hf_model(flags)
+    return CommandLine(tuple(argv), flags, tuple(rest))
+
+
+def _sharded_plugins(command_line: CommandLine, layout: ParallelLayout,
+                     quiet: bool) -> dict[str, EncoderPlugin]:
+    """The plugins of the encoders whose tp must divide their heads (tp > 1), built on the
+    command line's flags namespace with their own flags parsed into it; imports them."""
+    sharded: list[ModulePlacement] = [module for module in layout.encoders if module.tp > 1]
     if not sharded:
         return {}
-    if quiet or cpu_simulation.FLAG in argv:
+    flags = command_line.flags
+    if quiet or flags.cpu_simulation:
         cpu_simulation.quiet_gpu_library_warnings()
-    from megatron_plugins.encoders import EncoderPluginError, resolve
+    from megatron_plugins.encoders import add_encoder_args, instantiate, resolve
 
-    try:
-        classes = {module.name: resolve(module.provider, module.name) for module in sharded}
-        parser = check_parser()
-        for plugin in dict.fromkeys(classes.values()):
-            plugin.add_arguments(parser)
-        args, _ = parser.parse_known_args(list(argv))
-        return {module.name: classes[module.name](module.name, args, module).num_attention_heads
-                for module in sharded}
-    except EncoderPluginError as error:
-        raise FlagError(str(error)) from None
+    classes = {module.name: resolve(module.provider, module.name) for module in sharded}
+    add_encoder_args(_parser(), classes.values()).parse_known_args(
+        list(command_line.stock_argv), namespace=flags)
+    return {module.name: instantiate(module.provider, module.name, flags, module,
+                                     classes[module.name])
+            for module in sharded}
 
 
-def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> Preflight:
-    """Every check that needs no Megatron import, on a raw command line; returns the layout and
-    the freeze lists.
+def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False,
+              simulate: bool = False) -> Preflight:
+    """Every check that needs no Megatron import, on a raw command line.
 
     Flags it does not know are ignored, so the launch's and a pasted torchrun command line both
-    work. Raises :class:`FlagError` or ``LayoutError`` with one line naming the flag. ``quiet``
-    hides Megatron's warnings about absent GPU libraries when a plugin import needs Megatron (as
-    ``--cpu-simulation`` does).
+    work. Raises :class:`FlagError` or ``LayoutError`` with one line naming the flag. Then the
+    encoders at tp > 1 are built for their head counts, which imports Megatron: ``simulate`` (the
+    entry point's) switches the CPU simulation on first when ``--cpu-simulation`` is given;
+    ``quiet`` (``mimo-plan``'s) hides Megatron's warnings about absent GPU libraries.
     """
-    argv = expand_hf_model(argv)
-    refuse_upstream_flags(argv)
-    args, _ = check_parser().parse_known_args(argv)
+    command_line = read_command_line(argv)
+    # The checks read stock model flags too, and fill some from config.json: on a copy, so the
+    # flags handed on hold only what the command line gives.
+    args = argparse.Namespace(**vars(command_line.flags))
+    _parser(_add_checked_stock_flags).parse_known_args(list(command_line.stock_argv),
+                                                      namespace=args)
     fill_layout_flags(args)
     layout = layout_from_args(args, world_size)
-    heads = _encoder_heads(argv, layout, quiet)
-    if heads:
-        layout = layout_from_args(args, world_size, heads)
     freeze_projection = resolve_freeze(args, layout)
     check_peft(args, layout, freeze_projection)
     if args.micro_batch_size is not None:
@@ -204,7 +246,15 @@ def check_run(argv: Sequence[str], world_size: int, *, quiet: bool = False) -> P
     if given_flag(argv, ["--encoder-ddp-overlap"]) and not args.overlap_grad_reduce:
         raise FlagError("--encoder-ddp-overlap needs --overlap-grad-reduce (as upstream); add it "
                         "or use --encoder-overlap-grad-reduce alone")
-    return Preflight(layout, list(args.freeze_encoder), freeze_projection)
+    if simulate and args.cpu_simulation:
+        from megatron_plugins.cpu_simulation import patches
+
+        patches.activate()
+    plugins = _sharded_plugins(command_line, layout, quiet)
+    if plugins:
+        heads = {name: plugin.num_attention_heads for name, plugin in plugins.items()}
+        layout = layout_from_args(args, world_size, heads)
+    return Preflight(command_line, layout, freeze_projection, plugins)
 
 
 def world_size_from_env() -> int:
@@ -219,10 +269,11 @@ def asks_help(argv: Sequence[str]) -> bool:
 
 def run(argv: Sequence[str], prog: str) -> Preflight | int | None:
     """The entry point's first step: 2 after printing the one-line error, else what it checked
-    to hand to the launch (None when --help is asked for)."""
+    to hand to the launch, the CPU simulation on when asked for (None when --help is asked for:
+    stock's parser prints it, nothing runs)."""
     if asks_help(argv):
         return None
     try:
-        return check_run(argv, world_size_from_env())
+        return check_run(argv, world_size_from_env(), simulate=True)
     except UsageError as error:
         return report(prog, error)

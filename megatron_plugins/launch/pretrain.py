@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -37,28 +37,25 @@ from megatron_plugins.compat import colocation, model_build, startup
 from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
-from megatron_plugins.encoders import EncoderPlugin, add_encoder_args
-from megatron_plugins.errors import FlagError
-from megatron_plugins.model.language import language_config_from_args
-from megatron_plugins.parallel.layout import ParallelLayout
-from megatron_plugins.parallel.flags import ALIAS_ENCODER, add_layout_args
+from megatron_plugins.encoders import EncoderPlugin, add_encoder_args, resolve
+from megatron_plugins.launch.command_line import raise_flag_errors
 from megatron_plugins.launch.optimizer_flags import add_optimizer_args
 from megatron_plugins.launch.preflight import (
+    MIMO_FLAGS,
+    CommandLine,
     Preflight,
-    add_mimo_args,
     asks_help,
     check_run,
+    read_command_line,
     world_size_from_env,
 )
 from megatron_plugins.launch.settle import settle
+from megatron_plugins.parallel.layout import ParallelLayout
 from megatron_plugins.parallel.topology import HeteroTopology, build_topology, pipeline_communicator
 from megatron_plugins.peft.checkpoint import BASE_ATTR, SETTINGS_ATTR
-from megatron_plugins.peft.flags import add_peft_args
 from megatron_plugins.performance import measurement
 from megatron_plugins.performance.flags import add_performance_args
 from megatron_plugins.step.forward import forward_step
-from megatron_plugins.weights.flags import add_weights_args, expand_hf_model
-from megatron_plugins.weights.megatron_init import add_checkpoint_init_args
 
 __all__ = ["MimoRun", "MimoSession", "parse_mimo_args", "pretrain_kwargs", "start", "train"]
 
@@ -73,25 +70,18 @@ HELP_USAGE = ("%(prog)s [--encoder NAME=PROVIDER ...] --grid NAME:tp=T,pp=P,dp=D
 """Stock's usage line lists ~800 flags; this one says what a launch needs."""
 
 
-def _encoder_providers(argv: Sequence[str]) -> dict[str, str]:
-    """``--encoder`` values (or the alias flags' implicit encoder) before the full parse."""
-    scan = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_layout_args(scan)
-    known, _ = scan.parse_known_args(list(argv))
-    providers = dict(text.partition("=")[::2] for text in known.mimo_encoders or [])
-    return providers or dict([ALIAS_ENCODER])
-
-
 @dataclass(frozen=True)
 class MimoRun:
-    """A checked run: stock args (language grid applied), layout and encoder plugins."""
+    """A checked run: stock args (language grid applied), layout, encoder plugins, data source and
+    the language model's config, each built once."""
 
     args: argparse.Namespace
     layout: ParallelLayout
     plugins: dict[str, EncoderPlugin]
     source: DataSource
+    language: Any
     command: tuple[str, ...] = ()
-    """The command line as the launch read it (``--hf-model`` expanded)."""
+    """The command line as the launch was given it."""
 
 
 def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
@@ -109,37 +99,44 @@ def _suggest(message: str, parser: argparse.ArgumentParser) -> str:
     return f"unknown flag{'s' if len(named) > 1 else ''} {', '.join(named)}; see --help"
 
 
-def _parse_flags(argv: list[str], providers: dict[str, str]
+def _plugin_classes(command_line: CommandLine,
+                    resolved: Mapping[str, EncoderPlugin]) -> dict[str, type[EncoderPlugin]]:
+    """Every encoder's plugin class: those of the plugins the pre-import checks built, the
+    others resolved now."""
+    return {name: type(resolved[name]) if name in resolved else resolve(provider, name)
+            for name, provider in command_line.providers.items()}
+
+
+def _parse_flags(command_line: CommandLine, classes: Mapping[str, type[EncoderPlugin]]
                  ) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
-    """Stock parse_args with our flags, their help first, and parse errors raised as FlagError."""
+    """Stock parse_args over the flags the MiMo parse left, with every flag group registered
+    (ours first in --help) and parse errors raised as FlagError; stock's values are added to the
+    MiMo flags' namespace, which becomes the run's ``args``."""
     parsers: list[argparse.ArgumentParser] = []
 
     def extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         stock_groups = len(parser._action_groups)
-        for add in (add_layout_args, add_mimo_args, add_data_args, add_optimizer_args,
-                    add_weights_args, add_checkpoint_init_args, add_peft_args,
-                    add_performance_args, cpu_simulation.add_cli_flag):
+        for add in (*MIMO_FLAGS, add_data_args, add_optimizer_args, add_performance_args):
             add(parser)
-        add_encoder_args(parser, providers)
+        add_encoder_args(parser, classes.values())
         # argparse prints groups in creation order: ours (made last) go first, after "options".
         groups = parser._action_groups
         parser._action_groups = groups[:2] + groups[stock_groups:] + groups[2:stock_groups]
         parser.description = HELP_DESCRIPTION
         parser.usage = HELP_USAGE
         startup.escape_unformattable_help(parser)
-
-        def error(message: str) -> None:
-            raise FlagError(_suggest(message, parser))
-
-        parser.error = error  # type: ignore[method-assign]
-        parsers.append(parser)
+        parsers.append(raise_flag_errors(parser, lambda message: _suggest(message, parser)))
         return parser
 
-    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    saved, sys.argv = sys.argv, [sys.argv[0], *command_line.stock_argv]
     try:
-        args = parse_args(extra_args)
+        stock = parse_args(extra_args)
     finally:
         sys.argv = saved
+    args = command_line.flags
+    for attr, value in vars(stock).items():
+        if not hasattr(args, attr):
+            setattr(args, attr, value)
     return args, parsers[0]
 
 
@@ -147,13 +144,19 @@ def parse_mimo_args(argv: Sequence[str] | None = None,
                     checked: Preflight | None = None) -> MimoRun:
     """Parse, settle and check every flag; raises a :class:`~megatron_plugins.errors.UsageError`
     naming the flag to fix. ``checked`` is what the entry point's pre-import checks found
-    (:func:`megatron_plugins.launch.preflight.run`); without it they run here."""
-    argv = expand_hf_model(sys.argv[1:] if argv is None else argv)
-    if checked is None and not asks_help(argv):
+    (:func:`megatron_plugins.launch.preflight.run`), ``argv`` then unused; without it they run
+    here (with --help, stock's parser prints the help and exits)."""
+    if checked is None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if asks_help(argv):
+            command_line = read_command_line(argv)
+            _parse_flags(command_line, _plugin_classes(command_line, {}))
         checked = check_run(argv, world_size_from_env())
-    args, parser = _parse_flags(argv, _encoder_providers(argv))
-    settled = settle(args, argv, parser, checked)
-    return MimoRun(args, checked.layout, settled.plugins, settled.source, tuple(argv))
+    classes = _plugin_classes(checked.command_line, checked.plugins)
+    args, parser = _parse_flags(checked.command_line, classes)
+    settled = settle(args, checked.command_line.argv, parser, checked, classes)
+    return MimoRun(args, checked.layout, settled.plugins, settled.source, settled.language,
+                   checked.command_line.argv)
 
 
 @dataclass
@@ -188,7 +191,7 @@ def start(run: MimoRun) -> MimoSession:
         colocation.wrap_schedules(ColocatedSchedule)
     checkpoint_guards.write_layout(args.save, run.layout, dist.get_rank())
     model_build.ensure_global_memory_buffer()
-    language = language_config_from_args(args)
+    language = run.language
     guard = (alignment_guard(topology, args.micro_batch_size) if args.data_alignment_check
              else None)
     model = MimoBuildConfig(

@@ -1,8 +1,11 @@
 """The layout flags: ``--encoder``, ``--grid`` and upstream examples/mimo's ``--encoder-tp`` /
 ``--llm-*`` spellings, parsed into a checked :class:`~megatron_plugins.parallel.layout.ParallelLayout`.
 
-Values are kept as strings by argparse and checked here, so every mistake raises one
-:class:`~megatron_plugins.parallel.layout.LayoutError` naming the flag, before any process group exists.
+``--encoder`` values become a ``NAME -> PROVIDER`` dict as argparse reads them
+(:class:`~megatron_plugins.parallel.module_values.ModuleValues`); the other values are kept as
+strings by argparse and checked here, so every mistake raises one
+:class:`~megatron_plugins.parallel.layout.LayoutError` naming the flag, before any process group
+exists.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from megatron_plugins.parallel.layout import (
     check_module_name,
 )
 from megatron_plugins.parallel.checks import check_layout
+from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
 __all__ = [
-    "ALIAS_ENCODER", "add_layout_args", "language_grid_flags", "language_world_size",
-    "layout_from_args", "required_world_size"
+    "ALIAS_ENCODER", "add_layout_args", "encoder_providers", "language_grid_flags",
+    "language_world_size", "layout_from_args", "required_world_size"
 ]
 
 ALIAS_ENCODER = ("vision", "vit")
@@ -78,12 +82,14 @@ class _AppendWords(argparse.Action):
 def add_layout_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the layout flags; usable as (part of) Megatron's ``extra_args_provider``.
 
-    Values are kept as strings and checked by :func:`layout_from_args`, so every mistake raises
-    the same :class:`LayoutError` instead of an argparse exit.
+    ``--encoder`` becomes a dict as it is read; the other values are kept as strings and
+    checked by :func:`layout_from_args`. Every mistake raises a :class:`LayoutError`, not an
+    argparse exit.
     """
     group = parser.add_argument_group("megatron-plugins heterogeneous layout")
     group.add_argument(
-        "--encoder", action=_AppendWords, dest="mimo_encoders", metavar="NAME=PROVIDER",
+        "--encoder", action=ModuleValues, dest="mimo_encoders", metavar="NAME=PROVIDER",
+        words=True, error=LayoutError, example=_ENCODER_EXAMPLE,
         help="An encoder module and its provider: a built-in name (vit, audio) or "
              "package.module:attr. Repeat once per encoder, or give several in one "
              "space-separated value.",
@@ -119,18 +125,26 @@ def _parse_size(text: str, label: str) -> int:
     return int(text)
 
 
-def _parse_encoder(text: str) -> tuple[str, str]:
-    name, sep, provider = text.partition("=")
-    if sep and name:
-        check_module_name(name, f"--encoder {text}")
-    if not sep or not MODULE_NAME.fullmatch(name) or not _PROVIDER.fullmatch(provider):
+def _check_encoder(name: str, provider: str) -> None:
+    text = f"{name}={provider}"
+    check_module_name(name, f"--encoder {text}")
+    if not _PROVIDER.fullmatch(provider):
         raise LayoutError(f"--encoder {text}: expected NAME=PROVIDER (e.g. {_ENCODER_EXAMPLE})")
     if name == LANGUAGE:
         raise LayoutError(
             f"--encoder {text}: '{LANGUAGE}' is reserved for the language model; "
             "give the encoder another name"
         )
-    return name, provider
+
+
+def _encoders(args: Any) -> dict[str, str]:
+    """``--encoder``'s ``NAME -> PROVIDER`` (``args`` built by hand may hold the strings)."""
+    return module_values(getattr(args, "mimo_encoders", None), "--encoder", LayoutError)
+
+
+def encoder_providers(args: Any) -> dict[str, str]:
+    """``--encoder``'s ``NAME -> PROVIDER``, or the alias flags' one encoder when none is given."""
+    return _encoders(args) or dict([ALIAS_ENCODER])
 
 
 def _parse_grid(text: str) -> tuple[str, dict[str, int], str | None]:
@@ -175,12 +189,9 @@ class _Spec(NamedTuple):
 
 def _grid_specs(args: Any) -> list[_Spec]:
     """Every module, in flag order, from --grid or the alias flags."""
-    encoders: dict[str, str] = {}
-    for text in getattr(args, "mimo_encoders", None) or []:
-        name, provider = _parse_encoder(text)
-        if name in encoders:
-            raise LayoutError(f"--encoder {name} given twice; give each encoder once")
-        encoders[name] = provider
+    encoders = _encoders(args)
+    for name, provider in encoders.items():
+        _check_encoder(name, provider)
     grids = getattr(args, "mimo_grids", None) or []
     aliases = {flag: getattr(args, _dest(flag), None) for flag in _ALIAS_FLAGS}
     used_aliases = [flag for flag, value in aliases.items() if value is not None]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from megatron_plugins.errors import FlagError
 from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
+from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
 __all__ = [
     "ATTENTION", "LORA_EXAMPLE", "LORA_FLAG", "MLP", "OPTIM_FLAGS", "PROJECTION", "LoraSpec",
@@ -73,13 +74,17 @@ def add_peft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(targets=linear_qkv+linear_proj+linear_fc1+linear_fc2, default all "
                             "the part has; dropout=P on the adapters' input); the part's own "
                             "weights are frozen. Repeatable, once per part.")
-    group.add_argument(OPTIM_FLAGS["lr"], action="append", default=[], metavar="PART=LR",
+    values = dict(action=ModuleValues, each="part")
+    group.add_argument(OPTIM_FLAGS["lr"], metavar="PART=LR", example="--module-lr vision=2e-5",
+                       **values,
                        help="PART's learning rate on the run's scheduler (its minimum follows "
                             "--min-lr in proportion unless --module-min-lr gives it). Repeatable.")
-    group.add_argument(OPTIM_FLAGS["min_lr"], action="append", default=[], metavar="PART=LR",
+    group.add_argument(OPTIM_FLAGS["min_lr"], metavar="PART=LR",
+                       example="--module-min-lr vision=2e-6", **values,
                        help="PART's minimum learning rate. Repeatable.")
-    group.add_argument(OPTIM_FLAGS["weight_decay"], action="append", default=[],
-                       metavar="PART=WD", help="PART's weight decay. Repeatable.")
+    group.add_argument(OPTIM_FLAGS["weight_decay"], metavar="PART=WD",
+                       example="--module-weight-decay vision=0.1", **values,
+                       help="PART's weight decay. Repeatable.")
     return parser
 
 
@@ -181,18 +186,15 @@ def part_optims(args: argparse.Namespace, layout: ParallelLayout) -> dict[str, P
     """The per-part optimizer flags of ``args`` checked against the layout, by part."""
     found: dict[str, dict[str, float]] = {}
     for field, flag in OPTIM_FLAGS.items():
-        for text in getattr(args, flag[2:].replace("-", "_"), None) or []:
-            part, sep, value = text.partition("=")
-            if not sep or not part:
-                raise FlagError(f"{flag} {text}: expected PART=VALUE (e.g. {flag} vision=2e-5)")
+        given = module_values(getattr(args, flag[2:].replace("-", "_"), None), flag)
+        for part, value in given.items():
+            text = f"{part}={value}"
             _known_part(part, layout, flag, text)
             number = _number(text, flag, value, float)
             if number < 0 or (field == "lr" and number == 0):
                 raise FlagError(f"{flag} {text}: {value} must be "
                                 f"{'positive' if field == 'lr' else 'zero or positive'}")
-            if field in found.setdefault(part, {}):
-                raise FlagError(f"{flag} {part} is given twice; give each part once")
-            found[part][field] = number
+            found.setdefault(part, {})[field] = number
     return {part: PartOptim(**fields) for part, fields in found.items()}
 
 

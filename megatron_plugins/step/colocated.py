@@ -39,7 +39,7 @@ from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS, rank_slice
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement
 from megatron_plugins.parallel.rng import ModuleRng
 from megatron_plugins.parallel.topology import HeteroTopology
-from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows
+from megatron_plugins.step.forward import COLOCATED_ROWS, check_encoder_rows, to_device
 from megatron_plugins.step.phases import (
     ENCODER_BACKWARD,
     ENCODER_FORWARD,
@@ -255,7 +255,7 @@ class ColocatedSchedule:
             outputs, replays = [], []
             with hosted.rng.enter(name), torch.set_grad_enabled(not (forward_only or recompute)):
                 for index, batch in enumerate(batches):
-                    inputs = batch[COLOCATED][name]
+                    inputs = to_device(batch[COLOCATED][name])
                     if recompute:
                         replays.append((inputs, hosted.rng.state_dict([name])))
                     consumed(inputs, name)

@@ -25,7 +25,7 @@ from megatron_plugins.data.streams import COLOCATED, ITEM_TOKENS, RECEIVED_ORDER
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.step import phases
 
-__all__ = ["COLOCATED_ROWS", "check_encoder_rows", "forward_step"]
+__all__ = ["COLOCATED_ROWS", "check_encoder_rows", "forward_step", "to_device"]
 
 COLOCATED_ROWS = "colocated_rows"
 """Batch entry the colocated schedule (:mod:`megatron_plugins.step.colocated`) hands the forward
@@ -37,11 +37,13 @@ SPLIT_SIZES = "_mimo_bridge_split_sizes"
 sample, bridge_communicator.py ``_split_tensor_at_batch_dim``)."""
 
 
-def _to_device(value: Any) -> Any:
+def to_device(value: Any) -> Any:
+    """A batch (or one encoder's inputs) on this rank's device, nested mappings included: the data
+    streams hand over host tensors."""
     if isinstance(value, torch.Tensor):
         return value.cuda(non_blocking=True)
     if isinstance(value, Mapping):
-        return {key: _to_device(item) for key, item in value.items()}
+        return {key: to_device(item) for key, item in value.items()}
     return value
 
 
@@ -108,7 +110,7 @@ def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
             "megatron.training.training.get_forward_backward_func, which compat Gap 24 wraps)")
     colocated = batch.pop(COLOCATED_ROWS, None)
     phases.consumed(batch)
-    batch = _to_device(batch)
+    batch = to_device(batch)
     if colocated:
         mimo = unwrap_model(model)
         mimo.input_tensors = {**(getattr(mimo, "input_tensors", None) or {}), **colocated}

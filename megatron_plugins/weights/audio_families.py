@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, norm_rules
 
 __all__ = ["WHISPER_ENCODER", "WHISPER_MODEL_TYPE", "whisper_source_config"]
@@ -62,12 +63,9 @@ layer, an audio classifier's head."""
 def whisper_source_config(args: Any) -> tuple[Path, dict[str, Any]]:
     """The one ``--encoder-hf-weights`` Whisper folder and its config.json: what an export of the
     encoder takes its config from."""
-    given = getattr(args, "encoder_hf_weights", None) or []
-    # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
-    folders = (given.values() if isinstance(given, Mapping)
-               else [value.partition("=")[2] for value in given])
     found = []
-    for folder in map(Path, folders):
+    folders = module_values(getattr(args, "encoder_hf_weights", None), "--encoder-hf-weights")
+    for folder in map(Path, folders.values()):
         config = json.loads((folder / "config.json").read_text())
         if config.get("model_type") == WHISPER_MODEL_TYPE:
             found.append((folder, config))

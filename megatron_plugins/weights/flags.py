@@ -6,16 +6,17 @@ is given with another value is a one-line error naming both. ``--encoder-hf-weig
 gives an encoder's; the encoder's provider reads its own shape from that folder and names its
 family as ``hf_family`` (a :class:`~megatron_plugins.weights.mapping.Family`). ``--hf-model DIR``
 gives a whole VLM (:mod:`~megatron_plugins.weights.vlm_families`): :func:`expand_hf_model` writes
-the encoder it implies into the command line, its ``text_config`` sets the shape flags, and
+the encoder it implies into the parsed flags, its ``text_config`` sets the shape flags, and
 :func:`check_hf_model` checks that its parts meet.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from megatron_plugins.parallel.module_values import ModuleValues, module_values
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError
@@ -28,8 +29,8 @@ from megatron_plugins.weights.vlm_families import (
 
 __all__ = [
     "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
-    "checkpoint_image_token", "checkpoint_item_wrapping",
-    "check_safetensors", "encoder_assignments", "encoder_family", "encoder_folders",
+    "checkpoint_image_token", "checkpoint_item_wrapping", "check_encoder_names",
+    "check_safetensors", "encoder_family", "encoder_folders",
     "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "implied_language_args",
     "language_origin"
 ]
@@ -44,7 +45,7 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(LANGUAGE_FLAG, metavar="DIR", default=None,
                        help="Load the language model from this HF folder (config.json + "
                             "safetensors) once at start; its config sets the model's shape flags.")
-    group.add_argument(ENCODER_FLAG, metavar="NAME=DIR", action="append", default=[],
+    group.add_argument(ENCODER_FLAG, metavar="NAME=DIR", action=ModuleValues,
                        help="Load encoder NAME's network from this HF folder once at start "
                             "(the projection starts from init unless the HF model holds it, as "
                             "Qwen2.5-VL's merger). Repeatable.")
@@ -63,58 +64,34 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def _values(argv: Sequence[str], flag: str) -> list[str]:
-    """Every value given to ``flag`` (``flag V`` or ``flag=V``; ``--encoder`` may take several
-    space-separated words)."""
-    found = []
-    for index, token in enumerate(argv):
-        name, sep, value = token.partition("=")
-        if name != flag:
-            continue
-        if sep:
-            found.extend(value.split())
-        elif index + 1 < len(argv):
-            found.extend(argv[index + 1].split())
-    return found
-
-
-def expand_hf_model(argv: Sequence[str]) -> list[str]:
-    """The command line with what ``--hf-model DIR`` implies written out: ``--encoder
-    NAME=PROVIDER`` (unless a given one names the provider) and ``--encoder-hf-weights NAME=DIR``
-    (the provider reads the tower's shape there). Idempotent; a given flag that contradicts the
-    folder is one line naming both."""
-    argv = list(argv)
-    folders = _values(argv, HF_MODEL_FLAG)
-    if not folders:
-        return argv
-    if len(set(folders)) > 1:
-        raise HFWeightsError(f"{HF_MODEL_FLAG} is given twice ({', '.join(folders)}); give one "
-                             "whole VLM folder")
-    folder = folders[0]
+def expand_hf_model(flags: argparse.Namespace) -> None:
+    """Write what ``--hf-model DIR`` implies into the parsed flags, once: encoder
+    ``NAME=PROVIDER`` into ``mimo_encoders`` (unless a given one names the provider) and
+    ``NAME=DIR`` into ``encoder_hf_weights`` (the provider reads the tower's shape there). A given
+    flag that contradicts the folder is one line naming both."""
+    folder = getattr(flags, "hf_model", None)
+    if folder is None:
+        return
     vlm, _ = read_vlm(folder)
     origin = f"{HF_MODEL_FLAG} {folder} ({vlm.architectures[0]})"
-    for language in _values(argv, LANGUAGE_FLAG):
+    language = getattr(flags, "language_hf_weights", None)
+    if language is not None:
         raise HFWeightsError(f"{LANGUAGE_FLAG} {language} contradicts {origin}, which holds the "
                              f"language model; drop {LANGUAGE_FLAG}")
-    encoders = [value.partition("=") for value in _values(argv, "--encoder")]
-    named = [name for name, _, provider in encoders if provider == vlm.encoder_provider]
+    encoders = module_values(getattr(flags, "mimo_encoders", None), "--encoder")
+    named = [name for name, provider in encoders.items() if provider == vlm.encoder_provider]
     if encoders and len(named) != 1:
-        given = " ".join(f"{name}={provider}" for name, _, provider in encoders)
+        given = " ".join(f"{name}={provider}" for name, provider in encoders.items())
         raise HFWeightsError(f"--encoder {given} contradicts {origin}, whose tower is built by "
                              f"provider {vlm.encoder_provider}; give exactly one --encoder "
                              f"NAME={vlm.encoder_provider} or drop --encoder")
     name = named[0] if named else vlm.encoder_name
-    if not encoders:
-        argv += ["--encoder", f"{name}={vlm.encoder_provider}"]
-    weights = [value.partition("=")[2] for value in _values(argv, ENCODER_FLAG)
-               if value.partition("=")[0] == name]
-    for other in weights:
-        if other != folder:
-            raise HFWeightsError(f"{ENCODER_FLAG} {name}={other} contradicts {origin}, which "
-                                 f"holds encoder {name}'s tower; drop {ENCODER_FLAG} {name}=")
-    if not weights:
-        argv += [ENCODER_FLAG, f"{name}={folder}"]
-    return argv
+    weights = module_values(getattr(flags, "encoder_hf_weights", None), ENCODER_FLAG)
+    if weights.get(name, folder) != folder:
+        raise HFWeightsError(f"{ENCODER_FLAG} {name}={weights[name]} contradicts {origin}, which "
+                             f"holds encoder {name}'s tower; drop {ENCODER_FLAG} {name}=")
+    flags.mimo_encoders = encoders or {name: vlm.encoder_provider}
+    flags.encoder_hf_weights = {**weights, name: folder}
 
 
 def hf_model_encoder(args: argparse.Namespace) -> str | None:
@@ -122,9 +99,8 @@ def hf_model_encoder(args: argparse.Namespace) -> str | None:
     folder = getattr(args, "hf_model", None)
     if folder is None:
         return None
-    given = getattr(args, "encoder_hf_weights", None) or []
-    pairs = given.items() if isinstance(given, Mapping) else (v.partition("=")[::2] for v in given)
-    return next((name for name, path in pairs if path == folder), None)
+    weights = module_values(getattr(args, "encoder_hf_weights", None), ENCODER_FLAG)
+    return next((name for name, path in weights.items() if path == folder), None)
 
 
 def checkpoint_image_token(args: argparse.Namespace) -> dict[str, int]:
@@ -244,30 +220,25 @@ def encoder_family(plugin: Any) -> Family | None:
     return getattr(plugin, "hf_family", None)
 
 
-def encoder_assignments(values: list[str], plugins: Mapping[str, Any], flag: str,
-                        error: type[Exception]) -> Iterator[tuple[str, str, str]]:
-    """``(value, NAME, DIR)`` of each ``flag NAME=DIR`` value, NAME one of the run's encoders and
-    given once; a bad value raises ``error`` in one line (any per-module "weights from" flag)."""
-    seen: set[str] = set()
-    for value in values:
-        name, sep, folder = value.partition("=")
-        if not sep or not folder:
-            raise error(f"{flag} {value}: expected NAME=DIR")
+def check_encoder_names(values: Mapping[str, str], plugins: Mapping[str, Any], flag: str,
+                        error: type[Exception]) -> None:
+    """Each ``NAME`` of a per-module "weights from" flag's ``NAME -> DIR`` is one of the run's
+    encoders; else ``error`` in one line."""
+    for name, folder in values.items():
         if name not in plugins:
-            raise error(f"{flag} {value}: no encoder {name!r}; encoders are "
+            raise error(f"{flag} {name}={folder}: no encoder {name!r}; encoders are "
                         f"{', '.join(plugins) or 'none'}")
-        if name in seen:
-            raise error(f"{flag} {name}= is given twice")
-        seen.add(name)
-        yield value, name, folder
 
 
-def encoder_folders(values: list[str], plugins: Mapping[str, Any],
+def encoder_folders(values: Mapping[str, str], plugins: Mapping[str, Any],
                     whole: str | None = None) -> dict[str, str]:
-    """``NAME=DIR`` values checked against the run's encoders, their providers and folders; the
-    ``--hf-model`` folder ``whole`` is checked by :func:`check_hf_model` instead."""
+    """``--encoder-hf-weights``' ``NAME -> DIR`` checked against the run's encoders, their
+    providers and folders; the ``--hf-model`` folder ``whole`` is checked by
+    :func:`check_hf_model` instead."""
+    check_encoder_names(values, plugins, ENCODER_FLAG, HFWeightsError)
     folders: dict[str, str] = {}
-    for value, name, folder in encoder_assignments(values, plugins, ENCODER_FLAG, HFWeightsError):
+    for name, folder in values.items():
+        value = f"{name}={folder}"
         family = encoder_family(plugins[name])
         if family is None:
             raise HFWeightsError(f"{ENCODER_FLAG} {value}: encoder {name}'s provider "

@@ -24,6 +24,7 @@ from typing import Any
 from megatron_plugins.weights.megatron_folder import DONE_FILE, TRACKER_FILE, is_complete
 from megatron_plugins.errors import UsageError
 from megatron_plugins.parallel.layout import LANGUAGE
+from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
 __all__ = [
     "CheckpointInitError", "SHAPE_FLAGS", "add_checkpoint_init_args", "check_init_flags",
@@ -70,7 +71,7 @@ def add_checkpoint_init_args(parser: argparse.ArgumentParser) -> argparse.Argume
                        help="Start the language model from this torch_dist checkpoint (a stock "
                             "pretrain_gpt --save folder or iteration folder, any TP/PP); model "
                             "tensors only. Stock --load, when it resumes, overrides it.")
-    group.add_argument(ENCODER_FLAG, metavar="NAME=DIR", action="append", default=[],
+    group.add_argument(ENCODER_FLAG, metavar="NAME=DIR", action=ModuleValues,
                        help="Start encoder NAME's network from a previous MiMo run's checkpoint "
                             "(its encoder NAME, any TP); the projection starts from init. "
                             "Repeatable.")
@@ -165,16 +166,16 @@ def _saved_args(folder: Path) -> argparse.Namespace | None:
     return dist_checkpointing.load_common_state_dict(str(folder)).get("args")
 
 
-def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
+def _encoder_folders(values: Mapping[str, str], plugins: Mapping[str, Any],
                      hf_folders: Mapping[str, str]) -> dict[str, str]:
-    """``NAME=DIR`` values checked against the run's encoders and the checkpoints' encoders."""
+    """``NAME -> DIR`` checked against the run's encoders and the checkpoints' encoders."""
     from megatron_plugins.weights.flags import ENCODER_FLAG as HF_ENCODER_FLAG
-    from megatron_plugins.weights.flags import encoder_assignments
+    from megatron_plugins.weights.flags import check_encoder_names
 
+    check_encoder_names(values, plugins, ENCODER_FLAG, CheckpointInitError)
     folders: dict[str, str] = {}
-    for value, name, folder in encoder_assignments(values, plugins, ENCODER_FLAG,
-                                                   CheckpointInitError):
-        where = f"{ENCODER_FLAG} {value}"
+    for name, folder in values.items():
+        where = f"{ENCODER_FLAG} {name}={folder}"
         if name in hf_folders:
             raise CheckpointInitError(f"{where} and {HF_ENCODER_FLAG} {name}={hf_folders[name]} "
                                       f"both initialize encoder {name}; give one")
@@ -187,8 +188,8 @@ def _encoder_folders(values: list[str], plugins: Mapping[str, Any],
                 f"{', '.join(modules) or 'none, a stock GPT checkpoint'}); give the checkpoint "
                 "of a MiMo run that trained an encoder of this name")
         saved = _saved_args(chosen)
-        providers = dict(text.partition("=")[::2] for text in getattr(saved, "mimo_encoders", None)
-                         or [])
+        providers = module_values(getattr(saved, "mimo_encoders", None), "--encoder",
+                                  CheckpointInitError)
         ours = plugins[name].grid.provider
         if providers.get(name, ours) != ours:
             raise CheckpointInitError(f"{where}: the checkpoint's encoder {name} is "
@@ -203,9 +204,11 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
     """Before any process group, after stock ``validate_args``: check the init flags and return
     their resolved values (``language_megatron_checkpoint``: the iteration folder, when given;
     ``encoder_megatron_checkpoint``: a NAME -> iteration folder dict)."""
+    from megatron_plugins.weights.flags import ENCODER_FLAG as HF_ENCODER_FLAG
     from megatron_plugins.weights.flags import LANGUAGE_FLAG as HF_LANGUAGE_FLAG
 
-    given = [args.language_megatron_checkpoint, *args.encoder_megatron_checkpoint]
+    encoders = module_values(args.encoder_megatron_checkpoint, ENCODER_FLAG, CheckpointInitError)
+    given = [args.language_megatron_checkpoint, *encoders]
     if any(given) and getattr(args, "init_model_with_meta_device", False):
         raise CheckpointInitError(f"{LANGUAGE_FLAG if given[0] else ENCODER_FLAG} cannot load "
                                   "into a model on the meta device; drop "
@@ -231,8 +234,8 @@ def check_init_flags(args: argparse.Namespace, plugins: Mapping[str, Any],
                                       "stock pretrain_gpt or a MiMo run)")
         check_language_shape(args, saved, where)
         resolved["language_megatron_checkpoint"] = str(chosen)
-    resolved["encoder_megatron_checkpoint"] = _encoder_folders(args.encoder_megatron_checkpoint,
-                                                               plugins, args.encoder_hf_weights)
+    resolved["encoder_megatron_checkpoint"] = _encoder_folders(
+        encoders, plugins, module_values(args.encoder_hf_weights, HF_ENCODER_FLAG))
     return resolved
 
 

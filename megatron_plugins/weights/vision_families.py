@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.mapping import (
     PROJECTION,
@@ -86,11 +87,8 @@ def source_folder(args: Any, model_type: str) -> tuple[Path, dict[str, Any]]:
     """The one ``--encoder-hf-weights`` folder of this vision model type and its vision config:
     what an export of that encoder takes its config.json and untrained tensors from."""
     found = []
-    # The flag's NAME=DIR list at launch; the name -> folder dict in a checkpoint's args.
-    given = getattr(args, "encoder_hf_weights", None) or []
-    folders = (given.values() if isinstance(given, Mapping)
-               else [value.partition("=")[2] for value in given])
-    for folder in map(Path, folders):
+    folders = module_values(getattr(args, "encoder_hf_weights", None), "--encoder-hf-weights")
+    for folder in map(Path, folders.values()):
         config = json.loads((folder / "config.json").read_text())
         vision = dict(_vision_config(config))
         if vision.get("model_type", model_type) == model_type:

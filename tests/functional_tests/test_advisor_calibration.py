@@ -13,7 +13,6 @@ work shares, or the runs' speeds differ by more than the model's error.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -24,13 +23,9 @@ from megatron_plugins.performance.assumptions import Assumptions
 from megatron_plugins.performance.calibration import calibrate, read_profile
 from megatron_plugins.performance.cost_model import module_busy
 from megatron_plugins.performance.gpus import hardware
-from tests.mimo_runs import TINY_MIMO, train_mimo
+from tests.harness.mimo_runs import TINY_MIMO, train_mimo
 
-pytestmark = [
-    pytest.mark.timeout(3600),
-    pytest.mark.skipif(importlib.util.find_spec("megatron_plugins.performance.profile") is None,
-                       reason="needs the run's --mimo-profile (branch h/throughput)"),
-]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(3600)]
 
 MODEL = ["--encoder", "vision=vit", "--num-layers", "4", "--hidden-size", "256",
          "--ffn-hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "320",

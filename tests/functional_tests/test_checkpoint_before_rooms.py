@@ -10,9 +10,11 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from megatron_plugins.model.builder import MimoBuildConfig, MimoModelBuilder
-from tests.multiprocess import REPO_ROOT, launch_preforked
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.multiprocess import REPO_ROOT, launch_preforked
+from tests.harness.tensorboard_scalars import read_scalars
 
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "checkpoint_before_rooms"
 ENTRY_POINT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
@@ -44,6 +46,7 @@ def test_a_build_config_saved_before_the_move_resolves_to_the_current_classes():
     assert config.get_builder_cls() is MimoModelBuilder
 
 
+@pytest.mark.multirank
 def test_a_checkpoint_saved_before_the_move_resumes_the_old_runs_steps(tmp_path: Path):
     load = tmp_path / "checkpoint"
     shutil.copytree(FIXTURE, load)

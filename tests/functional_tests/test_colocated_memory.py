@@ -7,36 +7,37 @@ micro-batch 2, language dp 2), two steps, dropout 0.1 in the encoder and the lan
 recomputed forward must draw the masks phase 1 drew). A colocated rank keeps every microbatch's
 encoder activations until the step's encoder backward; with the recompute it keeps one
 microbatch's at a time and trains identically. Saved-for-backward bytes are measured per rank by
-:class:`tests.activation_memory.HeldActivations`; the per-microbatch reference is the separate
-layout's encoder forwards (the same positions per encoder DP rank in every layout).
+:class:`tests.harness.activation_memory.HeldActivations`; the per-microbatch reference is the
+separate layout's encoder forwards (the same positions per encoder DP rank in every layout).
 """
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.mimo_runs import module_params, train_mimo
+from tests.harness.mimo_runs import MimoLaunch, module_params, shared_run
+
+pytestmark = pytest.mark.multirank
 
 MICROBATCHES = 4
 BASE = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--encoder", "vision=vit",
         "--global-batch-size", "16", "--train-iters", "2", "--eval-iters", "0",
         "--hidden-dropout", "0.1")
 COLOCATED = ("--grid", "vision:dp=2@language", "--grid", "language:dp=2")
-LAYOUTS = {  # name: (processes, flags)
-    "separate": (4, ("--grid", "vision:dp=2", "--grid", "language:dp=2")),
-    "colocated": (2, COLOCATED),
-    "recompute": (2, (*COLOCATED, "--colocated-encoder-recompute")),
+LAYOUTS = {
+    "separate": MimoLaunch(4, (*BASE, "--grid", "vision:dp=2", "--grid", "language:dp=2"),
+                           observe_memory=True),
+    "colocated": MimoLaunch(2, (*BASE, *COLOCATED), observe_memory=True),
+    "recompute": MimoLaunch(2, (*BASE, *COLOCATED, "--colocated-encoder-recompute"),
+                            observe_memory=True),
 }
 
 
-@cache
 def _run(name: str) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
-    processes, flags = LAYOUTS[name]
-    return train_mimo(processes, (*BASE, *flags), observe_params=True, observe_memory=True)
+    return shared_run(LAYOUTS[name])
 
 
 def _vision(name: str) -> dict[int, dict[str, Any]]:

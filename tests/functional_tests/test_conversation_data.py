@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.energon_data import energon_flags, synthetic_dataset
-from tests.mimo_runs import TINY_MIMO, train_mimo
-from tests.multiprocess import REPO_ROOT, run_script
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.energon_data import energon_flags, synthetic_dataset
+from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, shared_run, train_mimo
+from tests.harness.multiprocess import REPO_ROOT, run_script
+from tests.harness.tensorboard_scalars import read_scalars
+
+pytestmark = pytest.mark.multirank
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "chat_template.jinja"
@@ -172,12 +174,11 @@ MULTI_LAYOUTS = {  # name: (processes, layout flags)
 }
 
 
-@lru_cache(maxsize=None)
 def _multi_run(name: str) -> tuple[dict[int, float], list[str]]:
     """lm loss per iteration and the sample keys the language ranks consumed, in order."""
     nproc, layout = MULTI_LAYOUTS[name]
-    scalars, results = train_mimo(nproc, (*SGD, *NATIVE, *layout), extra=_multi_flags(),
-                                  observe_keys=True, timeout=400)
+    scalars, results = shared_run(MimoLaunch(nproc, (*_multi_flags(), *SGD, *NATIVE, *layout),
+                                             timeout=400))
     # One rank per replica: a replica's context-parallel ranks hold the same samples.
     replicas = {(r["module"], r["dp_rank"]): r["keys"] for r in results}
     keys = {module: [key for (name, _), held in replicas.items() if name == module

@@ -8,7 +8,11 @@ dominates the total): a CP split that leaves every rank the whole row keeps it a
 
 from __future__ import annotations
 
-from tests.activation_memory import measure
+import pytest
+
+from tests.harness.activation_memory import measure
+
+pytestmark = pytest.mark.multirank
 
 SEQ_LENGTH = 1024
 MOST = 0.6

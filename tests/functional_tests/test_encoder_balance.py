@@ -8,8 +8,12 @@ one-rank-per-module run to 1e-5 relative, on the same language samples.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.functional_tests.test_mimo_layout_invariance import NATIVE, _assert_same_training
-from tests.mimo_runs import cached_mimo_run
+from tests.harness.mimo_runs import MimoLaunch, shared_run
+
+pytestmark = pytest.mark.multirank
 
 BALANCE = "--balance-encoder-work"
 LANGUAGE1 = ("--grid", "language:")
@@ -24,10 +28,10 @@ def _replica_keys(results: list, module: str) -> dict[int, list[list[str]]]:
 def _assert_balanced_run_trains_identically(nproc: int, encoder_dp: int,
                                             extra: tuple[str, ...]) -> None:
     grid = ("--grid", f"vision:dp={encoder_dp}", *LANGUAGE1)
-    reference = cached_mimo_run(2, (*NATIVE, *extra, "--grid", "vision:", *LANGUAGE1))
-    balanced = cached_mimo_run(nproc, (*NATIVE, *extra, *grid, BALANCE))
+    reference = shared_run(MimoLaunch(2, (*NATIVE, *extra, "--grid", "vision:", *LANGUAGE1)))
+    balanced = shared_run(MimoLaunch(nproc, (*NATIVE, *extra, *grid, BALANCE)))
     _assert_same_training(reference, balanced, ("vision",))
-    fixed = cached_mimo_run(nproc, (*NATIVE, *extra, *grid))
+    fixed = shared_run(MimoLaunch(nproc, (*NATIVE, *extra, *grid)))
     moved = _replica_keys(balanced[1], "vision")
     assert moved != _replica_keys(fixed[1], "vision")
     # Some replica held other than its fixed share of samples in some microbatch.

@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
-from tests.mimo_runs import TINY_MIMO, module_params, train_mimo
-from tests.multiprocess import REPO_ROOT, WorkerFailure, run_script
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
+from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, module_params, shared_run, train_mimo
+from tests.harness.multiprocess import REPO_ROOT, WorkerFailure, run_script
+from tests.harness.tensorboard_scalars import read_scalars
+
+pytestmark = pytest.mark.multirank
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 
@@ -47,16 +49,10 @@ REFERENCE = {"vision-dp2-language1": "vision1-language1",
              "vision-dp2-language-cp2": "vision1-language1",
              "1+1+language-dp2": "1+1+language1"}
 
-_runs: dict[str, tuple] = {}
-
-
 def _run(name: str) -> tuple:
-    if name not in _runs:
-        nproc, layout = LAYOUTS[name]
-        _runs[name] = train_mimo(nproc, (*SGD, *layout),
-                                 extra=energon_flags(synthetic_dataset()), observe_keys=True,
-                                 observe_params=True, timeout=240)
-    return _runs[name]
+    nproc, layout = LAYOUTS[name]
+    return shared_run(MimoLaunch(nproc, (*energon_flags(synthetic_dataset()), *SGD, *layout),
+                                 timeout=240))
 
 
 def _global_microbatch_keys(results: list[dict]) -> list[list[str]]:

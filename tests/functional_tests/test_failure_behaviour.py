@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
+import pytest
 
-from tests.mimo_runs import TINY_MIMO
-from tests.multiprocess import REPO_ROOT, free_port, kill_session, run_script, start_session
+from tests.harness.mimo_runs import TINY_MIMO
+from tests.harness.multiprocess import REPO_ROOT, kill_session, run_script, start_session
+from tools.functional_tests.runner import torchrun_command
+
+pytestmark = pytest.mark.multirank
 
 SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
 LAYOUT = ["--encoder", "vision=faulty_encoder:FaultyViT", "--grid", "vision:dp=1",
@@ -35,11 +38,10 @@ def _workers(launcher: psutil.Process) -> list[psutil.Process]:
 
 def test_sigterm_with_exit_signal_handler_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     save = tmp_path / "checkpoints"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT),
-               *TINY_MIMO, "--encoder", "vision=vit", "--grid", "vision:dp=1",
-               "--grid", "language:dp=2", "--train-iters", "100000", "--eval-iters", "0",
-               "--exit-signal-handler", "--save", str(save), "--save-interval", "100000"]
+    command = torchrun_command(SCRIPT, 3, [
+        *TINY_MIMO, "--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid",
+        "language:dp=2", "--train-iters", "100000", "--eval-iters", "0", "--exit-signal-handler",
+        "--save", str(save), "--save-interval", "100000"])
     process, started = start_session(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
     output = []

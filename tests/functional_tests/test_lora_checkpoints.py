@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hf_models import rel_diff, safetensors_of, train_then
-from tests.hf_vlm_models import bad_input, vlm_flags, whole_pieces
-from tests.multiprocess import run_in_processes
-from tests.qwen_vlm_models import (
+from tests.models.hf import rel_diff, safetensors_of, train_then
+from tests.models.hf_vlm import bad_input, vlm_flags, whole_pieces
+from tests.harness.multiprocess import run_in_processes
+from tests.models.qwen_vlm import (
     IMAGE_TOKEN,
     VOCAB,
     hf_logits,
@@ -38,14 +38,14 @@ from tests.qwen_vlm_models import (
     sample_logits,
     save_tiny_qwen_vl,
 )
-from tests.tensorboard_scalars import read_scalars
+from tests.harness.tensorboard_scalars import read_scalars
 
 TOLERANCE = 1e-5
 GRIDS = ("image:dp=1", "language:dp=1")
 LORA = ("--lora", "language:rank=4,alpha=8", "--lora", "image:rank=4,alpha=8",
         "--lora", "image.projection:rank=2,alpha=4")
 PART_LR = ("--module-lr", "image=2e-3", "--module-lr", "image.projection=5e-3")
-"""The run's --lr is 1e-3 (tests.hf_models.MIMO_FLAGS): the tower twice, the merger 5 times."""
+"""The run's --lr is 1e-3 (tests.models.hf.MIMO_FLAGS): the tower twice, the merger 5 times."""
 RATE_LINE = "learning rate per part:"
 ADAPTED = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|attn\.(qkv|proj)|"
                      r"merger\.mlp\.[02])\.weight$")
@@ -71,7 +71,7 @@ def lora_rank(argv: list[str], ids: torch.Tensor, pictures: list) -> dict[str, A
 
 
 def _train(folder: Path, ids: torch.Tensor, pictures: list, flags: tuple[str, ...]) -> list:
-    from tests.hf_models import pieces_from
+    from tests.models.hf import pieces_from
 
     argv = [*vlm_flags(folder, GRIDS), "--mock-items-per-sample", "1:2",
             "--make-vocab-size-divisible-by", "1", *flags]
@@ -173,7 +173,7 @@ def test_every_parts_learning_rate_is_in_the_log_and_in_tensorboard(runs):
 
 @pytest.fixture(scope="module")
 def exported(runs) -> Path:
-    from tests.hf_models import export_rank
+    from tests.models.hf import export_rank
 
     out = runs["root"] / "out"
     run_in_processes(export_rank, 1, args=([(str(runs["root"] / "lora"), str(out),
@@ -206,7 +206,7 @@ def test_the_peft_adapters_on_transformers_model_give_our_logits(runs, exported)
     import peft
     import transformers
 
-    from tests.hf_vision_models import qwen_processor
+    from tests.models.hf_vision import qwen_processor
 
     adapters = exported / "adapters"
     config = json.loads((adapters / "adapter_config.json").read_text())
@@ -276,7 +276,7 @@ def test_a_base_from_a_megatron_checkpoint_is_referenced_and_resumes_bit_identic
     resume from iteration 2 of 4 repeats iterations 3 and 4 bit for bit."""
     from megatron.core import dist_checkpointing
 
-    from tests.mimo_runs import train_mimo
+    from tests.harness.mimo_runs import train_mimo
 
     layout = ("--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:")  # Adam
     short = ("--eval-iters", "0")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mimo_runs import train_mimo
+from tests.harness.mimo_runs import train_mimo
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 LORA = ("--lora", "language:rank=4,alpha=8", "--lora", "vision:rank=4,alpha=8")
@@ -30,7 +30,7 @@ LAYOUTS = {  # name: (processes, --grid values)
     "colocated-encoder-tp2-language-dp2": (2, ("vision:tp=2@language", "language:dp=2")),
 }
 LAYERS = 2
-"""The tiny model's language layers (tests.tiny_model), split evenly over pipeline stages."""
+"""The tiny model's language layers (tests.models.tiny), split evenly over pipeline stages."""
 
 
 def module_params(results: list[dict], module: str) -> dict[str, np.ndarray]:

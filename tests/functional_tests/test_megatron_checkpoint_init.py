@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gpt_runs import train_gpt
-from tests.megatron_checkpoints import read_modules, write_checkpoints
-from tests.mimo_runs import TINY_MIMO, module_params, train_mimo, train_mimo_rank
-from tests.multiprocess import WorkerFailure, run_in_processes
+from tests.harness.gpt_runs import train_gpt
+from tests.harness.mimo_runs import TINY_MIMO, module_params, train_mimo, train_mimo_rank
+from tests.harness.multiprocess import WorkerFailure, run_in_processes
+from tests.models.megatron_checkpoints import read_modules, write_checkpoints
+
+pytestmark = pytest.mark.multirank
 
 ENCODER_TP2 = ("--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:")
 LANGUAGE_PP2 = ("--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:pp=2")

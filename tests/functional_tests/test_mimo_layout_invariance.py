@@ -13,45 +13,59 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mimo_runs import cached_mimo_run, consumed_keys, module_params, train_mimo
-from tests.multiprocess import WorkerFailure
+from tests.harness.mimo_runs import (
+    MimoLaunch,
+    consumed_keys,
+    module_params,
+    shared_run,
+    train_mimo,
+)
+from tests.harness.multiprocess import WorkerFailure
+
+pytestmark = pytest.mark.multirank
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 VISION = (*SGD, "--encoder", "vision=vit", "--grid")
-ONE_ENCODER = {  # name: (processes, layout flags)
-    "encoder1-language1": (2, (*VISION, "vision:", "--grid", "language:")),
-    "encoder-dp2-language-dp2": (4, (*VISION, "vision:dp=2", "--grid", "language:dp=2")),
-    "encoder-dp1-language-dp2": (3, (*VISION, "vision:", "--grid", "language:dp=2")),
-    "encoder-dp2-language-dp1": (3, (*VISION, "vision:dp=2", "--grid", "language:")),
-    "encoder1-language-tp2": (3, (*VISION, "vision:", "--grid", "language:tp=2")),
-    "upstream-alias-flags": (3, (*SGD, "--encoder-dp", "1", "--llm-dp", "2")),
+ONE_ENCODER = {  # name: launch
+    "encoder1-language1": MimoLaunch(2, (*VISION, "vision:", "--grid", "language:")),
+    "encoder-dp2-language-dp2": MimoLaunch(4, (*VISION, "vision:dp=2", "--grid",
+                                               "language:dp=2")),
+    "encoder-dp1-language-dp2": MimoLaunch(3, (*VISION, "vision:", "--grid", "language:dp=2")),
+    "encoder-dp2-language-dp1": MimoLaunch(3, (*VISION, "vision:dp=2", "--grid", "language:")),
+    "encoder1-language-tp2": MimoLaunch(3, (*VISION, "vision:", "--grid", "language:tp=2")),
+    "upstream-alias-flags": MimoLaunch(3, (*SGD, "--encoder-dp", "1", "--llm-dp", "2")),
     # Language CP: every CP rank gets the whole microbatch and keeps its zigzag chunks; the
     # bridge sums the CP ranks' encoder-row gradients (Gap 18), so the encoder trains as at cp=1.
-    "encoder1-language-cp2": (3, (*VISION, "vision:", "--grid", "language:cp=2")),
-    "encoder1-language-cp2-tp2": (5, (*VISION, "vision:", "--grid", "language:cp=2,tp=2")),
-    "encoder-dp2-language-cp2": (4, (*VISION, "vision:dp=2", "--grid", "language:cp=2")),
-    "encoder1-language-cp2-dp2": (5, (*VISION, "vision:", "--grid", "language:cp=2,dp=2")),
+    "encoder1-language-cp2": MimoLaunch(3, (*VISION, "vision:", "--grid", "language:cp=2")),
+    "encoder1-language-cp2-tp2": MimoLaunch(5, (*VISION, "vision:", "--grid",
+                                                "language:cp=2,tp=2")),
+    "encoder-dp2-language-cp2": MimoLaunch(4, (*VISION, "vision:dp=2", "--grid",
+                                               "language:cp=2")),
+    "encoder1-language-cp2-dp2": MimoLaunch(5, (*VISION, "vision:", "--grid",
+                                                "language:cp=2,dp=2")),
 }
 TWO = (*SGD, "--encoder", "vision=vit", "--encoder", "audio=audio", "--grid")
 TWO_ENCODERS = {
-    "1+1+language1": (3, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:")),
-    "dp2+tp2+language1": (5, (*TWO, "vision:dp=2", "--grid", "audio:tp=2", "--grid",
-                              "language:")),
-    "1+1+language-dp2": (4, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:dp=2")),
-    "1+1+language-cp2": (4, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:cp=2")),
+    "1+1+language1": MimoLaunch(3, (*TWO, "vision:", "--grid", "audio:", "--grid", "language:")),
+    "dp2+tp2+language1": MimoLaunch(5, (*TWO, "vision:dp=2", "--grid", "audio:tp=2", "--grid",
+                                        "language:")),
+    "1+1+language-dp2": MimoLaunch(4, (*TWO, "vision:", "--grid", "audio:", "--grid",
+                                       "language:dp=2")),
+    "1+1+language-cp2": MimoLaunch(4, (*TWO, "vision:", "--grid", "audio:", "--grid",
+                                       "language:cp=2")),
 }
 
 
 NATIVE = (*SGD, "--encoder", "vision=vit", "--vit-native-resolution", "--vit-max-pixels", "1024",
           "--seq-length", "64", "--max-position-embeddings", "64")
 NATIVE_RESOLUTION = {  # images of varied sizes at their own token counts, 0..2 per sample
-    "1+language1": (2, (*NATIVE, "--grid", "vision:", "--grid", "language:")),
-    "dp2+language1": (3, (*NATIVE, "--grid", "vision:dp=2", "--grid", "language:")),
-    "1+language-dp2": (3, (*NATIVE, "--grid", "vision:", "--grid", "language:dp=2")),
-    "tp2+language1": (3, (*NATIVE, "--grid", "vision:tp=2", "--grid", "language:")),
-    "with-audio-dp2+language-dp2": (5, (*NATIVE, "--encoder", "audio=audio", "--grid",
-                                        "vision:", "--grid", "audio:dp=2", "--grid",
-                                        "language:dp=2")),
+    "1+language1": MimoLaunch(2, (*NATIVE, "--grid", "vision:", "--grid", "language:")),
+    "dp2+language1": MimoLaunch(3, (*NATIVE, "--grid", "vision:dp=2", "--grid", "language:")),
+    "1+language-dp2": MimoLaunch(3, (*NATIVE, "--grid", "vision:", "--grid", "language:dp=2")),
+    "tp2+language1": MimoLaunch(3, (*NATIVE, "--grid", "vision:tp=2", "--grid", "language:")),
+    "with-audio-dp2+language-dp2": MimoLaunch(5, (*NATIVE, "--encoder", "audio=audio", "--grid",
+                                                  "vision:", "--grid", "audio:dp=2", "--grid",
+                                                  "language:dp=2")),
 }
 MROPE = (*NATIVE, "--position-embedding-type", "mrope", "--mrope-section", "2", "3", "3")
 """Multimodal RoPE: each image's tokens at its patch grid's (1, rows, columns) positions."""
@@ -76,40 +90,40 @@ def _assert_same_training(reference: tuple, other: tuple, encoders: tuple[str, .
 
 @pytest.mark.parametrize("name", list(ONE_ENCODER)[1:])
 def test_one_encoder_layouts_train_identically(name: str) -> None:
-    reference = cached_mimo_run(*ONE_ENCODER["encoder1-language1"])
-    _assert_same_training(reference, cached_mimo_run(*ONE_ENCODER[name]), ("vision",))
+    reference = shared_run(ONE_ENCODER["encoder1-language1"])
+    _assert_same_training(reference, shared_run(ONE_ENCODER[name]), ("vision",))
 
 
 @pytest.mark.parametrize("name", list(TWO_ENCODERS)[1:])
 def test_two_encoder_layouts_train_identically(name: str) -> None:
-    reference = cached_mimo_run(*TWO_ENCODERS["1+1+language1"])
-    _assert_same_training(reference, cached_mimo_run(*TWO_ENCODERS[name]), ("vision", "audio"))
+    reference = shared_run(TWO_ENCODERS["1+1+language1"])
+    _assert_same_training(reference, shared_run(TWO_ENCODERS[name]), ("vision", "audio"))
 
 
 @pytest.mark.parametrize("name", list(NATIVE_RESOLUTION)[1:3] + list(NATIVE_RESOLUTION)[3:4])
 def test_native_resolution_layouts_train_identically(name: str) -> None:
-    reference = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
-    _assert_same_training(reference, cached_mimo_run(*NATIVE_RESOLUTION[name]), ("vision",))
+    reference = shared_run(NATIVE_RESOLUTION["1+language1"])
+    _assert_same_training(reference, shared_run(NATIVE_RESOLUTION[name]), ("vision",))
 
 
 def test_mrope_native_resolution_trains_identically_at_language_tp2() -> None:
     """The [3, S] positions reach every language rank and split with the heads' rotary dims."""
-    reference = cached_mimo_run(2, (*MROPE, "--grid", "vision:", "--grid", "language:"))
-    _assert_same_training(reference, cached_mimo_run(
-        3, (*MROPE, "--grid", "vision:", "--grid", "language:tp=2")), ("vision",))
+    reference = shared_run(MimoLaunch(2, (*MROPE, "--grid", "vision:", "--grid", "language:")))
+    _assert_same_training(reference, shared_run(MimoLaunch(
+        3, (*MROPE, "--grid", "vision:", "--grid", "language:tp=2"))), ("vision",))
 
 
 def test_native_resolution_with_a_second_encoder_trains_identically_across_layouts() -> None:
     one = (*NATIVE, "--encoder", "audio=audio", "--grid", "vision:", "--grid", "audio:",
            "--grid", "language:")
-    reference = cached_mimo_run(3, one)
-    _assert_same_training(reference, cached_mimo_run(*NATIVE_RESOLUTION[
+    reference = shared_run(MimoLaunch(3, one))
+    _assert_same_training(reference, shared_run(NATIVE_RESOLUTION[
         "with-audio-dp2+language-dp2"]), ("vision", "audio"))
 
 
 def test_variable_samples_hold_text_only_and_multi_item_samples() -> None:
     """What the layouts above were fed: samples without any item, with one and with two."""
-    _, results = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
+    _, results = shared_run(NATIVE_RESOLUTION["1+language1"])
     [language] = [r for r in results if r["module"] == "language"]
     images = [items for microbatch in language["item_tokens"] for items in microbatch["vision"]]
     assert {0, 1, 2} <= {len(items) for items in images}
@@ -118,23 +132,27 @@ def test_variable_samples_hold_text_only_and_multi_item_samples() -> None:
 
 
 def test_reference_run_learns_and_encoders_matter() -> None:
-    scalars, results = cached_mimo_run(*ONE_ENCODER["encoder1-language1"])
+    scalars, results = shared_run(ONE_ENCODER["encoder1-language1"])
     losses = scalars["lm loss"]
     assert losses[10] < losses[1] - 0.2, losses
-    two_scalars, _ = cached_mimo_run(*TWO_ENCODERS["1+1+language1"])
+    two_scalars, _ = shared_run(TWO_ENCODERS["1+1+language1"])
     assert two_scalars["lm loss"][1] != losses[1], "a second encoder must change the model"
     encoder = module_params(results, "vision")
     assert any(np.abs(value).sum() > 0 for value in encoder.values())
 
 
+REDUCTIONS = {  # overlap: the launch whose reductions are counted (overlap off: a reference's)
+    False: ONE_ENCODER["encoder-dp2-language-dp2"],
+    True: MimoLaunch(4, ("--train-iters", "3", "--eval-iters", "0",
+                         *ONE_ENCODER["encoder-dp2-language-dp2"].flags, "--overlap-grad-reduce")),
+}
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
 def test_one_gradient_reduction_per_module_per_step(overlap: bool) -> None:
-    extra = ("--train-iters", "3", "--eval-iters", "0") + (("--overlap-grad-reduce",) if overlap
-                                                          else ())
-    _, results = train_mimo(4, (*VISION, "vision:dp=2", "--grid", "language:dp=2"),
-                            extra=extra, count_reductions=True)
-    # One bucket group per module (the tiny model fits one bucket): 3 steps, 3 reductions.
-    assert [r["reductions"] for r in results] == [3, 3, 3, 3]
+    scalars, results = shared_run(REDUCTIONS[overlap])
+    # One bucket group per module (the tiny model fits one bucket): a reduction per step.
+    assert [r["reductions"] for r in results] == [len(scalars["lm loss"])] * 4
 
 
 UNTIED = ("--untie-embeddings-and-output-weights",)
@@ -183,34 +201,34 @@ def test_frozen_language_model_keeps_its_weights_while_the_encoder_trains() -> N
 COLOCATED = {  # encoders on the language model's ranks, each grid with its own parallelism
     # Encoder DP 4 over language TP 2 x DP 2: each language replica merges rows two encoder
     # replicas computed, one of them on its other TP rank.
-    "vision-dp4-on-language-tp2-dp2": (4, (*VISION, "vision:dp=4@language", "--grid",
-                                           "language:tp=2,dp=2")),
+    "vision-dp4-on-language-tp2-dp2": MimoLaunch(4, (*VISION, "vision:dp=4@language", "--grid",
+                                                     "language:tp=2,dp=2")),
     # Encoder TP 2 over language DP 2: rank 1 computes replica 0's rows but merges replica 1's
     # (the wheel's colocated communicator would hand it replica 0's).
-    "vision-tp2-on-language-dp2": (2, (*VISION, "vision:tp=2@language", "--grid",
-                                       "language:dp=2")),
+    "vision-tp2-on-language-dp2": MimoLaunch(2, (*VISION, "vision:tp=2@language", "--grid",
+                                                 "language:dp=2")),
 }
 
 
 @pytest.mark.parametrize("name", list(COLOCATED))
 def test_colocated_layouts_train_identically(name: str) -> None:
-    reference = cached_mimo_run(*ONE_ENCODER["encoder1-language1"])
-    _assert_same_training(reference, cached_mimo_run(*COLOCATED[name]), ("vision",))
+    reference = shared_run(ONE_ENCODER["encoder1-language1"])
+    _assert_same_training(reference, shared_run(COLOCATED[name]), ("vision",))
 
 
 def test_a_colocated_and_a_separate_encoder_train_identically() -> None:
     """Vision on the language ranks, audio on a rank of its own."""
-    reference = cached_mimo_run(*TWO_ENCODERS["1+1+language1"])
-    mixed = cached_mimo_run(3, (*TWO, "vision:dp=2@language", "--grid", "audio:", "--grid",
-                                "language:dp=2"))
+    reference = shared_run(TWO_ENCODERS["1+1+language1"])
+    mixed = shared_run(MimoLaunch(3, (*TWO, "vision:dp=2@language", "--grid", "audio:",
+                                      "--grid", "language:dp=2")))
     _assert_same_training(reference, mixed, ("vision", "audio"))
 
 
 def test_colocated_native_resolution_trains_identically() -> None:
     """Images of varied sizes, 0..2 per sample: every sample's own row count is routed."""
-    reference = cached_mimo_run(*NATIVE_RESOLUTION["1+language1"])
-    colocated = cached_mimo_run(4, (*NATIVE, "--grid", "vision:dp=4@language", "--grid",
-                                    "language:tp=2,dp=2"))
+    reference = shared_run(NATIVE_RESOLUTION["1+language1"])
+    colocated = shared_run(MimoLaunch(4, (*NATIVE, "--grid", "vision:dp=4@language", "--grid",
+                                          "language:tp=2,dp=2")))
     _assert_same_training(reference, colocated, ("vision",))
 
 
@@ -234,7 +252,7 @@ def test_a_colocated_step_routes_once_per_direction_and_reduces_once_per_module(
     reduction per module per step, and each rank receives exactly the rows it merges but did
     not compute (encoder DP 4: rank r computes position r; language replica r // 2 merges
     positions 2(r // 2) and 2(r // 2) + 1 on both its TP ranks; no gradient has to move)."""
-    _, results = train_mimo(4, COLOCATED["vision-dp4-on-language-tp2-dp2"][1],
+    _, results = train_mimo(4, COLOCATED["vision-dp4-on-language-tp2-dp2"].flags,
                             extra=("--train-iters", "3", "--eval-iters", "0"),
                             count_reductions=True, observe_keys=True)
     vision = [r for r in results if r["module"] == "vision"]
@@ -252,7 +270,7 @@ def test_a_colocated_step_routes_once_per_direction_and_reduces_once_per_module(
 def test_a_colocated_encoder_fed_other_samples_is_caught() -> None:
     with pytest.raises(WorkerFailure, match=r"data misalignment at microbatch 0 of this step: "
                                             r"encoder 'vision' dp rank 0 \(global rank 0\)"):
-        train_mimo(2, COLOCATED["vision-tp2-on-language-dp2"][1], misalign=True, timeout=120)
+        train_mimo(2, COLOCATED["vision-tp2-on-language-dp2"].flags, misalign=True, timeout=120)
 
 
 def test_a_frozen_colocated_encoder_trains_as_on_its_own_ranks() -> None:
@@ -260,9 +278,9 @@ def test_a_frozen_colocated_encoder_trains_as_on_its_own_ranks() -> None:
     on the same rows."""
     short = ("--train-iters", "3", "--eval-iters", "0", "--freeze-encoder", "vision",
              "--freeze-projection", "vision")
-    _, separate = train_mimo(2, ONE_ENCODER["encoder1-language1"][1], extra=short,
+    _, separate = train_mimo(2, ONE_ENCODER["encoder1-language1"].flags, extra=short,
                              observe_params=True)
-    scalars, colocated = train_mimo(2, COLOCATED["vision-tp2-on-language-dp2"][1],
+    scalars, colocated = train_mimo(2, COLOCATED["vision-tp2-on-language-dp2"].flags,
                                     extra=short, observe_params=True)
     for module in ("vision", "language"):
         expected = module_params(separate, module)

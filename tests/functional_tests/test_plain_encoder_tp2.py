@@ -4,8 +4,11 @@ saves, and resumes bit-identically (the save used to fail with ``Invalid shardin
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tests.mimo_runs import train_mimo
+from tests.harness.mimo_runs import train_mimo
+
+pytestmark = pytest.mark.multirank
 
 LAYOUT = ("--encoder", "sensors=tests.fixtures.plain_encoder:PlainEncoder",
           "--grid", "sensors:tp=2", "--grid", "language:dp=1",

@@ -12,12 +12,12 @@ trained encoder must still equal the cp=1 runs'.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import pytest
 
-from tests.mimo_runs import module_params, train_mimo
+from tests.harness.mimo_runs import MimoLaunch, module_params, shared_run
+
+pytestmark = pytest.mark.multirank
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 ROW = ("--seq-length", "64", "--max-position-embeddings", "64")
@@ -36,11 +36,10 @@ MROPE = (*SGD, *ROW, "--encoder", "vision=vit", "--vit-native-resolution",
 """Native-resolution images at their grids' 3D positions; the language grid comes last."""
 
 
-@lru_cache(maxsize=None)
 def _trained(nproc: int, flags: tuple[str, ...]) -> tuple[dict[int, float],
                                                         dict[str, np.ndarray]]:
-    """lm loss per iteration and the trained vision encoder, once per layout and test process."""
-    scalars, results = train_mimo(nproc, flags, extra=ITERATIONS, observe_params=True)
+    """lm loss per iteration and the trained vision encoder of the layout's launch."""
+    scalars, results = shared_run(MimoLaunch(nproc, (*ITERATIONS, *flags)))
     assert sorted(scalars["lm loss"]) == [1, 2, 3, 4]
     return scalars["lm loss"], module_params(results, "vision")
 

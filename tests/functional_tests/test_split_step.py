@@ -1,7 +1,7 @@
 """The split train step (begin / microbatch / finish / abort) against stock ``train_step``.
 
 A GPT launch trains the same tiny model from the same start on the same batches once per plan
-(see tests/split_step_runs.py): stock ``train_step`` (twice: the second run checks that the
+(see tests/harness/split_step_runs.py): stock ``train_step`` (twice: the second run checks that the
 in-place restore between plans is exact), the split API fed the same microbatches with aborted
 steps in between, and the split API with uneven microbatch counts per replica. MiMo plans run in
 launches of their own, compared across launches (fp32 CPU runs are bit-reproducible).
@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.split_step_runs import run_plans
+from tests.harness.split_step_runs import run_plans
+
+pytestmark = pytest.mark.multirank
 
 STOCK = (("stock",), ("stock",), ("stock",))
 SPLIT_WITH_ABORTS = (("abort", 1, False), ("split", None), ("abort", 1, True), ("split", None),

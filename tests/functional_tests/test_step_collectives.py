@@ -14,10 +14,12 @@ import sys
 
 import pytest
 
-from tests.multiprocess import REPO_ROOT, run_script
+from tests.harness.multiprocess import REPO_ROOT, run_script
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import step_overhead  # noqa: E402
+
+pytestmark = pytest.mark.multirank
 
 ENCODERS = 1
 MICROBATCHES = 4

@@ -7,8 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from tests.gpt_runs import cached_gpt_run, train_gpt
-from tests.multiprocess import WorkerFailure
+from tests.harness.gpt_runs import cached_gpt_run, train_gpt
+from tests.harness.multiprocess import WorkerFailure
+
+pytestmark = pytest.mark.multirank
 
 # name: (processes, extra stock flags, whether all ranks are data-parallel replicas)
 LAYOUTS = {

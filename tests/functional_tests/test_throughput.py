@@ -16,9 +16,9 @@ from PIL import Image
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from megatron_plugins.performance.picture import picture_size
 from tests.fixtures.slow_encoder import SLEEP_SECONDS
-from tests.multiprocess import run_script
-from tests.tensorboard_scalars import read_scalars
-from tests.throughput_runs import MEASURED, measured_run
+from tests.harness.multiprocess import run_script
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.harness.throughput_runs import MEASURED, measured_run
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(1800)]
 

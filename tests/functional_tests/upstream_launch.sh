@@ -45,6 +45,13 @@ from tools.functional_tests.runner import load_case, CASES_ROOT
 from pathlib import Path
 print(load_case(str(Path(sys.argv[1]).relative_to(CASES_ROOT))).nproc)' "$case_dir")
 
+# Upstream's launcher passes MASTER_ADDR/MASTER_PORT; without them, torchrun's agent binds a port
+# itself (--standalone), so concurrent launches on one host never pick the same one.
+if [ -n "${MASTER_PORT:-}" ]; then
+  rendezvous=(--master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$MASTER_PORT")
+else
+  rendezvous=(--standalone)
+fi
 cd "$root"
-exec "$python" -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 \
-  --master_port "${MASTER_PORT:-29517}" examples/mimo/pretrain_mimo.py "${params[@]}"
+exec "$python" -m torch.distributed.run --nproc_per_node "$nproc" "${rendezvous[@]}" \
+  examples/mimo/pretrain_mimo.py "${params[@]}"

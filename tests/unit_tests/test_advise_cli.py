@@ -11,8 +11,8 @@ import pytest
 
 from megatron_plugins.launch.plan import main
 from megatron_plugins.launch.preflight import check_run
-from tests.multiprocess import REPO_ROOT
-from tests.tiny_model import TINY_TRANSFORMER
+from tests.harness.multiprocess import REPO_ROOT
+from tests.models.tiny import TINY_TRANSFORMER
 
 GPUS = ["--advise", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h100"]
 MODEL = ["--encoder", "vision=vit", *TINY_TRANSFORMER]
@@ -20,9 +20,9 @@ MODEL = ["--encoder", "vision=vit", *TINY_TRANSFORMER]
 
 @pytest.mark.parametrize("flags, message", [
     (["--advise", "--gpus", "8", "--gpu", "v100"],
-     "--gpu v100: unknown GPU; known: h100-sxm, h100-pcie, h100-nvl, h200, h200-nvl, a100-80gb, "
-     "a100-40gb, b200, gb200, l40s (or give its figures: --peak-tflops, --gpu-memory-gib, "
-     "--intra-node-gbps, --inter-node-gbps)"),
+     "--gpu v100: unknown GPU; known: h100-sxm, h100-pcie, h100-nvl, h200, h200-nvl, gh200, "
+     "a100-80gb, a100-40gb, b200, gb200, l40s (or give its figures: --peak-tflops, "
+     "--gpu-memory-gib, --intra-node-gbps, --inter-node-gbps)"),
     (["--advise", "--gpus", "12", "--gpu", "h100"],
      "--gpus 12 is more than one node of --gpus-per-node 8 but not whole nodes; give 8 or 16 "
      "(a layout may leave GPUs of the last node idle)"),
@@ -45,6 +45,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, flags, message):
     assert captured.err.splitlines() == [f"mimo-plan: error: {message}"]
 
 
+@pytest.mark.multirank
 def test_bad_input_is_refused_before_torch_is_imported():
     code = ("import sys; from megatron_plugins.launch.plan import main; "
             "code = main(['--advise', '--gpus', '3', '--gpus-per-node', '2', '--gpu', 'h100']); "
@@ -93,7 +94,7 @@ def test_a_tiny_model_gets_layouts_the_launch_accepts(capsys, tmp_path):
 
 def test_the_data_of_a_dataset_folder_is_read_from_its_samples_metadata():
     from megatron_plugins.launch.advise import advisor_flags, plan_inputs
-    from tests.energon_data import energon_flags, synthetic_dataset
+    from tests.harness.energon_data import energon_flags, synthetic_dataset
 
     root = synthetic_dataset("caption")
     own, rest = advisor_flags(["--gpus", "2", "--advise-samples", "40", *MODEL, "--seq-length",

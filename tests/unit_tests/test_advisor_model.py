@@ -27,7 +27,7 @@ from megatron_plugins.performance.cost_model import estimate, module_busy
 from megatron_plugins.performance.data import DataDescription, EncoderData, given_description
 from megatron_plugins.performance.gpus import GPUS, gpu_by_device_name, gpu_by_name, hardware
 from megatron_plugins.performance.memory import candidate_memory
-from tests.advisor_models import bridge_layouts, qwen35_27b, small_workload, space
+from tests.models.advisor import bridge_layouts, qwen35_27b, small_workload, space
 
 H100 = hardware(8, 8, "h100-sxm", {})
 IDEAL = Assumptions(kernel_us=0, layer_overhead_ms=0, latency_us=0, link_efficiency=1)

@@ -15,7 +15,7 @@ from megatron_plugins.performance.assumptions import Assumptions
 from megatron_plugins.performance.candidates import HOMOGENEOUS, enumerate_candidates
 from megatron_plugins.performance.cost_model import estimate
 from megatron_plugins.performance.gpus import hardware
-from tests.advisor_models import bridge_layouts, qwen35_27b, space
+from tests.models.advisor import bridge_layouts, qwen35_27b, space
 
 PUBLISHED = {(2048, 32): 0.299, (2048, 64): 0.447, (4096, 32): 0.233, (4096, 64): 0.306}
 """Bridge's RDR gains in active tokens/s/GPU, by (seq length, global batch)."""

@@ -19,7 +19,7 @@ import torch
 from megatron_plugins.parallel.routing import RoutingPlan, RoutingSummary, summarize
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.parallel.layout import LayoutError, ModulePlacement, ParallelLayout
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 
 def _encoder(tp: int = 1, dp: int = 1, pp: int = 1, rank_offset: int = 0) -> ModulePlacement:
@@ -341,6 +341,7 @@ def routed() -> list[dict]:
 
 @pytest.mark.parametrize("case", range(len(CASES)),
                          ids=[f"{name}-{'variable' if v else 'uniform'}" for name, v in CASES])
+@pytest.mark.multirank
 def test_routed_tensors_equal_the_single_process_reference(routed, case):
     name, variable = CASES[case]
     encoder, language = LAYOUTS[name]
@@ -362,6 +363,7 @@ def test_routed_tensors_equal_the_single_process_reference(routed, case):
 
 
 @pytest.mark.parametrize("name", ORACLE_LAYOUTS)
+@pytest.mark.multirank
 def test_routing_equals_the_wheels_colocated_communicator_where_it_is_right(routed, name):
     index = list(ORACLE_LAYOUTS).index(name)
     for rank, report in enumerate(routed):

@@ -436,7 +436,7 @@ def test_each_image_gets_a_run_at_its_marker_sized_by_its_resolution(tokenizer):
 def test_mrope_positions_of_a_conversation_equal_transformers(tokenizer):
     """Three images of different grids at their markers: the [3, S] positions the language
     ranks compute from the headers are Qwen2.5-VL's ``get_rope_index`` of the same layout."""
-    from tests.mrope_models import IMAGE_TOKEN, hf_rope_index
+    from tests.models.mrope import IMAGE_TOKEN, hf_rope_index
 
     vit = _native_vit()
     fields, _, _ = TextInputs(tokenizer, {"vision": vit}, tuple(MARKERS.items()), 96,
@@ -584,8 +584,8 @@ def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer,
     ranks size its run from the frames' headers and place it as transformers' get_rope_index
     places a video; the encoder ranks decode and preprocess it to that many tokens."""
     from megatron_plugins.data.energon.inputs import EncoderInputs
-    from tests.hf_vision_models import plugin, save_tiny_qwen
-    from tests.mrope_models import IMAGE_TOKEN, hf_rope_index
+    from tests.models.hf_vision import plugin, save_tiny_qwen
+    from tests.models.mrope import IMAGE_TOKEN, hf_rope_index
 
     qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
     sample = _sample("v1", SIZES[:2], MULTI[:2])
@@ -617,7 +617,7 @@ def test_a_video_given_as_frame_images_is_an_item_of_the_qwen_encoder(tokenizer,
 def test_unreadable_or_mismatched_video_frames_stop_naming_the_sample_and_frame(tokenizer,
                                                                                tmp_path):
     from megatron_plugins.data.energon.inputs import EncoderInputs
-    from tests.hf_vision_models import plugin, save_tiny_qwen
+    from tests.models.hf_vision import plugin, save_tiny_qwen
 
     qwen = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
     text = TextInputs(tokenizer, {"vision": qwen}, tuple(MARKERS.items()), 96)

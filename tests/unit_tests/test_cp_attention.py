@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_plugins.ops.cp_attention import ContextParallelAttention
 from megatron_plugins.ops.cp_positions import local_positions
 from megatron_plugins.ops.packed_attention import PackedAttention
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 HEADS, GROUPS, DIM = 4, 2, 8
 SEQ, BATCH = 16, 2
@@ -127,11 +127,13 @@ def cp2_ranks() -> list[list[dict[str, object]]]:
     return run_in_processes(_run_rank, 2, timeout=120)
 
 
+@pytest.mark.multirank
 def test_each_rank_holds_mimo_models_rows(cp2_ranks):
     assert all(rank[0]["stock_rows"] for rank in cp2_ranks)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{l}-{m.name}" for l, m in CASES])
+@pytest.mark.multirank
 def test_cp2_equals_attention_over_the_whole_sequence(cp2_ranks, case):
     layout, mask = CASES[case]
     ranks = [{key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 SEQ, BATCH, VOCAB = 16, 2, 64
 SECTION = ("4", "2", "2")  # 8 rotary pairs of a 16-dim head
@@ -171,6 +171,7 @@ def cp2_ranks() -> list[dict[str, object]]:
 
 @pytest.mark.parametrize("case", range(len(CASES)),
                          ids=[f"{rope}-{'thd' if packed else 'sbhd'}" for rope, packed in CASES])
+@pytest.mark.multirank
 def test_cp2_language_model_equals_cp1(cp2_ranks, case):
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -18,7 +18,7 @@ from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.errors import UsageError
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from tests.energon_data import source_args, synthetic_dataset
+from tests.harness.energon_data import source_args, synthetic_dataset
 
 LAYOUT = ParallelLayout((
     ModulePlacement(name="vision", tp=1, pp=1, cp=1, dp=2, rank_offset=0, provider="vit"),

@@ -24,7 +24,7 @@ from megatron_plugins.data.text import SampleText
 from megatron_plugins.encoders.audio import AudioFrameEncoder
 from megatron_plugins.encoders.vit import ViTEncoder
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
-from tests.energon_data import (
+from tests.harness.energon_data import (
     STOCK_FIELD_MAPS,
     energon_prepare,
     source_args,
@@ -69,6 +69,7 @@ def caption_root() -> Path:
     return stock_prepared_dataset("caption")
 
 
+@pytest.mark.multirank
 def test_the_stock_cli_writes_a_field_map_and_training_reads_its_text_as_str(caption_root):
     spec = yaml.safe_load((caption_root / "energon" / ".nv-meta" / "dataset.yaml").read_text())
     assert spec["field_map"] == {"image": "png", "caption": "txt"} and "sample_loader" not in spec
@@ -84,6 +85,7 @@ def test_the_stock_cli_writes_a_field_map_and_training_reads_its_text_as_str(cap
 
 
 @pytest.mark.parametrize("kind", ["vqa", "transcript", "image_audio_caption"])
+@pytest.mark.multirank
 def test_every_sample_type_reads_from_a_stock_prepared_folder(kind):
     root = stock_prepared_dataset(kind)
     records = {f"{i:06d}": record for i, record in enumerate(_annotations(root))}
@@ -110,6 +112,7 @@ def test_a_vqa_answer_list_of_bytes_takes_the_first_answer():
         vqa.text(argparse.Namespace(__key__="k", context="q", answers=[]))
 
 
+@pytest.mark.multirank
 def test_text_that_is_not_utf8_stops_the_language_rank_naming_the_sample(caption_root, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(caption_root, copy)
@@ -146,6 +149,7 @@ def _with_field_map(root: Path, target: Path, field_map: dict[str, str]) -> Path
     ({"image": "jpg,png", "caption": "json[caption]"},
      r"maps 'caption' to 'json\[caption\]', inside a part, which needs Energon's decoder"),
 ], ids=["missing-field", "missing-part", "inside-a-part"])
+@pytest.mark.multirank
 def test_a_field_map_that_cannot_fill_the_sample_is_one_line(caption_root, tmp_path, field_map,
                                                              match):
     root = _with_field_map(caption_root, tmp_path / "copy", field_map)
@@ -167,6 +171,7 @@ def test_a_sample_loader_dataset_needs_no_field_map(tmp_path):
     check_dataset(tmp_path / "energon", plugins, args)
 
 
+@pytest.mark.multirank
 def test_the_stock_cli_names_only_energons_own_sample_types(tmp_path):
     """Why the README writes the audio types' dataset.yaml by hand."""
     shutil.copytree(stock_prepared_dataset("caption") / "energon", tmp_path / "energon")

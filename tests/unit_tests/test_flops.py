@@ -16,13 +16,13 @@ from megatron_plugins.encoders import BUILTIN
 from megatron_plugins.flops.count import EncoderFlops, Flops, Work
 from megatron_plugins.flops.language import FlopsError, chunk_layers, language_flops
 from megatron_plugins.flops.transformer import Attention, AttentionKernel, MLP, MoE
-from tests.flops_cases import (
+from tests.harness.flops_cases import (
     LANGUAGE_CASES,
     encoder_rows,
     language_rows,
     stock_rows,
 )
-from tests.multiprocess import REPO_ROOT, run_in_processes
+from tests.harness.multiprocess import REPO_ROOT, run_in_processes
 
 TOLERANCE = 2.0
 """Percent: the acceptance bound of issue 39 (every case is exact today)."""
@@ -34,6 +34,7 @@ def _within(rows) -> None:
     assert off == []
 
 
+@pytest.mark.multirank
 def test_every_builtin_encoder_counts_its_items_as_flop_counter_mode_does():
     with tempfile.TemporaryDirectory() as folder:
         [rows] = run_in_processes(encoder_rows, 1, args=(folder,), timeout=420, simulated=True)
@@ -47,6 +48,7 @@ def test_every_builtin_encoder_counts_its_items_as_flop_counter_mode_does():
     assert frozen["same, encoder + projection frozen"] * 2 < trained
 
 
+@pytest.mark.multirank
 def test_every_language_family_counts_its_microbatch_as_flop_counter_mode_does():
     [rows] = run_in_processes(language_rows, 1, timeout=480, simulated=True)
     _within(rows)
@@ -59,6 +61,7 @@ def test_every_language_family_counts_its_microbatch_as_flop_counter_mode_does()
         by_case["1 MTP layer"].counted
 
 
+@pytest.mark.multirank
 def test_model_flops_agree_with_stock_log_throughput_on_a_causal_skipping_kernel():
     """Stock counts half the causal scores and no router; ours L(L+1)/2 pairs and the router."""
     [rows] = run_in_processes(stock_rows, 1, timeout=300, simulated=True)
@@ -66,6 +69,7 @@ def test_model_flops_agree_with_stock_log_throughput_on_a_causal_skipping_kernel
     assert abs(rows[0].difference) < 0.05
 
 
+@pytest.mark.multirank
 def test_the_formulas_import_neither_torch_nor_megatron():
     code = ("import sys; import megatron_plugins.flops.language, megatron_plugins.flops.encoder; "
             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
@@ -164,7 +168,7 @@ def test_an_encoder_that_does_not_count_is_left_out_with_a_notice():
     from megatron_plugins.encoders.base import EncoderPlugin
     from megatron_plugins.encoders.counting import flops_notice, microbatch_flops
     from megatron_plugins.encoders.vit import ViTEncoder
-    from tests.flops_cases import flag_plugin
+    from tests.harness.flops_cases import flag_plugin
 
     class Uncounted(ViTEncoder):
         item_flops = EncoderPlugin.item_flops

@@ -14,8 +14,8 @@ from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.hf_folder import HFCheckpoint
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import HFWeightsError
-from tests.hf_models import BASE_FLAGS, import_errors, save_tiny, stock_args
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
+from tests.models.hf import BASE_FLAGS, import_errors, save_tiny, stock_args
 
 
 def test_missing_folder_config_or_safetensors_name_the_flag(tmp_path):
@@ -87,6 +87,7 @@ def _rewrite(folder, change):
     return str(folder)
 
 
+@pytest.mark.multirank
 def test_bad_tensors_are_named_before_training(tmp_path):
     def drop(t):
         del t["model.layers.1.mlp.up_proj.weight"]
@@ -203,14 +204,14 @@ def test_truncated_or_corrupt_safetensors_are_one_line_naming_the_file(tmp_path)
 
 def test_a_truncated_encoder_folder_is_named_by_the_launchs_flag_checks(tmp_path):
     from megatron_plugins.weights.flags import encoder_folders
-    from tests.hf_vision_models import plugin
-    from tests.hf_vision_models import save_tiny as save_tiny_vision
+    from tests.models.hf_vision import plugin
+    from tests.models.hf_vision import save_tiny as save_tiny_vision
 
     folder = save_tiny_vision("clip", tmp_path / "clip", num_hidden_layers=1)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1])
     with pytest.raises(HFWeightsError) as error:
-        encoder_folders([f"vision={folder}"], {"vision": plugin("clip", folder)})
+        encoder_folders({"vision": str(folder)}, {"vision": plugin("clip", folder)})
     assert str(error.value) == (f"--encoder-hf-weights vision= {weights}: not a readable "
                                 "safetensors file (Error while deserializing header: incomplete "
                                 "metadata, file not fully covered); copy the folder again")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import (
+from tests.models.hf import (
     export_rank,
     hf_logits,
     rel_diff,
@@ -17,7 +17,7 @@ from tests.hf_models import (
     save_tiny,
     train_from_hf,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 from tools import export_hf
 
 
@@ -39,6 +39,7 @@ def exported(tmp_path_factory):
     return root, folder, pieces, logits
 
 
+@pytest.mark.multirank
 def test_two_saving_layouts_export_byte_identical_files(exported):
     root = exported[0]
     files = sorted(p.relative_to(root / "out_tp2") for p in (root / "out_tp2").rglob("*")
@@ -49,6 +50,7 @@ def test_two_saving_layouts_export_byte_identical_files(exported):
         assert (root / "out_tp2" / file).read_bytes() == (root / "out_pp2" / file).read_bytes(), file
 
 
+@pytest.mark.multirank
 def test_export_loads_in_transformers_with_the_trained_logits_and_dtypes(exported):
     root, folder, _, trained = exported
     language = root / "out_tp2" / "language"
@@ -63,6 +65,7 @@ def test_export_loads_in_transformers_with_the_trained_logits_and_dtypes(exporte
         n: (t.shape, t.dtype) for n, t in original.items()}  # fp32 stays fp32, no padded rows
 
 
+@pytest.mark.multirank
 def test_live_stream_equals_what_export_writes(exported):
     root, _, pieces, _ = exported
     streamed = assemble(piece for rank in pieces for piece in rank)
@@ -72,6 +75,7 @@ def test_live_stream_equals_what_export_writes(exported):
         assert torch.equal(streamed[name], tensor), name
 
 
+@pytest.mark.multirank
 def test_sharded_export_has_an_index_and_the_same_tensors(exported):
     root = exported[0]
     sharded = root / "out_sharded" / "language"
@@ -117,6 +121,7 @@ def test_cli_names_checkpoint_not_load_and_what_is_missing(tmp_path, capsys):
                                        f"checkpoint at {broken}/iter_0000003\n")
 
 
+@pytest.mark.multirank
 def test_fp32_expert_bias_of_a_bf16_moe_stays_fp32_and_exact_through_training_and_export(tmp_path):
     """dots1 saved in bf16 with its router expert bias in fp32 (as transformers keeps it), trained
     3 steps in --bf16 with a visible bias update rate, saved, streamed live and exported. The rate

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import AssembleError, assemble
-from tests.hf_models import (
+from tests.models.hf import (
     hf_logits,
     mimo_import,
     rel_diff,
@@ -18,7 +18,9 @@ from tests.hf_models import (
     stock_gpt_rank,
     train_from_hf,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
+
+pytestmark = pytest.mark.multirank
 
 TOLERANCE = 1e-5
 

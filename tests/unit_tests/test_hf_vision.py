@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_plugins.encoders import EncoderPluginError
-from tests.hf_vision_models import (
+from tests.models.hf_vision import (
     assert_streams_back,
     drop_tensor,
     encoder_rank,
@@ -25,8 +25,8 @@ from tests.hf_vision_models import (
     save_tiny,
     train_and_export,
 )
-from tests.hf_models import safetensors_of
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
+from tests.models.hf import safetensors_of
 
 TOLERANCE = 1e-5
 PATCHES = (16 // 4) ** 2
@@ -36,6 +36,7 @@ PATCHES = (16 // 4) ** 2
     ("clip", PATCHES + 1, "clip_vision"),  # class token + patches, before post_layernorm
     ("siglip", PATCHES, "siglip_vision"),  # patches after post_layernorm; the head is left out
 ])
+@pytest.mark.multirank
 def test_one_rank_encoder_reproduces_transformers_last_hidden_state(provider, tokens, family,
                                                                      tmp_path):
     folder = save_tiny(provider, tmp_path / provider)
@@ -50,6 +51,7 @@ def test_one_rank_encoder_reproduces_transformers_last_hidden_state(provider, to
 
 
 @pytest.mark.parametrize("provider", ["clip", "siglip"])
+@pytest.mark.multirank
 def test_encoder_tp2_reproduces_transformers_and_streams_back(provider, tmp_path):
     folder = save_tiny(provider, tmp_path / provider, seed=3)
     pixels = pixel_values(seed=4)
@@ -61,6 +63,7 @@ def test_encoder_tp2_reproduces_transformers_and_streams_back(provider, tmp_path
     assert_streams_back(provider, folder, results)
 
 
+@pytest.mark.multirank
 def test_full_clip_model_folder_loads_its_vision_tower(tmp_path):
     """A CLIPModel save: tensors under vision_model., plus a text tower the encoder leaves out."""
     folder = save_full_clip(tmp_path / "clip")
@@ -70,6 +73,7 @@ def test_full_clip_model_folder_loads_its_vision_tower(tmp_path):
     assert rel_diff(result["output"], full_clip_hidden_states(folder, pixels)) < TOLERANCE
 
 
+@pytest.mark.multirank
 def test_missing_hf_tensor_is_one_line_naming_it(tmp_path):
     whole = save_tiny("clip", tmp_path / "clip")
     broken = drop_tensor(whole, tmp_path / "broken", "encoder.layers.1.mlp.fc2.bias")
@@ -128,7 +132,7 @@ def test_preprocessor_config_json_is_followed_like_hf(provider, config, tmp_path
 def test_errors_name_the_flag_and_what_to_fix(tmp_path):
     siglip = save_tiny("siglip", tmp_path / "siglip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights vision=DIR"):
-        plugin("clip", "")
+        plugin("clip", None)
     with pytest.raises(EncoderPluginError, match=r"vision=.*siglip: config.json is a "
                                                  r"'siglip_vision_model' model, not "
                                                  r"'clip_vision_model'"):
@@ -163,6 +167,7 @@ def test_export_config_is_the_loaded_vision_config(tmp_path):
         CLIP_VISION.hf_config(args, 0)
 
 
+@pytest.mark.multirank
 def test_trained_clip_tower_exports_what_it_streams_and_transformers_reproduces_it(tmp_path):
     """Round trip of an encoder: CLIP imported at encoder TP 2, trained 2 steps, saved, exported;
     the exported vision folder holds exactly the live tower's streamed tensors plus the untrained

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import (
+from tests.models.hf import rel_diff, safetensors_of
+from tests.models.hf_vlm import (
     IMAGE_TOKEN,
     LAYOUTS,
     PATCHES,
@@ -42,6 +42,7 @@ def llava(tmp_path_factory):
 
 
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_llava_reproduces_transformers_logits_on_two_images_and_streams_back(
         llava, grids, nproc):
     folder, ids, pixels, want = llava
@@ -69,12 +70,14 @@ def exported(llava, tmp_path_factory):
     return root, folder, train_and_export(folder, root)
 
 
+@pytest.mark.multirank
 def test_two_saving_layouts_export_one_identical_llava_folder(exported):
     # generation_config.json: the source folder's other files are copied unchanged
     assert identical_exports(exported[0]) == ["config.json", "generation_config.json",
                                               "model.safetensors"]
 
 
+@pytest.mark.multirank
 def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exported):
     import transformers
 
@@ -93,8 +96,8 @@ def test_exported_folder_loads_as_llava_with_the_trained_and_carried_tensors(exp
 
 def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_models import save_tiny
-    from tests.hf_vlm_models import vlm_flags
+    from tests.models.hf import save_tiny
+    from tests.models.hf_vlm import vlm_flags
 
     folder = llava[0]
     grids = ("image:dp=1", "language:dp=1")
@@ -127,7 +130,7 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
 def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
         llava, tmp_path, monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_vlm_models import vlm_flags
+    from tests.models.hf_vlm import vlm_flags
 
     folder = llava[0]
     grids = ("image:dp=1", "language:dp=1")
@@ -167,7 +170,7 @@ def test_a_projector_that_does_not_meet_its_tower_or_language_model_is_one_line(
     ({"vision_feature_layer": 1}, PATCHES, 1),
 ], ids=["default", "full", "last-layer", "layer-1"])
 def test_feature_selection_shapes_the_clip_encoder(llava, selection, tokens, layers, tmp_path):
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     folder = edited(llava[0], tmp_path / "llava", config=selection)
     encoder = plugin("clip", folder)

@@ -17,7 +17,7 @@ from megatron_plugins.parallel.flags import (
     layout_from_args,
     required_world_size,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 
 def parse(command: str, **model: object) -> argparse.Namespace:
@@ -446,6 +446,7 @@ def _with_stock_parser(command: str) -> dict[str, object]:
     }
 
 
+@pytest.mark.multirank
 def test_layout_flags_work_with_stock_parser_and_validation():
     command = (
         "--encoder vision=vit --grid vision:dp=2 --grid language:tp=2,pp=2,dp=2 --num-layers 4 "

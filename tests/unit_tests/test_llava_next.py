@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import (
+from tests.models.hf import rel_diff, safetensors_of
+from tests.models.hf_vlm import (
     IMAGE_TOKEN,
     LAYOUTS,
     bad_input,
@@ -22,7 +22,7 @@ from tests.hf_vlm_models import (
     train_and_export,
     vlm_flags,
 )
-from tests.llava_next_models import (
+from tests.models.llava_next import (
     SEQ_LENGTH,
     forward,
     hf_sample_logits,
@@ -51,7 +51,7 @@ def test_crops_and_token_counts_equal_hf_for_sizes_and_aspect_ratios(llava_next)
     each size's token count the length of transformers' packed features."""
     import transformers
 
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     folder = llava_next[0]
     encoder = plugin("llava_next", folder)
@@ -74,6 +74,7 @@ def test_crops_and_token_counts_equal_hf_for_sizes_and_aspect_ratios(llava_next)
 
 
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_llava_next_reproduces_transformers_logits_on_three_images_and_streams_back(
         llava_next, grids, nproc):
     folder, pictures, ids, want, counts = llava_next
@@ -97,12 +98,13 @@ def test_whole_llava_next_reproduces_transformers_logits_on_three_images_and_str
 @pytest.fixture(scope="module")
 def exported(llava_next, tmp_path_factory):
     """The folder trained on mock images of varied sizes, saved from two layouts and exported
-    (:func:`tests.hf_vlm_models.train_and_export`)."""
+    (:func:`tests.models.hf_vlm.train_and_export`)."""
     folder = llava_next[0]
     root = tmp_path_factory.mktemp("vlm_export")
     return root, folder, train_and_export(folder, root, SEQ_LENGTH)
 
 
+@pytest.mark.multirank
 def test_export_loads_as_llava_next_with_the_trained_newline_the_same_from_two_layouts(
         exported):
     import transformers

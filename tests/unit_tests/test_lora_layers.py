@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 IN, HIDDEN, OUT, SEQ, BATCH, RANK = 8, 12, 6, 4, 3, 2
 

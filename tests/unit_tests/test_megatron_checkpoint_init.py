@@ -19,8 +19,8 @@ from megatron_plugins.weights.megatron_init import (
     split_key,
     tensor_problems,
 )
-from tests.megatron_checkpoints import write_checkpoints
-from tests.mimo_runs import TINY_MIMO
+from tests.harness.mimo_runs import TINY_MIMO
+from tests.models.megatron_checkpoints import write_checkpoints
 
 LAYOUT = ["--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=2"]
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -76,6 +76,7 @@ def test_a_missing_folder_or_one_without_a_torch_dist_checkpoint_is_named(tmp_pa
         check_init_flags(_flags(language_megatron_checkpoint=str(tmp_path)), VIT, 1)
 
 
+@pytest.mark.multirank
 def test_a_pipelined_language_model_with_tied_embeddings_is_refused(checkpoints):
     with pytest.raises(CheckpointInitError) as error:
         check_init_flags(_flags(language_megatron_checkpoint=str(checkpoints / "gpt")), VIT, 2)
@@ -99,6 +100,7 @@ def test_one_module_may_not_have_both_hf_and_megatron_weights():
                                 "give one")
 
 
+@pytest.mark.multirank
 def test_an_unknown_encoder_or_a_checkpoint_without_it_is_named(checkpoints):
     with pytest.raises(CheckpointInitError) as error:
         check_init_flags(_flags(encoder_megatron_checkpoint=["image=ckpt"]), VIT, 1)
@@ -118,6 +120,7 @@ def test_an_unknown_encoder_or_a_checkpoint_without_it_is_named(checkpoints):
                                 "vision=vit")
 
 
+@pytest.mark.multirank
 def test_shape_flags_that_differ_from_the_checkpoint_name_both_values(checkpoints, monkeypatch):
     gpt = checkpoints / "gpt"
     args = _parse(monkeypatch, "--language-megatron-checkpoint", str(gpt))

@@ -19,8 +19,8 @@ from megatron_plugins.parallel.layout import ModulePlacement
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import HFWeightsError
-from tests.hf_models import rel_diff
-from tests.mrope_models import (
+from tests.models.hf import rel_diff
+from tests.models.mrope import (
     IMAGE_TOKEN,
     MROPE_SECTION,
     hf_language_logits,
@@ -28,7 +28,7 @@ from tests.mrope_models import (
     megatron_language_rank,
     save_tiny_qwen2_5_vl,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 SAMPLES = {
     "text only": ([5, 6, 7, 8, 9, 10], []),
@@ -158,7 +158,7 @@ def test_video_and_image_positions_equal_transformers_get_rope_index(tmp_path) -
     """The ``qwen2_5_vl`` encoder's item grids (a video's time interval from tokens_per_second
     and its fps) through the data's position code equal HF's get_rope_index given the same
     items as images and videos (``video_grid_thw``, ``second_per_grid_ts``)."""
-    from tests.hf_vision_models import plugin, save_tiny_qwen
+    from tests.models.hf_vision import plugin, save_tiny_qwen
 
     encoder = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
     tokens, layouts, grids, seconds = [], [], [], []
@@ -183,7 +183,7 @@ def test_mock_video_items_are_laid_out_and_embedded_alike(tmp_path) -> None:
     positions and the encoder's preprocessed grid follow from its drawn size alone."""
     from megatron_plugins.media.codec import Video
     from megatron_plugins.errors import DataFlagError
-    from tests.hf_vision_models import plugin, save_tiny_qwen
+    from tests.models.hf_vision import plugin, save_tiny_qwen
 
     encoder = plugin("qwen2_5_vl", save_tiny_qwen(tmp_path / "qwen"))
     source = MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": encoder},
@@ -253,6 +253,7 @@ def test_qwen2_5_vl_folder_implies_mrope_and_refuses_sections_megatron_splits_ot
         language_args(str(bad))
 
 
+@pytest.mark.multirank
 def test_qwen2_5_vl_language_model_reproduces_transformers_logits(tmp_path) -> None:
     """Same embeddings, same 3D positions (two samples with images of different grids): the
     imported Megatron mrope GPT's logits equal transformers' language model + lm_head."""
@@ -328,7 +329,7 @@ def test_a_transformers_4_config_with_top_level_text_fields_imports_alike(tmp_pa
 
 def test_sections_that_do_not_split_a_heads_rotary_pairs_are_one_line() -> None:
     from megatron_plugins.errors import FlagError
-    from megatron_plugins.launch.settle import check_mrope
+    from megatron_plugins.launch.flag_checks import check_mrope
 
     def args(section):
         return argparse.Namespace(position_embedding_type="mrope", mrope_section=section,

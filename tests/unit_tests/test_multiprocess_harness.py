@@ -9,13 +9,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.multiprocess import WorkerFailure, launch_preforked, run_in_processes
+from tests.harness.multiprocess import (
+    WorkerFailure,
+    launch_preforked,
+    run_in_processes,
+    start_simulation_server,
+)
+
+pytestmark = pytest.mark.multirank
 
 
-def _rank_one_dies() -> None:
+def _rank_one_dies(marks: str) -> None:
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
+        (Path(marks) / "died").write_text(str(time.time()))
         os._exit(3)
     dist.barrier()  # would wait forever for the dead rank
 
@@ -32,11 +40,16 @@ def _everyone_hangs() -> None:
     time.sleep(600)
 
 
-def test_a_killed_rank_fails_the_run_fast() -> None:
-    start = time.monotonic()
+def _when(mark: Path) -> float:
+    """The ``time.time()`` a rank wrote into ``mark`` when something happened to it."""
+    return float(mark.read_text())
+
+
+def test_a_killed_rank_fails_the_run_fast(tmp_path: Path) -> None:
     with pytest.raises(WorkerFailure, match="rank 1 died with exit code 3"):
-        run_in_processes(_rank_one_dies, 2, timeout=60)
-    assert time.monotonic() - start < 30
+        run_in_processes(_rank_one_dies, 2, timeout=300, args=(str(tmp_path),))
+    # Counted from the death, not from the start (spawned ranks import torch first).
+    assert time.time() - _when(tmp_path / "died") < 10
 
 
 def test_a_raising_rank_reports_its_traceback() -> None:
@@ -53,12 +66,28 @@ def test_a_hung_run_is_killed_at_its_deadline() -> None:
 
 RANK_SCRIPT = """
 import os, sys, time, torch
+from pathlib import Path
 print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
-      f"threads {torch.get_num_threads()} argv {sys.argv[1:]} pid {os.getpid()}")
+      f"threads {torch.get_num_threads()} argv {sys.argv[1:]} pid {os.getpid()}", flush=True)
+here = Path(__file__).parent
+(here / f"printed.{os.environ['RANK']}").touch()
 if os.environ["RANK"] == sys.argv[2]:
+    # Fail only once every rank has printed its line: the others are killed at once after.
+    while len(list(here.glob("printed.*"))) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.01)
+    (here / "exited").write_text(str(time.time()))
     sys.exit(3)
 time.sleep(600)
 """
+"""Each rank prints its torchrun variables and marks that it did; the failing rank exits 3 after
+every rank's mark (writing the time to ``exited``), the others wait to be killed."""
+
+
+@pytest.fixture(scope="module")
+def preforked_server() -> None:
+    """The forkserver behind preforked launches imports torch and Megatron on its first use:
+    start it first, so that the launches' time bounds measure the launches."""
+    start_simulation_server()
 
 
 def _launch(tmp_path: Path, failing_rank: str, **kwargs) -> tuple[int, str]:
@@ -71,10 +100,9 @@ def _launch(tmp_path: Path, failing_rank: str, **kwargs) -> tuple[int, str]:
 
 
 def test_a_preforked_launch_sets_torchruns_variables_and_a_failing_rank_ends_the_others(
-        tmp_path: Path) -> None:
-    start = time.monotonic()
-    code, log = _launch(tmp_path, "1", timeout=60)
-    assert code == 3 and time.monotonic() - start < 30
+        preforked_server: None, tmp_path: Path) -> None:
+    code, log = _launch(tmp_path, "1", timeout=300)
+    assert code == 3 and time.time() - _when(tmp_path / "exited") < 10
     assert "rank 0/2 local 0 threads 1 argv ['--cpu-simulation', '1']" in log
     assert "rank 1/2 local 1 threads 1 argv ['--cpu-simulation', '1']" in log
     assert "launch_preforked: rank 1 exited with code 3; the other ranks are killed" in log
@@ -82,7 +110,8 @@ def test_a_preforked_launch_sets_torchruns_variables_and_a_failing_rank_ends_the
     assert not psutil.pid_exists(waiting) or psutil.Process(waiting).status() == "zombie"
 
 
-def test_a_hung_preforked_launch_is_killed_at_its_deadline(tmp_path: Path) -> None:
+def test_a_hung_preforked_launch_is_killed_at_its_deadline(preforked_server: None,
+                                                           tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="with 2 ranks ran past 5 s"):
         _launch(tmp_path, "none", timeout=5)

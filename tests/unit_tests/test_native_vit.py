@@ -19,7 +19,7 @@ from megatron_plugins.encoders.native_vit import (
 )
 from megatron_plugins.encoders.vit import ImagePreprocessor, ViTEncoder
 from megatron_plugins.parallel.layout import ModulePlacement
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 SIZES = [(20, 30), (16, 16), (37, 11), (64, 80)]
 """Image heights x widths of one packed microbatch (three distinct grids, one repeated)."""
@@ -122,7 +122,7 @@ def packed_and_alone(tp: int) -> dict[str, object]:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from tests.hf_vision_models import language_config
+    from tests.models.hf_vision import language_config
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -146,6 +146,7 @@ def packed_and_alone(tp: int) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.multirank
 def test_packed_microbatch_equals_each_image_alone(tp: int) -> None:
     results = run_in_processes(packed_and_alone, tp, args=(tp,), simulated=True, timeout=180)
     for rank, result in enumerate(results):

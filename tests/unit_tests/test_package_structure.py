@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 PACKAGE = "megatron_plugins"
 USERS = (PACKAGE, "tests", "tools", "examples", "benchmarks")

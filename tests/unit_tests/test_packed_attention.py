@@ -113,9 +113,10 @@ def stock_and_packed_outputs() -> tuple[np.ndarray, np.ndarray]:
     return ours.detach().numpy(), expected.detach().numpy()  # tensors would cross as shared memory
 
 
+@pytest.mark.multirank
 def test_a_single_segment_equals_megatrons_unpacked_attention() -> None:
     """Same scale and softmax as the local DotProductAttention, which takes [s, b, heads, dim]."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     [(ours, expected)] = run_in_processes(stock_and_packed_outputs, 1, simulated=True)
     np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6)

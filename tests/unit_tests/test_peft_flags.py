@@ -112,7 +112,7 @@ LAUNCH = {
 def test_what_needs_the_runs_other_flags_is_one_line_before_any_process_group(
         flags, message, monkeypatch):
     from megatron_plugins.launch.pretrain import parse_mimo_args
-    from tests.tiny_model import TINY_TRANSFORMER
+    from tests.models.tiny import TINY_TRANSFORMER
 
     base = [flag for flag in TINY_TRANSFORMER if flag != "--cpu-simulation"]
     base = [*base[:base.index("--transformer-impl")], *base[base.index("--transformer-impl") + 2:]]

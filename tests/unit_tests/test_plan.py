@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_plugins.launch.plan import main
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 GOOD = ["--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:pp=2,dp=2,ep=2",
         "--num-experts", "4", "--nproc-per-node", "6"]
@@ -46,6 +46,7 @@ def test_nnodes_multiplies_the_world_size(capsys):
     )
 
 
+@pytest.mark.multirank
 def test_bad_layout_prints_one_line_and_exits_2():
     command = [sys.executable, "-m", "megatron_plugins.launch.plan", "--encoder", "vision=vit",
                "--grid", "vision:dp=2", "--grid", "language:tp=3", "--num-attention-heads", "4",
@@ -141,6 +142,7 @@ def test_plan_refuses_what_the_launch_refuses(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.multirank
 def test_plan_launches_and_imports_nothing_heavy():
     code = ("import sys; from megatron_plugins.launch.plan import main; main(['--nproc-per-node', '1']); "
             "heavy = {'torch', 'megatron', 'numpy'}; "
@@ -157,6 +159,7 @@ LAUNCHERS = sorted([*(REPO_ROOT / "examples" / "mimo" / "scripts").glob("*.sh"),
 
 
 @pytest.mark.parametrize("script", LAUNCHERS, ids=[path.stem for path in LAUNCHERS])
+@pytest.mark.multirank
 def test_gpu_launchers_pass_the_planning_view(script):
     env = {**os.environ, "MIMO_PLAN_ONLY": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

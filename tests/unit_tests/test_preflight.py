@@ -16,7 +16,7 @@ from megatron_plugins.launch.preflight import (
     check_run,
     resolve_freeze,
 )
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 TWO = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "vision:",
        "--grid", "audio:", "--grid", "language:dp=2"]
@@ -113,6 +113,7 @@ def test_language_context_parallelism_passes_the_preflight():
     assert args.cp_comm_type == ["p2p", "a2a"]  # one per layer, as stock parses it
 
 
+@pytest.mark.multirank
 def test_a_process_spawned_by_a_rank_re_imports_the_entry_point_without_torch():
     """Stock's first checkpoint save spawns a Manager per rank, which re-imports the launched
     script as ``__mp_main__``: importing torch and Megatron there cost ~6 s and ~750 MiB a rank."""
@@ -135,6 +136,7 @@ def _entry_point(flags: list[str], world_size: int) -> subprocess.CompletedProce
                           text=True, timeout=60, env={"WORLD_SIZE": str(world_size), "PATH": ""})
 
 
+@pytest.mark.multirank
 def test_a_refused_layout_exits_2_before_torch_is_imported():
     start = time.monotonic()
     result = _entry_point(["--grid", "language:dp=4"], 3)
@@ -178,9 +180,53 @@ def test_encoder_recompute_needs_an_encoder_on_the_language_ranks():
         "--grid NAME:...@language")
 
 
+@pytest.mark.multirank
 def test_the_entry_point_refuses_a_colocated_grid_of_the_wrong_size_before_torch_is_imported():
     result = _entry_point([*COLOCATED[:4], "--grid", "language:dp=2"], 2)
     assert result.returncode == 2
     assert result.stderr.splitlines()[0].startswith(
         "pretrain_mimo.py: error: --grid vision:dp=4@language: colocated on language's 2 ranks, "
         "tp x dp must be 2 (is 4)")
+
+
+def test_only_flags_the_mimo_parse_does_not_read_are_left_for_stocks_parser():
+    argv = ["--encoder", "vision=vit", "--num-layers", "2", "--grid", "vision:",
+            "--encoder-hf-weights=vision=/hf", "--lr", "1e-3", "--grid", "language:dp=2",
+            "--cpu-simulation", "--freeze-lm", "--data-path", "a", "b"]
+    checked = check_run(argv, 3)
+    assert checked.command_line.stock_argv == ("--num-layers", "2", "--lr", "1e-3",
+                                                "--data-path", "a", "b")
+    assert checked.command_line.flags.mimo_encoders == {"vision": "vit"}
+    assert checked.command_line.flags.cpu_simulation is True
+    assert not hasattr(checked.command_line.flags, "num_layers")  # stock's, read by stock
+
+
+ACTIVATION = """
+import atexit, runpy, sys
+from megatron_plugins.cpu_simulation import patches
+seen, activate = [], patches.activate
+def recording():
+    seen.append(sorted(name for name in sys.modules if name.split(".")[0] == "megatron"))
+    activate()
+patches.activate = recording
+atexit.register(lambda: print("megatron modules at activation:", seen, flush=True))
+sys.argv = ["pretrain_mimo.py", *{flags!r}]
+runpy.run_path("examples/mimo/pretrain_mimo.py", run_name="__main__")
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_cpu_simulation_is_active_before_megatron_is_imported(tp):
+    """An encoder at tp > 1 makes the pre-import checks build its plugin (its head count),
+    which imports Megatron: the simulation is switched on before, as on every other path."""
+    flags = ["--cpu-simulation", "--encoder", "vision=vit", "--grid", f"vision:tp={tp}",
+             "--grid", "language:dp=1", "--lrr", "1"]
+    result = subprocess.run([sys.executable, "-c", ACTIVATION.format(flags=flags)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                            env={"WORLD_SIZE": str(tp + 1), "PATH": ""})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "megatron modules at activation: [[]]"
+    # Stock's parser (Megatron) then read the flags: the unknown one is its verdict.
+    assert result.stderr.splitlines()[-1] == (
+        "pretrain_mimo.py: error: unknown flag --lrr (did you mean --lr?); see --help")

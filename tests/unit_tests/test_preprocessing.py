@@ -25,7 +25,7 @@ from megatron_plugins.encoders.audio import (
 )
 from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD, ImagePreprocessor, ViTEncoder
 from megatron_plugins.parallel.layout import ModulePlacement
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 RATE = 16000

@@ -11,8 +11,8 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
-from tests.hf_vision_models import (
+from tests.models.hf import pieces_from, safetensors_of
+from tests.models.hf_vision import (
     QWEN_IMAGES,
     QWEN_PIXELS,
     language_config,
@@ -24,8 +24,8 @@ from tests.hf_vision_models import (
     save_tiny_qwen,
     train_and_export,
 )
-from tests.multiprocess import run_in_processes
-from tests.qwen3_vlm_models import (
+from tests.harness.multiprocess import run_in_processes
+from tests.models.qwen3_vlm import (
     TEXT,
     hf_features,
     processor,
@@ -62,6 +62,7 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.multirank
 def test_one_rank_reproduces_merged_features_and_deepstack_levels(tmp_path):
     """A whole Qwen3-VL folder (language tensors left out); five images of different sizes in one
     packed microbatch, grids above and below the 4 x 4 position table."""
@@ -80,6 +81,7 @@ def test_one_rank_reproduces_merged_features_and_deepstack_levels(tmp_path):
     assert encoder.deepstack_levels == LEVELS and not encoder.fixed_item_tokens
 
 
+@pytest.mark.multirank
 def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_path):
     """Encoder TP 2 over gloo: fused qkv, the MLPs and every merger MLP sharded; the ranks'
     streamed pieces reassemble to exactly the folder's vision tensors (mergers included)."""
@@ -95,6 +97,7 @@ def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_pat
     assert_same_tensors(assemble(pieces), vision_tensors(folder))
 
 
+@pytest.mark.multirank
 def test_vision_model_folder_without_deepstack(tmp_path):
     """A ``Qwen3VLVisionModel`` folder (names without a prefix) whose config has no DeepStack
     indexes: the projection is the merger alone, language-hidden wide."""
@@ -139,12 +142,13 @@ def test_errors_name_the_flag_and_the_field(tmp_path):
             language_config())
 
 
+@pytest.mark.multirank
 def test_trained_tower_and_mergers_export_to_a_vision_folder_transformers_reproduces(tmp_path):
     """Round trip through a MiMo run (a checkpoint without DeepStack: the language model here has
     no DeepStack input): the tower at encoder TP 2 and its merger as the projection, trained 2
     steps, saved, exported; the exported vision folder holds exactly the live tensors and
     transformers on it gives our encoder + projection's features."""
-    from tests.hf_models import SHAPE
+    from tests.models.hf import SHAPE
 
     qwen = save_tiny_qwen3_vl(tmp_path / "qwen3", text={"hidden_size": SHAPE["hidden_size"]},
                               deepstack_visual_indexes=[])

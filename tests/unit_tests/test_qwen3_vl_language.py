@@ -13,9 +13,9 @@ import torch
 from megatron_plugins.data.positions import mrope_position_ids
 from megatron_plugins.weights.hf_config import find_family, read_config
 from megatron_plugins.weights.language_families import FAMILIES
-from tests.hf_models import rel_diff
-from tests.multiprocess import run_in_processes
-from tests.qwen3_text_models import (
+from tests.harness.multiprocess import run_in_processes
+from tests.models.hf import rel_diff
+from tests.models.qwen3_text import (
     HIDDEN,
     IMAGE_TOKEN,
     LEVELS,
@@ -55,6 +55,7 @@ def test_positions_equal_qwen3_vl_get_rope_index() -> None:
     assert torch.equal(mrope_position_ids(TOKENS[1], {IMAGE_TOKEN: layouts[2:]}), want[:, 1])
 
 
+@pytest.mark.multirank
 def test_language_logits_with_deepstack_equal_transformers_at_3d_positions(tmp_path) -> None:
     """Same embeddings and 3D positions; the image positions' rows ``[main, level 0, level 1]``
     split by DeepStack: the logits are transformers' (which adds the levels after layers 0
@@ -113,7 +114,7 @@ def test_deepstack_layers_off_the_first_stage_or_recomputed_are_one_line() -> No
 
 def test_interleaved_mrope_without_mrope_is_one_line() -> None:
     from megatron_plugins.errors import FlagError
-    from megatron_plugins.launch.settle import check_mrope
+    from megatron_plugins.launch.flag_checks import check_mrope
 
     args = argparse.Namespace(position_embedding_type="rope", mrope_interleaved=True)
     with pytest.raises(FlagError, match=r"^--mrope-interleaved lays out multimodal RoPE's "

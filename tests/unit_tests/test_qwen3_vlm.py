@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import safetensors_of
-from tests.hf_vlm_models import (
+from tests.models.hf import safetensors_of
+from tests.models.hf_vlm import (
     LAYOUTS,
     bad_input,
     check_export,
@@ -28,8 +28,8 @@ from tests.hf_vlm_models import (
     train_and_export,
     vlm_flags,
 )
-from tests.qwen3_whole_models import hf_logits, save_whole
-from tests.qwen_vlm_models import forward_diff, images, sample
+from tests.models.qwen3_whole import hf_logits, save_whole
+from tests.models.qwen_vlm import forward_diff, images, sample
 
 TOLERANCE = 1e-5
 
@@ -44,6 +44,7 @@ def qwen3(tmp_path_factory):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.multirank
 def test_whole_qwen3_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
         qwen3, layout):
     folder, ids, pictures, want = qwen3
@@ -60,6 +61,7 @@ def exported(qwen3, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_a_colocated_saving_layout_exports_the_same_qwen3_vl_folder(exported):
     """The trained weights re-saved with the tower on the language ranks (tower TP 2 on language
     DP 2) export byte-identical files: checkpoint keys do not depend on where modules ran."""
@@ -70,6 +72,7 @@ def test_a_colocated_saving_layout_exports_the_same_qwen3_vl_folder(exported):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_loads(exported):
     import transformers
 
@@ -92,14 +95,15 @@ def test_two_saving_layouts_export_one_identical_qwen3_vl_folder_transformers_lo
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_training_starts_from_transformers_loss_on_the_first_batch(exported):
     """Step 1 of the run (weights still the folder's; DeepStack in the forward step) is
     transformers' loss on the same first global batch, which the deterministic mock source
     regenerates here with its positions (the mock lays image runs side by side, which
     transformers' Qwen3-VL positions cannot read; ``test_qwen3_vl_language.py`` checks the
     positions against them where they can)."""
-    from tests.qwen_vlm_models import hf_first_batch_loss
-    from tests.tensorboard_scalars import read_scalars
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.qwen_vlm import hf_first_batch_loss
 
     root, folder, _ = exported
     losses = read_scalars(root / "tensorboard", "lm loss")
@@ -164,8 +168,8 @@ TRAIN = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--train-ite
 def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
              extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """Per-iteration ``lm loss`` and every trained tensor of a short run of ``folder``."""
-    from tests.hf_vlm_models import vlm_train
-    from tests.tensorboard_scalars import read_scalars
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vlm import vlm_train
 
     pieces = vlm_train(nproc, folder, grids, (*TRAIN, "--tensorboard-dir", str(root / name),
                                               *extra))
@@ -173,6 +177,7 @@ def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.multirank
 def test_deepstack_trains_identically_at_language_tp2_packed_and_colocated(tmp_path):
     """DeepStack's levels, scattered to several images of varied sizes per sample, shard as
     MiMo shards the text embeddings: language TP 2, packed rows, and the tower on the language

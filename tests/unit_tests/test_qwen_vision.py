@@ -13,8 +13,8 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
-from tests.hf_vision_models import (
+from tests.models.hf import pieces_from, safetensors_of
+from tests.models.hf_vision import (
     QWEN_IMAGES,
     QWEN_PIXELS,
     plugin,
@@ -28,11 +28,12 @@ from tests.hf_vision_models import (
     save_tiny_qwen,
     train_and_export,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 
 
+@pytest.mark.multirank
 def test_one_rank_reproduces_transformers_merged_features_of_a_packed_microbatch(tmp_path):
     """A whole Qwen2.5-VL folder (language tensors left out); five images of different sizes in
     one packed microbatch, window layers and a full-attention layer."""
@@ -51,6 +52,7 @@ def test_one_rank_reproduces_transformers_merged_features_of_a_packed_microbatch
     assert rel_diff(result["output"], want) < TOLERANCE
 
 
+@pytest.mark.multirank
 def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_path):
     """Encoder TP 2 over gloo: fused qkv, SwiGLU and the merger MLP sharded; the two ranks'
     streamed pieces reassemble to exactly the folder's vision tensors (merger included)."""
@@ -74,6 +76,7 @@ def test_tp2_reproduces_transformers_and_streams_back_the_vision_tensors(tmp_pat
         assert torch.equal(assembled[name], tensor), name
 
 
+@pytest.mark.multirank
 def test_vision_model_folder_loads_too(tmp_path):
     """A folder of just Qwen2_5_VisionTransformerPretrainedModel (names without ``visual.``)."""
     folder = save_tiny_qwen(tmp_path / "visual", seed=5, vision_only=True)
@@ -149,7 +152,7 @@ def test_a_video_at_grid_size_is_hf_image_processors_frames_paired(tmp_path):
 
 
 def test_errors_name_the_flag_and_both_sizes_or_types(tmp_path):
-    from tests.hf_vision_models import language_config
+    from tests.models.hf_vision import language_config
 
     clip = save_tiny("clip", tmp_path / "clip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"--encoder-hf-weights vision=.*clip: "
@@ -182,12 +185,13 @@ def test_item_tokens_follow_the_resized_grid(tmp_path):
     assert encoder.tokens_per_item == 20
 
 
+@pytest.mark.multirank
 def test_trained_tower_and_merger_export_to_a_vision_folder_transformers_reproduces(tmp_path):
     """Round trip through a MiMo run: Qwen2.5-VL's tower at encoder TP 2 and its merger as the
     projection, loaded from a whole folder, trained 2 steps, saved, exported; the exported
     vision folder holds exactly the live tower + merger's streamed tensors (no projections file
     for it), and transformers on that folder gives our encoder + projection's features."""
-    from tests.hf_models import SHAPE
+    from tests.models.hf import SHAPE
 
     qwen = save_tiny_qwen(tmp_path / "qwen", text_hidden=SHAPE["hidden_size"])
     streamed, out = train_and_export(tmp_path, "qwen2_5_vl", qwen, seq_length=64)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from megatron_plugins.media.codec import Video
-from tests.hf_models import rel_diff, safetensors_of
-from tests.hf_vlm_models import LAYOUTS, check_export, identical_exports, train_and_export
-from tests.multiprocess import REPO_ROOT
-from tests.qwen_vlm_models import (
+from tests.harness.multiprocess import REPO_ROOT
+from tests.models.hf import rel_diff, safetensors_of
+from tests.models.hf_vlm import LAYOUTS, check_export, identical_exports, train_and_export
+from tests.models.qwen_vlm import (
     IMAGE_TOKEN,
     VOCAB,
     WRAPPING,
@@ -44,6 +44,7 @@ def qwen(tmp_path_factory):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_three_images_and_streams_back(
         qwen, grids, nproc):
     folder, ids, pictures, want = qwen
@@ -63,6 +64,7 @@ def video(qwen):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.multirank
 def test_whole_qwen2_5_vl_reproduces_transformers_logits_on_a_video_an_image_and_text(
         qwen, video, grids, nproc):
     """A 5-frame video at 3 fps (three temporal steps, the last frame repeated; time positions
@@ -85,6 +87,7 @@ def exported(qwen, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
     # the processor's and generation files are carried from the source folder
     assert identical_exports(exported[0]) == ["config.json", "generation_config.json",
@@ -92,6 +95,7 @@ def test_two_saving_layouts_export_one_identical_qwen2_5_vl_folder(exported):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
     import transformers
 
@@ -115,7 +119,7 @@ def test_exported_folder_loads_as_qwen2_5_vl_with_the_trained_tensors(exported):
 def test_a_merger_that_does_not_meet_the_language_model_is_one_line(qwen, tmp_path,
                                                                      monkeypatch):
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
-    from tests.hf_vlm_models import bad_input, edited, vlm_flags
+    from tests.models.hf_vlm import bad_input, edited, vlm_flags
 
     folder = qwen[0]
     text = json.loads((folder / "config.json").read_text())["text_config"]
@@ -147,7 +151,7 @@ def test_the_folder_splits_into_tower_merger_and_language_parts(qwen):
 
 def test_the_mock_marks_images_with_the_checkpoints_token_and_keeps_text_off_it(qwen):
     from megatron_plugins.data.mock import MockSource
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     encoder = plugin("qwen2_5_vl", qwen[0])
     source = MockSource(seed=1, seq_length=64, vocab_size=VOCAB, plugins={"image": encoder},
@@ -168,7 +172,7 @@ def test_the_checkpoints_vision_start_and_end_wrap_every_mock_run(qwen, tmp_path
 
     from megatron_plugins.data.mock import MockSource
     from megatron_plugins.weights.flags import checkpoint_item_wrapping
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     def wrapping(folder):
         return checkpoint_item_wrapping(argparse.Namespace(
@@ -201,6 +205,7 @@ RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen2_5_vl" / "cpu_simul
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.multirank
 def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_loss(
         qwen, tmp_path):
     """The recipe script trains the tiny folder whole (0 to 3 mock items a sample, images of
@@ -212,9 +217,9 @@ def test_cpu_simulation_recipe_trains_the_whole_folder_from_transformers_first_l
     import subprocess
 
     from megatron_plugins.data.mock import MockSource
-    from tests.hf_vision_models import plugin
-    from tests.qwen_vlm_models import hf_first_batch_loss
-    from tests.tensorboard_scalars import read_scalars
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen_vlm import hf_first_batch_loss
 
     folder = qwen[0]
     result = subprocess.run(["bash", str(RECIPE), str(folder), "--mock-video-frames", "3",
@@ -243,7 +248,7 @@ def test_a_dataset_tokenizer_whose_image_token_is_not_the_checkpoints_is_one_lin
     import types
 
     from megatron_plugins.errors import UsageError
-    from megatron_plugins.launch.settle import check_image_token
+    from megatron_plugins.launch.flag_checks import check_image_token
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG
 
     folder = str(qwen[0])

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 SEED = 1234
 STREAMS = ("python", "numpy", "torch", "cuda", "model-parallel", "expert-parallel")
@@ -114,6 +114,7 @@ def _seed_and_draw(command: str) -> dict:
             "expected_seed": rng.module_seed(layout, module, SEED)}
 
 
+@pytest.mark.multirank
 def test_streams_equal_exactly_where_stock_makes_them_equal():
     world_size = len(COORDS)
     results = run_in_processes(_seed_and_draw, world_size, args=(FLAGS,), timeout=150,
@@ -321,6 +322,7 @@ def colocated_results() -> list:
                             simulated=True)
 
 
+@pytest.mark.multirank
 def test_two_modules_on_one_process_draw_their_own_streams(colocated_results):
     # Rank r hosts both modules at TP rank r % 2; ranks 0-1 ran vision alone, ranks 2-3 language.
     for rank, result in enumerate(colocated_results):
@@ -337,6 +339,7 @@ def test_two_modules_on_one_process_draw_their_own_streams(colocated_results):
     assert own[0]["d1"]["dropout"] == own[1]["d1"]["dropout"]  # TP ranks share the default
 
 
+@pytest.mark.multirank
 def test_module_rng_state_dict_round_trips(colocated_results):
     for result in colocated_results:
         assert result["replayed"] == result["next"]  # loaded into the same object

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_plugins.errors import UsageError
-from tests.mimo_runs import TINY_MIMO
+from tests.harness.mimo_runs import TINY_MIMO
 
 LAYOUT = ["--encoder", "vision=vit", "--grid", "vision:dp=1", "--grid", "language:dp=2"]
 NO_TOKENIZER = [flag for flag in TINY_MIMO if flag not in ("--tokenizer-type", "NullTokenizer")]
@@ -58,3 +58,42 @@ def test_language_cp_on_the_simulation_defaults_attention_dropout_to_zero(monkey
     with pytest.raises(UsageError, match=r"^--attention-dropout 0.1: the reference context "
                                          r"parallel attention .* pass --attention-dropout 0"):
         parse_mimo_args([*stock_dropout, *cp2, "--attention-dropout", "0.1"])
+
+
+def test_the_documented_settle_steps_are_the_codes_in_order():
+    import re
+
+    from megatron_plugins.launch.settle import STEPS
+    from tests.harness.multiprocess import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## The path of one launch"):text.index("## Rooms")]
+    documented = re.findall(r"^\d+\. `(\w+)`:", section, flags=re.M)
+    assert documented == [step.__name__ for step in STEPS]
+
+
+def test_the_padded_vocabulary_is_settled_and_in_the_language_config(monkeypatch):
+    """Stock's tokenizer build set ``padded_vocab_size`` only at start-up, outside the record;
+    the language config the run carries is built from the settled value."""
+    from megatron_plugins.launch.pretrain import parse_mimo_args
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    run = parse_mimo_args([*TINY_MIMO, *LAYOUT])
+    assert run.args.padded_vocab_size == 128
+    assert run.language.vocab_size == 128 and run.language.should_pad_vocab is False
+
+
+def test_what_the_pre_import_checks_built_is_the_runs(monkeypatch):
+    """An encoder at tp > 1 is built once, for its head count, on the namespace that becomes the
+    run's args; the layout and the command line are not read again."""
+    from megatron_plugins.launch.preflight import check_run
+    from megatron_plugins.launch.pretrain import parse_mimo_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*TINY_MIMO, "--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid",
+            "language:dp=2"]
+    checked = check_run(argv, 4)
+    run = parse_mimo_args(checked=checked)
+    assert run.plugins["vision"] is checked.plugins["vision"]
+    assert run.plugins["vision"].args is run.args is checked.command_line.flags
+    assert run.layout is checked.layout

@@ -12,8 +12,8 @@ import torch
 
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.encoders.siglip2 import siglip2_image_size
-from tests.hf_models import safetensors_of
-from tests.hf_vision_models import (
+from tests.models.hf import safetensors_of
+from tests.models.hf_vision import (
     assert_streams_back,
     SIGLIP2_MAX_PATCHES,
     plugin,
@@ -25,7 +25,7 @@ from tests.hf_vision_models import (
     train_and_export,
     uint8_image,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 SIZES = [(16, 16), (12, 40), (44, 10), (90, 70), (3, 5), (16, 16)]
@@ -91,6 +91,7 @@ def test_preprocessor_config_json_is_followed_like_hf(tmp_path) -> None:
     torch.testing.assert_close(got["patches"], want["pixel_values"][0, :count], rtol=0, atol=0)
 
 
+@pytest.mark.multirank
 def test_one_rank_packed_microbatch_reproduces_transformers(tmp_path) -> None:
     folder = save_tiny_siglip2(tmp_path / "siglip2")
     batch = images(seed=1)
@@ -104,6 +105,7 @@ def test_one_rank_packed_microbatch_reproduces_transformers(tmp_path) -> None:
     assert rel_diff(result["output"], want) < TOLERANCE
 
 
+@pytest.mark.multirank
 def test_tp2_reproduces_transformers_and_streams_the_folder_back(tmp_path) -> None:
     folder = save_tiny_siglip2(tmp_path / "siglip2", seed=3)
     batch = images(seed=4)
@@ -115,6 +117,7 @@ def test_tp2_reproduces_transformers_and_streams_the_folder_back(tmp_path) -> No
     assert_streams_back("siglip2", folder, results)
 
 
+@pytest.mark.multirank
 def test_full_siglip2_model_folder_loads_its_vision_tower(tmp_path) -> None:
     """A Siglip2Model save: tower under vision_model., text tower and pooling head left out."""
     folder = save_tiny_siglip2(tmp_path / "full", full=True)
@@ -142,7 +145,7 @@ def test_export_config_is_the_loaded_vision_config(tmp_path) -> None:
 def test_errors_name_the_flag_and_both_model_types(tmp_path) -> None:
     siglip = save_tiny("siglip", tmp_path / "siglip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights vision=DIR"):
-        plugin("siglip2", "")
+        plugin("siglip2", None)
     with pytest.raises(EncoderPluginError, match=r"--encoder-hf-weights vision=.*siglip: "
                                                  r"config.json is a 'siglip_vision_model' model, "
                                                  r"not 'siglip2_vision_model'"):
@@ -161,6 +164,7 @@ def test_errors_name_the_flag_and_both_model_types(tmp_path) -> None:
         plugin("siglip2", odd)
 
 
+@pytest.mark.multirank
 def test_trained_tower_exports_what_it_streams_and_transformers_reproduces_it(tmp_path) -> None:
     """Round trip: the siglip2 tower imported at encoder TP 2, trained 2 steps by pretrain() on
     mock images, saved, exported; the exported folder holds the live tower's streamed tensors plus

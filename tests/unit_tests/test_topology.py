@@ -14,7 +14,9 @@ import shlex
 import pytest
 
 from megatron_plugins.launch.plan import main as plan_main
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
+
+pytestmark = pytest.mark.multirank
 
 DENSE = ("tp", "cp", "dp", "pp")
 EXPERT = ("expt_tp", "ep", "expt_dp", "pp")

@@ -15,9 +15,9 @@ import torch
 from megatron_plugins.media.codec import Waveform
 from megatron_plugins.encoders import EncoderPluginError
 from megatron_plugins.weights.streaming import assemble
-from tests.hf_models import pieces_from, safetensors_of
-from tests.hf_vision_models import drop_tensor, rel_diff
-from tests.hf_whisper_models import (
+from tests.models.hf import pieces_from, safetensors_of
+from tests.models.hf_vision import drop_tensor, rel_diff
+from tests.models.hf_whisper import (
     RATE,
     SHAPE,
     encoder_rank,
@@ -28,7 +28,7 @@ from tests.hf_whisper_models import (
     save_tiny,
     waveforms,
 )
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 TOLERANCE = 1e-5
 POSITIONS = SHAPE["max_source_positions"]
@@ -69,6 +69,7 @@ def test_features_follow_preprocessor_config_json(tmp_path):
     np.testing.assert_array_equal(got.numpy(), want["input_features"][0])
 
 
+@pytest.mark.multirank
 def test_one_rank_encoder_reproduces_transformers_and_keeps_key_bias_out(whisper):
     features = _features(whisper)
     [result] = run_in_processes(encoder_rank, 1, args=(str(whisper), 1, features), timeout=120,
@@ -83,6 +84,7 @@ def test_one_rank_encoder_reproduces_transformers_and_keeps_key_bias_out(whisper
 
 
 @pytest.mark.parametrize("model", ["WhisperModel", "WhisperEncoder"])
+@pytest.mark.multirank
 def test_other_whisper_folders_load_their_encoder(model, tmp_path):
     """A WhisperModel (encoder. prefix, a decoder left out) and an encoder-only save."""
     folder = save_tiny(tmp_path / model, seed=5, model=model)
@@ -92,6 +94,7 @@ def test_other_whisper_folders_load_their_encoder(model, tmp_path):
     assert rel_diff(result["output"], hf_hidden_states(folder, features)) < TOLERANCE
 
 
+@pytest.mark.multirank
 def test_encoder_tp2_reproduces_transformers_and_streams_back(tmp_path):
     folder = save_tiny(tmp_path / "whisper", seed=3)
     features = _features(folder, ("long", "silence", "short"))
@@ -135,6 +138,7 @@ def test_export_refuses_a_nonzero_key_bias():
         list(pieces_of(LocalParam(name, bias, bound, 0, 1), bias.view(-1), heads, None))
 
 
+@pytest.mark.multirank
 def test_missing_hf_tensor_is_one_line_naming_it(whisper, tmp_path):
     broken = drop_tensor(whisper, tmp_path / "broken", "model.encoder.layers.1.fc2.bias")
     shutil.copy(whisper / "preprocessor_config.json", broken)
@@ -146,10 +150,10 @@ def test_missing_hf_tensor_is_one_line_naming_it(whisper, tmp_path):
 
 
 def test_errors_name_the_flag_file_and_sample_field(whisper, tmp_path):
-    from tests.hf_vision_models import save_tiny as save_vision
+    from tests.models.hf_vision import save_tiny as save_vision
 
     with pytest.raises(EncoderPluginError, match=r"needs --encoder-hf-weights audio=DIR"):
-        plugin("")
+        plugin(None)
     clip = save_vision("clip", tmp_path / "clip", num_hidden_layers=1)
     with pytest.raises(EncoderPluginError, match=r"audio=.*clip: config.json is a "
                                                  r"'clip_vision_model' model, not 'whisper'"):
@@ -168,6 +172,7 @@ def test_errors_name_the_flag_file_and_sample_field(whisper, tmp_path):
         plugin(config)
 
 
+@pytest.mark.multirank
 def test_trained_whisper_encoder_exports_what_it_streams_and_transformers_loads_it(tmp_path):
     """Round trip through stock pretrain(): Whisper imported at encoder TP 2 behind a language
     model, trained 2 steps, saved, exported; the key bias stayed zero (streaming refuses it
@@ -175,7 +180,7 @@ def test_trained_whisper_encoder_exports_what_it_streams_and_transformers_loads_
     transformers' WhisperEncoder loads it with no tensor missing or left over."""
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    from tests import hf_models
+    from tests.models import hf as hf_models
 
     language = hf_models.save_tiny("llama", tmp_path / "llama")
     whisper = save_tiny(tmp_path / "whisper", seed=7)

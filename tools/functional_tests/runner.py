@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -158,11 +157,12 @@ def run_environment(case: Case, extra_env: dict[str, str] | None = None) -> dict
     return env
 
 
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def torchrun_command(script: str | Path, nproc: int, argv: list[str]) -> list[str]:
+    """``torchrun --standalone --nproc-per-node nproc script argv``: its agent hosts the
+    rendezvous on a port the kernel picks when it binds, so no port is chosen first and taken by
+    another launch before it is bound."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), str(script), *argv]
 
 
 def run_command(command: list[str], env: dict[str, str], log: Path, timeout: float,
@@ -191,10 +191,7 @@ Launcher = Callable[[int, list[str], dict[str, str], Path, float, str], None]
 def torchrun(nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float,
              what: str) -> None:
     """The cases' launcher: ``torchrun --nproc-per-node nproc`` on the entry point, as upstream."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(ENTRY_POINT), *argv]
-    run_command(command, env, log, timeout, what)
+    run_command(torchrun_command(ENTRY_POINT, nproc, argv), env, log, timeout, what)
 
 
 def read_metrics(logdir: Path, metrics: list[str]) -> dict[str, dict[int, float]]:

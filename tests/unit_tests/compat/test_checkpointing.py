@@ -20,7 +20,7 @@ from megatron_plugins.compat.checkpointing import (
     put_plain_values,
     restore_module_rng,
 )
-from tests.multiprocess import REPO_ROOT, run_in_processes
+from tests.harness.multiprocess import REPO_ROOT, run_in_processes
 
 
 def test_gap5_canary_mimo_optimizer_keeps_plain_state_in_rank_zero_common_state():
@@ -125,6 +125,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.multirank
 def test_gap6_canary_stock_distributed_optimizer_resume_without_te_or_apex():
     """Gap 6, every part, on torch Adam in a one-rank world under the CPU simulation: a fresh
     optimizer cannot make a load template; the dp_reshardable param-state load copies into
@@ -444,6 +445,7 @@ def _language_cp2_checkpoints(folder: str) -> dict:
     return report
 
 
+@pytest.mark.multirank
 def test_gap22_bridge_saves_and_resumes_language_optimizer_state_at_cp2(tmp_path):
     """Stock save validation rejects every case's MiMo optimizer objects as duplicated over CP;
     with the bridges each CP rank resumes exactly the Adam state it saved, and CP ranks of a

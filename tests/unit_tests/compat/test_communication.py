@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_plugins.compat import MegatronCompatError, communication
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 from tests.unit_tests.compat.wheel_source import source_digest
 
 
@@ -360,6 +360,7 @@ def _cp_gradient(received: torch.Tensor, microbatch: int, cp_rank: int) -> torch
     return grad
 
 
+@pytest.mark.multirank
 def test_gap18_language_cp_ranks_receive_every_row_and_encoders_the_summed_gradient():
     """Mirrors upstream's test_cp_gradient_reconstruction through topology.pipeline_communicator:
     vision tp=2 (one replica) and vision dp=2 (fan-in of variable row counts, Gap 15 split) feed

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_plugins import compat
 from megatron_plugins.compat import GAPS, MegatronCompatError, installed, record
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 
 SNAPSHOT = """
@@ -39,6 +39,7 @@ print(len(names), changed)
 """
 
 
+@pytest.mark.multirank
 def test_importing_every_plugin_module_changes_nothing_in_torch_or_megatron():
     result = subprocess.run([sys.executable, "-c", SNAPSHOT], cwd=REPO_ROOT, text=True,
                             capture_output=True, timeout=240)

@@ -18,7 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.compat import model_build
-from tests.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT
 
 
 STOCK_LOCAL_ATTENTION = """
@@ -47,6 +47,7 @@ except AssertionError as error:
 """
 
 
+@pytest.mark.multirank
 def test_gap2_canary_stock_local_attention_needs_the_buffer_only_model_parallel_init_creates():
     """Gap 2: in a fresh process with explicit groups and no ``initialize_model_parallel`` (as on
     disjoint grids), stock leaves the global memory buffer unset and the local attention

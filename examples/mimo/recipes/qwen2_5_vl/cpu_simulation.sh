@@ -13,10 +13,9 @@ bash "$root/scripts/setup_env.sh"
 out="${MIMO_RUN_DIR:-$root/runs/qwen2_5_vl_cpu}"
 rm -rf "$out"
 python="$root/.venv/bin/python"
-port="$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 cd "$root"
-exec "$python" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
-  --master-port "$port" examples/mimo/pretrain_mimo.py --cpu-simulation \
+exec "$python" -m torch.distributed.run --standalone --nproc-per-node 2 \
+  examples/mimo/pretrain_mimo.py --cpu-simulation \
   --hf-model "$hf_model" --grid image:dp=1 --grid language:dp=1 \
   --tokenizer-type NullTokenizer --make-vocab-size-divisible-by 1 \
   --transformer-impl local --use-cpu-initialization \

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import MIMO_FLAGS, built_then, hand_on, pieces_from, train_then
-from tests.hf_vision_models import SHAPE as VISION
-from tests.hf_vision_models import redraw
+from tests.models.hf import MIMO_FLAGS, built_then, hand_on, pieces_from, train_then
+from tests.models.hf_vision import SHAPE as VISION
+from tests.models.hf_vision import redraw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -137,7 +137,7 @@ def vlm_forward_rank(argv: list[str], ids: torch.Tensor, pixels: np.ndarray) -> 
 def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
                 pixels: np.ndarray) -> list[dict[str, Any]]:
     """:func:`vlm_forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     results = run_in_processes(vlm_forward_rank, nproc, args=(vlm_flags(folder, grids), ids,
                                                                pixels),
@@ -180,7 +180,7 @@ def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tup
               ) -> list[list[Any]]:
     """Train from ``--hf-model`` on ``nproc`` gloo ranks; every rank's streamed pieces. The
     vocabulary is not padded, so the logged loss is transformers' softmax over the same ids."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     argv = [*vlm_flags(folder, grids), "--mock-items-per-sample", "1:2",
             "--make-vocab-size-divisible-by", "1", *extra]
@@ -215,8 +215,8 @@ def resave(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple[s
 
 def export(root: Path, names: tuple[str, ...]) -> None:
     """``tools/export_hf.py`` of each checkpoint ``root/name`` to ``root/out_name``."""
-    from tests.hf_models import export_rank
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
+    from tests.models.hf import export_rank
 
     jobs = [(str(root / name), str(root / f"out_{name}"), {"progress": False}) for name in names]
     run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
@@ -258,7 +258,7 @@ def edited(folder: Path, target: Path, config: dict[str, Any] | None = None,
 def built_forward(after: Any, nproc: int, argv: list[str]) -> list[dict[str, Any]]:
     """``built_then(argv, after)`` on ``nproc`` gloo ranks (``after`` a picklable function
     returning the rank's streamed ``pieces`` among its results); pieces deserialized."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     results = run_in_processes(built_then, nproc, args=(argv, after), timeout=240,
                                simulated=True)
@@ -283,7 +283,7 @@ def check_export(out: Path, folder: Path, pieces: list[list[Any]], untrained: tu
     trained tensors as the run streamed them (``pieces``) and the ``untrained`` ones (name
     prefixes) unchanged; returns its tensors."""
     from megatron_plugins.weights.streaming import assemble
-    from tests.hf_models import safetensors_of
+    from tests.models.hf import safetensors_of
 
     assert json.loads((out / "config.json").read_text()) == json.loads(
         (folder / "config.json").read_text())

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import built_then, pieces_from
-from tests.hf_vision_models import QWEN_PIXELS, QWEN_VISION, qwen_processor, redraw
-from tests.hf_vlm_models import ENCODER, cross_grid_forward, vlm_flags, whole_pieces
+from tests.models.hf import built_then, pieces_from
+from tests.models.hf_vision import QWEN_PIXELS, QWEN_VISION, qwen_processor, redraw
+from tests.models.hf_vlm import ENCODER, cross_grid_forward, vlm_flags, whole_pieces
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -79,7 +79,7 @@ def video_sample(folder: str | Path, items: list[Any]) -> torch.Tensor:
     :class:`~megatron_plugins.media.codec.Video`), as long as the encoder's item_tokens, text
     between every two runs."""
     from megatron_plugins.media.codec import media_size
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     encoder = plugin("qwen2_5_vl", folder)
     ids = [5, 17]
@@ -96,7 +96,7 @@ def _hf_video_inputs(folder: str | Path, ids: torch.Tensor, videos: list[Any]
     processor: tests/unit_tests/test_qwen_vision.py)."""
     import itertools
 
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     hf_ids, types, start = ids.clone(), (ids == IMAGE_TOKEN).int(), 0
     runs = iter(videos)
@@ -175,7 +175,7 @@ def forward_rank(argv: list[str], ids: torch.Tensor,
 def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
             pictures: list[np.ndarray]) -> list[dict[str, Any]]:
     """:func:`forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     results = run_in_processes(forward_rank, nproc,
                                args=(vlm_flags(folder, grids), ids, pictures),
@@ -192,7 +192,7 @@ def forward_diff(folder: Path, grids: tuple[str, ...], nproc: int, ids: torch.Te
     token marking the images (:data:`VOCAB`, :data:`IMAGE_TOKEN`: the tiny Qwen folders'), and
     every tensor of the folder streamed back unchanged."""
     from megatron_plugins.weights.streaming import assemble
-    from tests.hf_models import rel_diff, safetensors_of
+    from tests.models.hf import rel_diff, safetensors_of
 
     results = forward(nproc, folder, grids, ids, pictures)
     [logits] = [r["logits"] for r in results if r["logits"] is not None]
@@ -225,7 +225,7 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
     from megatron_plugins.data.mock import MockSource
     from megatron_plugins.weights.flags import checkpoint_item_wrapping
     from megatron_plugins.weights.vlm_families import read_vlm
-    from tests.hf_vision_models import plugin
+    from tests.models.hf_vision import plugin
 
     vlm, _ = read_vlm(str(folder))
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB,

@@ -18,8 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tests.multiprocess import run_in_processes
-from tests.tiny_model import TINY_TRANSFORMER
+from tests.harness.multiprocess import run_in_processes
+from tests.models.tiny import TINY_TRANSFORMER
 
 MEASURED = [*TINY_TRANSFORMER, "--train-iters", "6", "--eval-interval", "100",
             "--log-interval", "2", "--log-throughput"]

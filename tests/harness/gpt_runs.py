@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from tests.multiprocess import REPO_ROOT, run_in_processes
-from tests.tensorboard_scalars import read_scalars
-from tests.tiny_model import TINY_TRANSFORMER
+from tests.harness.multiprocess import REPO_ROOT, run_in_processes
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.models.tiny import TINY_TRANSFORMER
 
 TINY_GPT = [*TINY_TRANSFORMER, "--mock-data", "--eval-interval", "10"]
 

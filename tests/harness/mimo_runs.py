@@ -1,23 +1,25 @@
 """MiMo training runs through examples/mimo/pretrain_mimo.py's code path, for tests.
 
-``train_mimo`` runs the entry point's own steps (parse, start, stock ``pretrain()``) in N spawned
+``train_mimo`` runs the entry point's own steps (parse, start, stock ``pretrain()``) in N forked
 gloo processes and returns the logged ``lm loss`` per iteration plus, per rank, what the test
 asked to observe (trained parameters of the rank's module, gradient reductions per step, the
-activations it held for backward).
+activations it held for backward). Tests declare the launches they compare as
+:class:`MimoLaunch` values; :func:`shared_run` trains each distinct one once per session.
 """
 
 from __future__ import annotations
 
 import tempfile
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import numpy as np
 
-from tests.activation_memory import HeldActivations
-from tests.multiprocess import run_in_processes
-from tests.tensorboard_scalars import read_scalars
-from tests.tiny_model import TINY_TRANSFORMER
+from tests.harness.activation_memory import HeldActivations
+from tests.harness.multiprocess import run_in_processes
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.models.tiny import TINY_TRANSFORMER
 
 TINY_MIMO = [*TINY_TRANSFORMER, "--train-iters", "10", "--eval-interval", "5"]
 
@@ -169,11 +171,25 @@ def train_mimo(nproc: int, flags: tuple[str, ...], *, extra: tuple[str, ...] = (
     return {tag: read_scalars(logdir, tag) for tag in ("lm loss", "grad-norm")}, results
 
 
-@lru_cache(maxsize=None)
-def cached_mimo_run(nproc: int, flags: tuple[str, ...]) -> tuple[dict[str, dict[int, float]], list]:
-    """Memoized :func:`train_mimo` with trained parameters and consumed keys, shared by several
-    assertions."""
-    return train_mimo(nproc, flags, observe_params=True, observe_keys=True)
+@dataclass(frozen=True)
+class MimoLaunch:
+    """A tiny MiMo training launch as data: its ranks, its flags after :data:`TINY_MIMO` and
+    whether it measures held activations. A pytest session trains each distinct launch once
+    (:func:`shared_run`), whichever tests, in whichever files, ask for it."""
+
+    nproc: int
+    flags: tuple[str, ...]
+    observe_memory: bool = False
+    timeout: float = field(default=150.0, compare=False)
+
+
+@cache
+def shared_run(launch: MimoLaunch) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
+    """:func:`train_mimo` of ``launch``, once per pytest session, observing everything the tests
+    read (trained parameters, consumed keys, gradient reductions and row exchanges)."""
+    return train_mimo(launch.nproc, launch.flags, observe_params=True, observe_keys=True,
+                      count_reductions=True, observe_memory=launch.observe_memory,
+                      timeout=launch.timeout)
 
 
 def consumed_keys(results: list[dict[str, Any]], module: str) -> list[str]:

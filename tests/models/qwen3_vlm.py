@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_vision_models import QWEN_PIXELS, qwen_hf_output, redraw
+from tests.models.hf_vision import QWEN_PIXELS, qwen_hf_output, redraw
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -74,7 +74,7 @@ def hf_features(folder: str | Path, images: list[np.ndarray]) -> list[np.ndarray
 def vision_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     """The folder's vision model tensors under the vision model's own names (a whole model's
     without its ``model.visual.`` prefix)."""
-    from tests.hf_models import safetensors_of
+    from tests.models.hf import safetensors_of
 
     tensors = safetensors_of(folder)
     if any(name.startswith("model.visual.") for name in tensors):

@@ -80,14 +80,15 @@ def language_config(**overrides: Any) -> Any:
         **overrides)
 
 
-def plugin(provider: str, folder: str | Path, tp: int = 1) -> Any:
-    """Our encoder plugin for ``--encoder vision=PROVIDER --encoder-hf-weights vision=FOLDER``."""
+def plugin(provider: str, folder: str | Path | None, tp: int = 1) -> Any:
+    """Our encoder plugin for ``--encoder vision=PROVIDER --encoder-hf-weights vision=FOLDER``
+    (no ``--encoder-hf-weights`` when ``folder`` is None)."""
     from megatron_plugins.encoders import instantiate
     from megatron_plugins.parallel.layout import ModulePlacement
 
     grid = ModulePlacement(name="vision", tp=tp, pp=1, cp=1, dp=1, rank_offset=0,
                            provider=provider)
-    args = argparse.Namespace(encoder_hf_weights=[f"vision={folder}"])
+    args = argparse.Namespace(encoder_hf_weights={} if folder is None else {"vision": str(folder)})
     return instantiate(provider, "vision", args, grid)
 
 
@@ -103,7 +104,7 @@ def encoder_rank(provider: str, folder: str, tp: int, pixels: np.ndarray) -> dic
 
     from megatron_plugins.weights.flags import ENCODER_FLAG
     from megatron_plugins.weights.hf_import import load_hf_weights
-    from tests.hf_models import streamed
+    from tests.models.hf import streamed
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -276,7 +277,7 @@ def qwen_rank(folder: str, tp: int, images: list[np.ndarray],
     from megatron_plugins.weights.encoder_view import EncoderView
     from megatron_plugins.weights.flags import ENCODER_FLAG
     from megatron_plugins.weights.hf_import import load_hf_weights
-    from tests.hf_models import streamed
+    from tests.models.hf import streamed
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -305,8 +306,8 @@ def train_and_export(folder: Path, provider: str, encoder_folder: str | Path,
     encoder TP 2) starts from ``encoder_folder``, trained 2 steps, saved and exported to
     ``folder / "out"``: the live encoder's streamed tensors (assembled) and the export folder."""
     from megatron_plugins.weights.streaming import assemble
-    from tests import hf_models
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
+    from tests.models import hf as hf_models
 
     language = hf_models.save_tiny("llama", folder / "llama")
     checkpoint, out = folder / "ckpt", folder / "out"
@@ -393,7 +394,7 @@ def siglip2_rank(folder: str, tp: int, images: list[np.ndarray]) -> dict[str, An
 
     from megatron_plugins.weights.flags import ENCODER_FLAG
     from megatron_plugins.weights.hf_import import load_hf_weights
-    from tests.hf_models import streamed
+    from tests.models.hf import streamed
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -417,7 +418,7 @@ def assert_streams_back(provider: str, folder: str | Path, results: list[dict[st
     """The TP ranks' streamed pieces (``results[i]["pieces"]``, fc1 split over tp) reassemble to
     exactly the folder's tensors of the tower."""
     from megatron_plugins.weights.streaming import assemble
-    from tests.hf_models import pieces_from, safetensors_of
+    from tests.models.hf import pieces_from, safetensors_of
 
     family = plugin(provider, folder).hf_family
     pieces = [piece for result in results for piece in pieces_from(result["pieces"])]

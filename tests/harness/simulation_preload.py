@@ -4,8 +4,10 @@ of CPU per rank on a 2-core machine, hundreds of ranks per suite).
 
 It does what each such rank otherwise does first, in the same order: switch the process to the CPU
 simulation (which patches torch and then imports ``megatron.training``), then import
-``megatron.core``. Nothing of megatron_plugins beyond the simulation is imported, so a rank that
-checks stock behaviour without the plugins still starts without them.
+``megatron.core``, then the text tokenizers stock's ``set_global_variables`` imports to build any
+tokenizer, ``NullTokenizer`` included (transformers with them: ~2 s of CPU per rank). Nothing of
+megatron_plugins beyond the simulation is imported, so a rank that checks stock behaviour without
+the plugins still starts without them.
 """
 
 from megatron_plugins.cpu_simulation import patches
@@ -14,3 +16,4 @@ patches.activate()
 
 import megatron.core  # noqa: E402,F401  (after the simulation's patches, as in every rank)
 import megatron.training  # noqa: E402,F401
+import megatron.core.tokenizers.text  # noqa: E402,F401  (what stock's tokenizer build imports)

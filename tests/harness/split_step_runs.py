@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from tests.gpt_runs import TINY_GPT, load_gpt_example
-from tests.mimo_runs import TINY_MIMO, count_grad_reductions
-from tests.multiprocess import run_in_processes
+from tests.harness.gpt_runs import TINY_GPT, load_gpt_example
+from tests.harness.mimo_runs import TINY_MIMO, count_grad_reductions
+from tests.harness.multiprocess import run_in_processes
 
 _result: dict[str, Any] = {}
 

@@ -2,8 +2,9 @@
 
 Three ways in: :func:`run_in_processes` runs a picklable function on every rank of a fresh gloo
 world and returns the per-rank results; :func:`run_script` launches a script through ``torchrun``
-in its own process group; :func:`launch_preforked` runs a CPU-simulation script's ranks as forks of
-a server that has already imported torch and Megatron. All kill every child on failure or timeout.
+in its own process group; :func:`launch_preforked` (and :func:`run_preforked`) runs a
+CPU-simulation script's ranks as forks of a server that has already imported torch and Megatron.
+All kill every child on failure or timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -25,24 +27,48 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import psutil
+import torch
 import torch.distributed as dist
 
-from tools.functional_tests.runner import free_port
+from tools.functional_tests.runner import torchrun_command
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerFailure(RuntimeError):
     """A rank raised, died or ran past the deadline; the message names the rank and the cause."""
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
+def rendezvous_store() -> dist.TCPStore:
+    """The store a launch's ranks meet at, hosted by this process as torchrun's agent hosts its
+    own, on a port the kernel picks when it binds: no port is chosen first and taken by another
+    launch before it is bound. Keep it alive until the ranks are done."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def torchrun_variables(rank: int, world_size: int, store: dist.TCPStore) -> dict[str, str]:
+    """What torchrun exports to each rank: its coordinates and the agent's store, which every
+    rank joins as a client (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def _torchrun_threads() -> None:
+    """Size this rank's intra-op thread pool as torchrun sizes a rank's (``OMP_NUM_THREADS``, 1
+    unless set): a forked or spawned rank would otherwise keep one thread per core, and a world
+    of them on a 2-core machine spends most of its CPU spinning in each other's way (a 3-rank
+    tiny run: 7-10 s of CPU per rank with 2 threads, 1.4-1.6 s with 1)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def _worker(fn: Callable[..., Any], variables: dict[str, str], args: Sequence[Any],
             env: dict[str, str], results: "mp.Queue[tuple[int, bool, Any]]") -> None:
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    os.environ.update(variables)
+    _torchrun_threads()
+    rank, world_size = int(variables["RANK"]), int(variables["WORLD_SIZE"])
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(*args)
@@ -82,17 +108,23 @@ def _kill(processes: Sequence[mp.Process]) -> None:
         process.join(timeout=10)
 
 
-SIMULATION_PRELOAD = "tests.simulation_preload"
+SIMULATION_PRELOAD = "tests.harness.simulation_preload"
 
 
 def _context(simulated: bool) -> Any:
     """Fresh interpreters (spawn), or forks of one server that already activated the CPU
-    simulation and imported Megatron (:mod:`tests.simulation_preload`)."""
+    simulation and imported Megatron (:mod:`tests.harness.simulation_preload`)."""
     if not simulated:
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([SIMULATION_PRELOAD])
     return context
+
+
+def start_simulation_server() -> None:
+    """Start the simulated ranks' forkserver if it is not running yet (it imports torch and
+    Megatron once, seconds of CPU), so that what the caller times next is its launch alone."""
+    run_in_processes(int, 1, simulated=True, timeout=300)
 
 
 def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float = 90.0,
@@ -107,11 +139,11 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *, timeout: float 
     """
     context = _context(simulated)
     results = context.Queue()
-    port = free_port()
+    store = rendezvous_store()
     environment = {**(os.environ if simulated else {}), **(env or {})}
     processes = [
-        context.Process(target=_worker, args=(fn, rank, world_size, port, tuple(args),
-                                              environment, results))
+        context.Process(target=_worker, args=(fn, torchrun_variables(rank, world_size, store),
+                                              tuple(args), environment, results))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -190,10 +222,7 @@ def kill_session(process: subprocess.Popen, started: float) -> None:
 def run_script(script: str | Path, argv: Sequence[str], nproc: int, *, timeout: float = 110.0,
                env: dict[str, str] | None = None, cwd: str | Path = REPO_ROOT) -> ScriptRun:
     """Launch ``script`` under ``torchrun --nproc-per-node nproc``; kill the whole tree on timeout."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *argv,
-    ]
+    command = torchrun_command(script, nproc, list(argv))
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.monotonic()
     process, started = start_session(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE,
@@ -212,20 +241,14 @@ def run_script(script: str | Path, argv: Sequence[str], nproc: int, *, timeout: 
     return ScriptRun(process.returncode, output, time.monotonic() - start)
 
 
-def _run_script_rank(script: str, argv: Sequence[str], rank: int, world_size: int, port: int,
+def _run_script_rank(script: str, argv: Sequence[str], variables: dict[str, str],
                      env: dict[str, str], log: str) -> None:
     """One rank of :func:`launch_preforked`: torchrun's environment, output appended to ``log``
     line by line, then the script as ``python script argv`` would run it."""
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    import torch
-
-    # The server's OpenMP pool was sized when it started; size it as torchrun's rank would be.
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    os.environ.update(variables)
+    _torchrun_threads()  # the server's pool was sized when it started
     out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -268,11 +291,12 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
         raise ValueError(f"launch_preforked runs --cpu-simulation scripts whose environment keeps "
                          f"{', '.join(PRELOADED_ENVIRONMENT)}; changed: {changed}; use torchrun")
     context = _context(simulated=True)
-    port = free_port()
+    store = rendezvous_store()
     log.write_text("")
     processes = [
         context.Process(target=_run_script_rank,
-                        args=(str(script), tuple(argv), rank, nproc, port, env, str(log)))
+                        args=(str(script), tuple(argv), torchrun_variables(rank, nproc, store),
+                              env, str(log)))
         for rank in range(nproc)
     ]
     for process in processes:
@@ -295,3 +319,17 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
             time.sleep(0.1)
     finally:
         _kill_trees(processes)
+
+
+def run_preforked(script: str | Path, argv: Sequence[str], nproc: int, *,
+                  timeout: float) -> ScriptRun:
+    """:func:`launch_preforked` in this process's environment, answered as :func:`run_script`
+    answers (exit code, every rank's output, seconds); for launches whose point is what the
+    ranks print, not torchrun's own handling."""
+    start_simulation_server()
+    with tempfile.TemporaryDirectory(prefix="preforked-") as folder:
+        log = Path(folder) / "launch.log"
+        start = time.monotonic()
+        code = launch_preforked(script, argv, nproc, env=dict(os.environ), log=log,
+                                timeout=timeout)
+        return ScriptRun(code, log.read_text(), time.monotonic() - start)

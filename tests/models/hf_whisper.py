@@ -88,14 +88,15 @@ def hf_hidden_states(folder: str | Path, features: np.ndarray) -> np.ndarray:
         return encoder(torch.from_numpy(features)).last_hidden_state.numpy()
 
 
-def plugin(folder: str | Path, tp: int = 1) -> Any:
-    """Our encoder plugin for ``--encoder audio=whisper --encoder-hf-weights audio=FOLDER``."""
+def plugin(folder: str | Path | None, tp: int = 1) -> Any:
+    """Our encoder plugin for ``--encoder audio=whisper --encoder-hf-weights audio=FOLDER`` (no
+    ``--encoder-hf-weights`` when ``folder`` is None)."""
     from megatron_plugins.encoders import instantiate
     from megatron_plugins.parallel.layout import ModulePlacement
 
     grid = ModulePlacement(name="audio", tp=tp, pp=1, cp=1, dp=1, rank_offset=0,
                            provider="whisper")
-    args = argparse.Namespace(encoder_hf_weights=[f"audio={folder}"])
+    args = argparse.Namespace(encoder_hf_weights={} if folder is None else {"audio": str(folder)})
     return instantiate("whisper", "audio", args, grid)
 
 
@@ -112,8 +113,8 @@ def encoder_rank(folder: str, tp: int, features: np.ndarray) -> dict[str, Any]:
 
     from megatron_plugins.weights.flags import ENCODER_FLAG
     from megatron_plugins.weights.hf_import import load_hf_weights
-    from tests.hf_models import streamed
-    from tests.hf_vision_models import language_config
+    from tests.models.hf import streamed
+    from tests.models.hf_vision import language_config
 
     parallel_state.initialize_model_parallel(tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_models import build_stock_gpt, redraw_parameters
+from tests.models.hf import build_stock_gpt, redraw_parameters
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -279,7 +279,7 @@ def mimo_import(nproc: int, folder: str, language_grid: str, extra: tuple[str, .
                 ) -> tuple[list[np.ndarray], list[list[Any]]]:
     """A MiMo model built from ``folder``: the logits of every language last-stage rank and the
     streamed pieces of every language rank."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     argv = [*MIMO_FLAGS, *VIT, "--grid", language_grid, "--language-hf-weights", folder, *extra]
     results = run_in_processes(mimo_language_rank, nproc, args=(argv,), timeout=120,
@@ -360,7 +360,7 @@ def train_from_hf(nproc: int, folder: str, language_grid: str, extra: tuple[str,
     """Train a MiMo model started from ``folder``: the streamed pieces of every rank of
     ``module`` (the language model, or an encoder with an HF mapping) and the trained language
     model's logits."""
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     argv = [*MIMO_FLAGS, *encoder, "--grid", language_grid, "--language-hf-weights", folder,
             *extra]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.multiprocess import run_in_processes
+from tests.harness.multiprocess import run_in_processes
 
 
 def _write_rank(jobs: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]) -> None:

@@ -1,9 +1,9 @@
 """Every built-in encoder and language family on a real microbatch, forward and backward under
 ``torch.utils.flop_counter.FlopCounterMode``, next to what :mod:`megatron_plugins.flops` says.
 
-Each ``*_rows`` function runs on one CPU-simulation rank (:func:`tests.multiprocess.
+Each ``*_rows`` function runs on one CPU-simulation rank (:func:`tests.harness.multiprocess.
 run_in_processes`) and returns a :class:`Row` per case; :func:`table` prints them as the
-markdown table of docs/performance.md (``python -m tests.flops_cases``).
+markdown table of docs/performance.md (``python -m tests.harness.flops_cases``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _encoder_row(family: str, case: str, plugin: Any, media: list[Any], language
     on the collated ``media``; ``freeze``: "encoder" / "projection" parts without gradients."""
     from megatron_plugins.encoders.counting import microbatch_flops
     from megatron_plugins.media.codec import media_size
-    from tests.hf_vision_models import language_config
+    from tests.models.hf_vision import language_config
 
     language = dataclasses.replace(language_config(), hidden_size=language_hidden)
     config = plugin.transformer_config(language)
@@ -126,12 +126,12 @@ def encoder_rows(folder: str) -> list[Row]:
     from megatron_plugins.encoders.audio import AudioFrameEncoder
     from megatron_plugins.encoders.vit import ViTEncoder
     from megatron_plugins.media.codec import Video
-    from tests.hf_vision_models import plugin, save_tiny, save_tiny_qwen, save_tiny_siglip2
-    from tests.hf_whisper_models import plugin as whisper_plugin
-    from tests.hf_whisper_models import save_tiny as save_whisper
-    from tests.llava_next_models import save_tiny_llava_next
-    from tests.qwen3_vlm_models import TEXT as QWEN3_TEXT
-    from tests.qwen3_vlm_models import save_tiny_qwen3_vl
+    from tests.models.hf_vision import plugin, save_tiny, save_tiny_qwen, save_tiny_siglip2
+    from tests.models.hf_whisper import plugin as whisper_plugin
+    from tests.models.hf_whisper import save_tiny as save_whisper
+    from tests.models.llava_next import save_tiny_llava_next
+    from tests.models.qwen3_vlm import TEXT as QWEN3_TEXT
+    from tests.models.qwen3_vlm import save_tiny_qwen3_vl
 
     _groups()
     root = Path(folder)
@@ -180,7 +180,7 @@ def _sensor_row() -> Row:
     """The example custom encoder of examples/mimo/custom_encoder."""
     import sys
 
-    from tests.multiprocess import REPO_ROOT
+    from tests.harness.multiprocess import REPO_ROOT
 
     sys.path.insert(0, str(REPO_ROOT / "examples" / "mimo" / "custom_encoder"))
     from sensor_encoder import SensorEncoder
@@ -241,7 +241,7 @@ def _language(flags: list[str]) -> tuple[Any, Any, Any]:
     from megatron.training.global_vars import set_global_variables, unset_global_variables
 
     from megatron_plugins.model.language import StockLanguageModel, language_config_from_args
-    from tests.hf_models import BASE_FLAGS, stock_args
+    from tests.models.hf import BASE_FLAGS, stock_args
 
     unset_global_variables()
     MTPLossLoggingHelper.tracker.clear()  # sized by the MTP layers of the first model built
@@ -315,7 +315,7 @@ def stock_rows() -> list[Row]:
 
     from megatron_plugins.flops.language import language_flops
     from megatron_plugins.flops.transformer import AttentionKernel
-    from tests.hf_models import BASE_FLAGS, stock_args
+    from tests.models.hf import BASE_FLAGS, stock_args
 
     rows = []
     for case, flags in STOCK_CASES:
@@ -333,7 +333,7 @@ def main() -> None:
     """Print docs/performance.md's table: every family on one simulated rank each."""
     import tempfile
 
-    from tests.multiprocess import run_in_processes
+    from tests.harness.multiprocess import run_in_processes
 
     with tempfile.TemporaryDirectory() as folder:
         [encoders] = run_in_processes(encoder_rows, 1, args=(folder,), timeout=600,

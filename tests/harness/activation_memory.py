@@ -7,7 +7,7 @@ they were saved: the layers' core attention, the rest of the language model, and
 around it (text embeddings, combining encoder rows, the CP split). The process's peak RSS over
 the training steps is read from ``/proc/self/status`` (VmHWM, reset before the first forward).
 
-    PYTHONPATH=. .venv/bin/python -m tests.activation_memory --seq-length 4096 --cp 1 2 | grep '^|'
+    PYTHONPATH=. .venv/bin/python -m tests.harness.activation_memory --seq-length 4096 --cp 1 2 | grep '^|'
 
 :class:`HeldActivations` measures a whole training step instead (colocated layouts keep encoder
 activations across the step's microbatches): the saved-for-backward bytes held at once, by
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tests.multiprocess import run_in_processes
-from tests.tiny_model import TINY_TRANSFORMER
+from tests.harness.multiprocess import run_in_processes
+from tests.models.tiny import TINY_TRANSFORMER
 
 REGIONS = ("attention", "language", "mimo")
 """Where a saved tensor was saved: inside a core attention, elsewhere in the language model, or

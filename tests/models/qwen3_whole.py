@@ -1,6 +1,6 @@
 """A tiny whole Qwen3-VL with more language layers than DeepStack levels (:func:`save_whole`) and
 transformers' logits on a sample of several images of different sizes; the sample and our run
-over the grids are :mod:`tests.qwen_vlm_models`' (``sample``, ``forward_diff``), which serve any
+over the grids are :mod:`tests.models.qwen_vlm`' (``sample``, ``forward_diff``), which serve any
 Qwen folder."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.qwen3_vlm_models import IMAGE_TOKEN, processor, save_tiny_qwen3_vl
+from tests.models.qwen3_vlm import IMAGE_TOKEN, processor, save_tiny_qwen3_vl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.hf_vision_models import SHAPE as VISION
-from tests.hf_vision_models import redraw
-from tests.hf_vlm_models import (
+from tests.models.hf_vision import SHAPE as VISION
+from tests.models.hf_vision import redraw
+from tests.models.hf_vlm import (
     ENCODER,
     IMAGE_TOKEN,
     built_forward,

@@ -1,0 +1,74 @@
+"""Checks of the parsed flags that set nothing: each refuses, in one line naming the flag, what
+stock or the data would fail on later without a word. :mod:`megatron_plugins.launch.settle` runs
+them as its steps."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron_plugins.data.streams import DataSource
+from megatron_plugins.data.text import check_tokenizer_folder
+from megatron_plugins.errors import FlagError
+from megatron_plugins.weights.flags import HF_MODEL_FLAG, hf_model_encoder
+
+__all__ = ["check_image_token", "check_mock_tokenizer", "check_mrope", "check_packing"]
+
+
+def check_mock_tokenizer(args: argparse.Namespace) -> None:
+    """The mock data (no ``--data-path``) draws ids below ``--vocab-size``; a HuggingFace
+    tokenizer it is given must still be a readable folder (stock builds it)."""
+    if args.data_path or args.tokenizer_type != "HuggingFaceTokenizer":
+        return
+    if args.tokenizer_model:
+        check_tokenizer_folder(args.tokenizer_model)
+    if args.vocab_size is None:
+        raise FlagError("--vocab-size is missing: the mock data (no --data-path) draws token ids "
+                        "below it; add --vocab-size N, or train on a dataset with --data-path")
+
+
+def check_image_token(args: argparse.Namespace, source: DataSource) -> None:
+    """The data's placeholder for ``--hf-model``'s encoder must be the checkpoint's image token:
+    the language model reads image features where HF put them."""
+    from megatron_plugins.weights.vlm_families import read_vlm
+
+    name = hf_model_encoder(args)
+    if name is None:
+        return
+    vlm, config = read_vlm(args.hf_model)
+    want, have = vlm.image_token_id(config), source.special_token_ids.get(name)
+    if have != want:
+        raise FlagError(f"{HF_MODEL_FLAG} {args.hf_model}: its image token is id {want}, but the "
+                        f"data marks encoder {name}'s positions with id {have}; give a tokenizer "
+                        f"whose <{name}> token is id {want} (the checkpoint's own tokenizer)")
+
+
+def check_packing(args: argparse.Namespace) -> None:
+    """``--pack-sequences`` needs an attention that reads THD segments."""
+    if not args.pack_sequences:
+        return
+    if args.attention_backend == AttnBackend.local:
+        raise FlagError("--pack-sequences needs an attention that reads packed (THD) segments, "
+                        "which --attention-backend local's DotProductAttention does not; drop "
+                        "--attention-backend local (with --transformer-impl local the reference "
+                        "packed attention is used)")
+
+
+def check_mrope(args: argparse.Namespace) -> None:
+    """``--mrope-section`` splits a head's rotary frequency pairs over (t, h, w): three counts
+    summing to half the rotary dims, else Megatron fails deep in the first forward.
+    ``--mrope-interleaved`` lays those pairs out, so it needs mrope."""
+    if args.position_embedding_type != "mrope":
+        if getattr(args, "mrope_interleaved", False):
+            raise FlagError(f"--mrope-interleaved lays out multimodal RoPE's frequency pairs; it "
+                            f"needs --position-embedding-type mrope (got "
+                            f"{args.position_embedding_type})")
+        return
+    pairs = int(args.kv_channels * args.rotary_percent) // 2
+    section = list(args.mrope_section or [])
+    if len(section) != 3 or sum(section) != pairs:
+        raise FlagError(f"--mrope-section {' '.join(map(str, section))} must be three counts "
+                        f"(temporal, height, width) summing to the {pairs} rotary frequency pairs "
+                        f"of a head (--kv-channels {args.kv_channels} x --rotary-percent "
+                        f"{args.rotary_percent} / 2)")

@@ -40,6 +40,8 @@ from tests.models.qwen_vlm import (
 )
 from tests.harness.tensorboard_scalars import read_scalars
 
+pytestmark = pytest.mark.multirank
+
 TOLERANCE = 1e-5
 GRIDS = ("image:dp=1", "language:dp=1")
 LORA = ("--lora", "language:rank=4,alpha=8", "--lora", "image:rank=4,alpha=8",
@@ -114,7 +116,6 @@ def _tensor_bytes(folder: Path) -> int:
                for tensor in dist_checkpointing.load_tensors_metadata(str(folder)).values())
 
 
-@pytest.mark.multirank
 @pytest.mark.timeout(2400)
 def test_a_resumed_lora_run_continues_bit_identically(runs):
     root = runs["root"]
@@ -130,7 +131,6 @@ def test_a_resumed_lora_run_continues_bit_identically(runs):
     assert language and all(".lora_" in name for name in language)
 
 
-@pytest.mark.multirank
 def test_the_checkpoint_holds_the_adapters_and_references_the_frozen_base(runs):
     from megatron.core import dist_checkpointing
 
@@ -151,7 +151,6 @@ def test_the_checkpoint_holds_the_adapters_and_references_the_frozen_base(runs):
     assert lora < full / 2 and lora_state < full_state / 4
 
 
-@pytest.mark.multirank
 def test_every_parts_learning_rate_is_in_the_log_and_in_tensorboard(runs):
     root = runs["root"]
     rates = {part: read_scalars(root / "tb_lora", f"learning-rate/{part}")
@@ -181,7 +180,6 @@ def exported(runs) -> Path:
     return out
 
 
-@pytest.mark.multirank
 def test_the_merged_export_gives_our_logits_in_transformers(runs, exported):
     from megatron_plugins.weights.streaming import assemble
 
@@ -199,7 +197,6 @@ def test_the_merged_export_gives_our_logits_in_transformers(runs, exported):
         assert (not torch.equal(tensor, original[name])) == bool(ADAPTED.search(name)), name
 
 
-@pytest.mark.multirank
 def test_the_peft_adapters_on_transformers_model_give_our_logits(runs, exported):
     import json
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.harness.mimo_runs import train_mimo
 
+pytestmark = pytest.mark.multirank
+
 SGD = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005")
 LORA = ("--lora", "language:rank=4,alpha=8", "--lora", "vision:rank=4,alpha=8")
 VISION = (*SGD, "--encoder", "vision=vit", "--untie-embeddings-and-output-weights", "--grid")
@@ -78,7 +80,6 @@ def _adapters(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: value for name, value in params.items() if ".lora_" in name}
 
 
-@pytest.mark.multirank
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lora_trains_identically_at_every_layout(saved, reference, name):
@@ -100,7 +101,6 @@ def test_lora_trains_identically_at_every_layout(saved, reference, name):
                                        err_msg=f"{name} {module}: {param}")
 
 
-@pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_lora_language_with_a_fully_trained_tower_and_a_frozen_projection(saved, reference):
     """Tower weights move, the projection's do not, the language model's own weights do not,

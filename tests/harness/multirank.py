@@ -37,7 +37,8 @@ def _record(what: str) -> None:
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     if event == "subprocess.Popen":  # arguments: executable, args, cwd, env
         command = args[1] if isinstance(args[1], (list, tuple)) else [args[1] or args[0]]
-        _record(" ".join(map(str, command))[:200])
+        if str(command[0]) != "git":  # megatron.core's first import asks git for its hash
+            _record(" ".join(map(str, command))[:200])
 
 
 _stock_start = multiprocessing.process.BaseProcess.start

@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import io
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,260 +51,23 @@ from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
 from tqdm import tqdm
 from webdataset import ShardWriter
 
-from megatron_plugins.media.codec import DECODERS, BadSampleError
-from megatron_plugins.data.samples import (
-    AUDIO_PART,
-    DATASET_KINDS,
-    ConversationKind,
-    SampleKind,
-    conversation_part,
-)
-from megatron_plugins.data.text import media_marker
+from megatron_plugins.data.samples import conversation_part
 from megatron_plugins.errors import UsageError, report
+from tools.annotations import (
+    KINDS,
+    MEDIA_SUFFIXES,
+    PROG,
+    DatasetError,
+    Kind,
+    Record,
+    check_media,
+    read_records,
+)
 
-PROG = "make_energon_dataset"
+__all__ = ["SPLITS", "main", "make_dataset", "split_records"]
+
 SPLITS = ("train", "val", "test")
-MEDIA_SUFFIXES: dict[str, dict[str, str]] = {
-    "image": {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"},
-    "audio": {".wav": AUDIO_PART},
-}
-"""Media files accepted per column, and the tar part each is stored as (bytes kept as they are)."""
-KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
-"""Sample keys WebDataset can split from the part name (no dots, no slashes)."""
-LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-"""LLaVA's ``from`` values -> chat template roles."""
-
-
-class DatasetError(UsageError):
-    """An input the dataset cannot be made from; one line names the flag, record or file."""
-
-
-@dataclass(frozen=True)
-class Kind:
-    """What one kind of dataset reads from each annotation record; its samples are of the
-    schema's kind (:data:`~megatron_plugins.data.samples.DATASET_KINDS`), which the training
-    loader reads too."""
-
-    sample: SampleKind
-    text: tuple[str, ...]
-    """Columns holding text: one is stored as ``txt``, several as one ``json`` object."""
-
-    @property
-    def media(self) -> tuple[str, ...]:
-        """Columns holding a media path: ``image`` and/or ``audio``."""
-        return self.sample.media
-
-    @property
-    def conversation(self) -> bool:
-        """LLaVA-style records, converted by :func:`_conversation_row` into 0..N images and
-        ``text``."""
-        return isinstance(self.sample, ConversationKind)
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return ("conversations",) if self.conversation else self.media + self.text
-
-    @property
-    def text_part(self) -> str:
-        return "txt" if len(self.text) == 1 and not self.conversation else "json"
-
-    @property
-    def parts(self) -> list[str]:
-        """Every tar part this kind's samples may hold (Energon's part filter)."""
-        media = [dict.fromkeys(MEDIA_SUFFIXES[column].values()) for column in self.media]
-        return [part for parts in media for part in parts] + [self.text_part]
-
-
-KINDS: dict[str, Kind] = {name: Kind(DATASET_KINDS[name], text) for name, text in (
-    ("caption", ("caption",)),
-    ("vqa", ("question", "answer")),
-    ("transcript", ("transcript",)),
-    ("image_audio_caption", ("caption",)),
-    ("conversation", ("conversation",)),
-)}
-
-
-@dataclass(frozen=True)
-class Record:
-    """One annotation record, resolved: where it was (file and line, for messages), its key,
-    media (``(column, path, item)`` in order: a conversation's images in marker order, ``item``
-    their part's index, ``"2.0"`` for a video's first frame) and text."""
-
-    where: str
-    key: str
-    media: tuple[tuple[str, Path, str], ...]
-    text: dict[str, str]
-
-
-def _image_paths(row: dict[str, Any], where: str) -> list[str | list[str]]:
-    """A LLaVA-style record's image paths: ``image`` one path, a list of them (a video: a list
-    of its frames' paths), or absent."""
-    image = row.get("image")
-    images = [] if image is None else image if isinstance(image, list) else [image]
-    for index, path in enumerate(images):
-        frames = path if isinstance(path, list) and isinstance(image, list) else [path]
-        if not frames or not all(isinstance(frame, str) and frame for frame in frames):
-            what = "image" if not isinstance(image, list) else f"image[{index}]"
-            raise DatasetError(f"{where}: {what!r} is not a file path (give a path, a list of "
-                               "paths (a video: a list of frame paths), or no 'image' for a "
-                               "text-only record)")
-    return images
-
-
-def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """A LLaVA-style (or ShareGPT) record as the columns of the ``conversation`` kind: its image
-    paths and its turns as JSON ``{role, content}`` text; records that cannot train are
-    refused."""
-    turns = row.get("conversations")
-    if not isinstance(turns, list) or not turns:
-        raise DatasetError(f"{where}: no 'conversations' list; each record needs conversations "
-                           "[{from, value}, ...] (and image: a path or a list, if it has any)")
-    images = _image_paths(row, where)
-    converted = []
-    for index, turn in enumerate(turns):
-        speaker = turn.get("from") if isinstance(turn, dict) else None
-        value = turn.get("value") if isinstance(turn, dict) else None
-        if speaker not in LLAVA_ROLES or not isinstance(value, str):
-            raise DatasetError(f"{where}: conversations[{index}] is not {{\"from\": "
-                               f"{'|'.join(LLAVA_ROLES)}, \"value\": text}}")
-        converted.append({"role": LLAVA_ROLES[speaker], "content": value})
-    markers = sum(turn["content"].count(media_marker(media)) for turn in converted
-                  for media in ("image", "video"))
-    if markers and markers != len(images):
-        raise DatasetError(f"{where}: {markers} <image> marker{'s' * (markers != 1)} for "
-                           f"{len(images)} image{'s' * (len(images) != 1)}; give one marker per "
-                           "image, in image order (or none: the images then open the first "
-                           "'human' turn)")
-    if not any(turn["role"] == "assistant" for turn in converted):
-        raise DatasetError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
-    if images and not markers and not any(turn["role"] == "user" for turn in converted):
-        raise DatasetError(f"{where}: no <image> marker and no 'human' turn to put the images in")
-    return {"key": row.get("id"), "images": images,
-            "conversation": json.dumps(converted, ensure_ascii=False)}
-
-
-def _json_rows(annotations: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, record) of every record of a .jsonl (one object a line) or .json (a list) file."""
-    rows: list[tuple[str, Any]] = []
-    with annotations.open(encoding="utf-8") as f:
-        if annotations.suffix == ".json":
-            try:
-                records = json.load(f)
-            except json.JSONDecodeError as error:
-                raise DatasetError(f"{annotations}: not JSON ({error})") from None
-            if not isinstance(records, list):
-                raise DatasetError(f"{annotations}: not a JSON list of records")
-            rows = [(f"{annotations} record {index}", row) for index, row in enumerate(records)]
-        else:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"{annotations} line {line_no}", json.loads(line)))
-                except json.JSONDecodeError as error:
-                    where = f"{annotations} line {line_no}"
-                    raise DatasetError(f"{where}: not JSON ({error})") from None
-    for where, row in rows:
-        if not isinstance(row, dict):
-            raise DatasetError(f"{where}: not a JSON object")
-    return rows
-
-
-def _read_rows(annotations: Path, kind: Kind) -> list[tuple[str, dict[str, Any]]]:
-    """(where, record) of every record in a .jsonl, .json or .csv file, all columns present."""
-    if not annotations.is_file():
-        raise DatasetError(f"--annotations {annotations}: no such file")
-    need = ", ".join(kind.columns)
-    rows: list[tuple[str, dict[str, Any]]] = []
-    if annotations.suffix in (".jsonl", ".json"):
-        rows = _json_rows(annotations)
-    elif annotations.suffix == ".csv" and not kind.conversation:
-        with annotations.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in kind.columns if c not in (reader.fieldnames or [])]
-            if missing:
-                raise DatasetError(
-                    f"{annotations} line 1: no {missing[0]!r} column; the header needs {need}"
-                )
-            rows = [(f"{annotations} line {reader.line_num}", row) for row in reader]
-    else:
-        endings = ".jsonl or .json" if kind.conversation else ".jsonl, .json or .csv"
-        raise DatasetError(f"--annotations {annotations}: must end in {endings}")
-    if not rows:
-        raise DatasetError(f"--annotations {annotations}: no records")
-    if kind.conversation:
-        named = [(where if row.get("id") in (None, "") else f"{where} (id {row['id']!r})", row)
-                 for where, row in rows]
-        return [(where, _conversation_row(row, where)) for where, row in named]
-    for where, row in rows:
-        for column in kind.columns:
-            value = row.get(column)
-            if not isinstance(value, str) or not value:
-                problem = "no" if value is None else "an empty or non-text"
-                raise DatasetError(
-                    f"{where}: {problem} {column!r} field; each record needs {need}"
-                )
-    return rows
-
-
-def _conversation_items(images: list[str | list[str]]) -> list[tuple[str, str]]:
-    """Each image (a video: each frame) path of a conversation with its part's index."""
-    return [(name, f"{index}.{frame}" if isinstance(entry, list) else str(index))
-            for index, entry in enumerate(images)
-            for frame, name in enumerate(entry if isinstance(entry, list) else [entry])]
-
-
-def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]:
-    """The annotation records with keys and media paths checked (media not yet decoded)."""
-    if not input_dir.is_dir():
-        raise DatasetError(f"--input {input_dir}: no such folder")
-    rows = _read_rows(annotations, kind)
-    width = max(6, len(str(len(rows) - 1)))
-    records: list[Record] = []
-    seen: dict[str, str] = {}
-    for index, (where, row) in enumerate(rows):
-        key = str(row["key"]) if row.get("key") not in (None, "") else f"{index:0{width}d}"
-        if not KEY_RE.fullmatch(key):
-            raise DatasetError(f"{where}: key {key!r} may hold only letters, digits, _ and -")
-        if key in seen:
-            raise DatasetError(f"{where}: key {key!r} is already used by {seen[key]}")
-        seen[key] = where
-        named = ([("image", name, item) for name, item in _conversation_items(row["images"])]
-                 if kind.conversation else [(column, row[column], "") for column in kind.media])
-        media = []
-        for column, name, item in named:
-            path = input_dir / name
-            suffixes = MEDIA_SUFFIXES[column]
-            if path.suffix.lower() not in suffixes:
-                raise DatasetError(
-                    f"{where}: {column} {path} must be a {', '.join(suffixes)} file"
-                )
-            if not path.is_file():
-                raise DatasetError(f"{where}: {column} file {path} does not exist")
-            media.append((column, path, item))
-        records.append(Record(where, key, tuple(media), {c: row[c] for c in kind.text}))
-    return records
-
-
-def check_media(records: Sequence[Record], quiet: bool = False) -> None:
-    """Decode every media file exactly as training will (a progress bar on a terminal), so a
-    broken file fails here, before anything is written, not mid-run."""
-    with tqdm(records, unit="sample", desc=f"{PROG}: checking",
-              disable=quiet or not sys.stderr.isatty()) as bar:
-        for record in bar:
-            frame_sizes: dict[str, tuple[int, ...]] = {}
-            for column, path, item in record.media:
-                where = f"{record.where}: {column} file {path}"
-                try:
-                    decoded = DECODERS[column](path.read_bytes(), where, column)
-                except BadSampleError as error:
-                    raise DatasetError(f"{where} does not decode as {column}: {error}") from None
-                if "." in item:  # a video's frame: all of one size
-                    size = frame_sizes.setdefault(item.partition(".")[0], decoded.shape[:2])
-                    if decoded.shape[:2] != size:
-                        raise DatasetError(f"{where} is {decoded.shape[0]}x{decoded.shape[1]} "
-                                           f"(height x width), not the {size[0]}x{size[1]} of "
-                                           "its video's first frame; give frames of one size")
+"""The splits a dataset is written in, in ``--split``'s order."""
 
 
 def _parts(record: Record, kind: Kind) -> dict[str, bytes | str]:

@@ -263,7 +263,7 @@ def test_a_record_with_a_video_of_frame_files_converts_to_frame_parts(tmp_path: 
                                                                      llava: Path) -> None:
     """An ``image`` entry that is a list of paths is a video: its frames become parts
     ``<key>.<item>.<frame>.<ext>`` and the loaded sample's item is the list of frame files."""
-    from tools.make_energon_dataset import DatasetError
+    from tools.annotations import DatasetError
 
     frames = [_image(llava / f"frame{i}.png", (24, 16)) for i in range(3)]
     records = [_llava(i) for i in range(10)]

@@ -26,7 +26,8 @@ from PIL import Image
 
 from megatron_plugins.data.samples import (DATASET_KINDS, AudioTranscriptSample,
                                            ImageAudioCaptionSample, sample_kind)
-from tools.make_energon_dataset import KINDS, SPLITS, main, make_dataset
+from tools.annotations import KINDS
+from tools.make_energon_dataset import SPLITS, main, make_dataset
 from tools.make_synthetic_dataset import COLOURS, SAMPLE_RATE, TONES, make_synthetic
 
 # Energon's loader asks torch for pinned memory whatever the machine; on CPU torch warns.

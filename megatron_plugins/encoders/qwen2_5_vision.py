@@ -168,7 +168,8 @@ class Qwen2_5VisionEncoder(QwenTowerEncoder):
         full = len(set(hf.fullatt_block_indexes) & set(range(config.num_layers)))
         stem = embedding(patches, 3 * hf.temporal_patch_size * hf.patch_size ** 2,
                          config.hidden_size)
-        layers = (tower(config, [rows * columns] * steps, full)
-                  + tower(config, windows, config.num_layers - full))
+        first_full = 0 in hf.fullatt_block_indexes
+        layers = (tower(config, [rows * columns] * steps, full, first=first_full)
+                  + tower(config, windows, config.num_layers - full, first=not first_full))
         return EncoderFlops(stem + layers, self.projection_flops(
             patches // merge ** 2, config, language_hidden_size))

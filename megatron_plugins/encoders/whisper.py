@@ -37,9 +37,8 @@ from megatron_plugins.encoders.base import (
     encoder_layer_spec,
 )
 from megatron_plugins.encoders.hf_source import HFSource
-from megatron_plugins.flops.count import EncoderFlops, Work
-from megatron_plugins.flops.encoder import embedding, tower
-from megatron_plugins.flops.transformer import linear
+from megatron_plugins.flops.count import EncoderFlops
+from megatron_plugins.flops.encoder import embedding, stem, tower
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
 if TYPE_CHECKING:
@@ -237,10 +236,10 @@ class WhisperEncoder(EncoderPlugin):
         """conv1 over the chunk's mel frames, conv2 (stride 2) down to the positions, the layers
         over them and the projection; every clip is cut or padded to one chunk."""
         positions, hidden = self.hf_config.max_source_positions, config.hidden_size
-        stem = (embedding(CONV_STRIDE * positions, CONV_KERNEL * self.hf_config.num_mel_bins,
-                          hidden)
-                + Work(inner=linear(positions, CONV_KERNEL * hidden, hidden)))
-        return EncoderFlops(stem + tower(config, [positions]),
+        convolutions = (embedding(CONV_STRIDE * positions,
+                                  CONV_KERNEL * self.hf_config.num_mel_bins, hidden)
+                        + stem(positions, CONV_KERNEL * hidden, hidden))
+        return EncoderFlops(convolutions + tower(config, [positions]),
                             self.projection_flops(positions, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:

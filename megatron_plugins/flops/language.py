@@ -18,7 +18,9 @@ Recomputation follows Megatron's ``--recompute-granularity``: ``full`` reruns wh
 ``selective`` reruns the ``--recompute-modules`` that hold matmuls: ``core_attn`` (the scores),
 ``mlp`` (dense MLPs), ``moe`` (router, routed and shared experts), ``shared_experts``; the others
 (``layernorm``, ``moe_act``) rerun elementwise work only. DeepStack's additions after the first
-layers are elementwise and not counted (its mergers are the encoder's). Not supported (a
+layers are elementwise and not counted (its mergers are the encoder's). Under LoRA (``--lora
+language``, :class:`~.count.Adapters`) the weights get no gradient, the adapters do, and
+without a trained encoder before it the gradient starts at the first adapted linear. Not supported (a
 :class:`FlopsError` naming the flag): multi-latent attention, linear-attention variants, MoE
 latent projections, Mamba / GDN / MLA / DSA hybrid layers, MTP in a hybrid pattern.
 """
@@ -29,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megatron_plugins.errors import UsageError
-from megatron_plugins.flops.count import Flops, Work
+from megatron_plugins.flops.count import Adapters, Flops, Work
 from megatron_plugins.flops.transformer import (
     AttentionKernel,
     Layer,
@@ -117,10 +119,10 @@ def _recomputed(config: Any, layers: int, chunks: Sequence[int] | None,
     return chosen
 
 
-def _layer_flops(config: Any, parts: str, segments: list[int], *, kernel: AttentionKernel,
-                 full: bool, modules: set[str], trains: bool, input_grad: bool) -> Flops:
-    """One layer of these hybrid ``parts``: with ``full`` the whole layer recomputed, else the
-    selective ``modules``."""
+def _layer_works(config: Any, parts: str, segments: list[int], *, kernel: AttentionKernel,
+                 modules: set[str]) -> list[tuple[Work, bool]]:
+    """One layer of these hybrid ``parts``: its works, each with whether the selective
+    ``modules`` rerun it."""
     tokens = sum(segments)
     shape = Layer.of(config, causal=True, kernel=kernel, moe=MOE in parts)
     works = []
@@ -133,14 +135,31 @@ def _layer_flops(config: Any, parts: str, segments: list[int], *, kernel: Attent
                   (shape.mlp.shared_work(tokens), whole or "shared_experts" in modules)]
     elif MLP in parts:
         works.append((shape.mlp.work(tokens), "mlp" in modules))
-    return sum((work.flops(trains=trains, input_grad=input_grad, recomputed=full or again)
-                for work, again in works), Flops())
+    return works
+
+
+def _layer_flops(works: list[tuple[Work, bool]], *, full: bool, trains: bool, input_grad: bool,
+                 adapters: Adapters | None) -> Flops:
+    """A layer's works (:func:`_layer_works`), the whole layer recomputed with ``full``. LoRA'd
+    (``adapters``), ``input_grad`` says whether a gradient reaches the layer's input; without
+    one it starts at the layer's first adapter (none: forward only)."""
+    if adapters is None:
+        return sum((work.flops(trains=trains, input_grad=input_grad, recomputed=full or again)
+                    for work, again in works), Flops())
+    layer = sum((work for work, _ in works), Work())
+    if not (input_grad or adapters.adapt(layer.linears)):
+        return Flops(layer.forward)
+    flops = (layer if input_grad else layer.leading()).flops(
+        trains=False, input_grad=input_grad, adapters=adapters)
+    return flops + Flops(recompute=sum(work.forward + adapters.forward(work.linears)
+                                       for work, again in works if full or again))
 
 
 def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], *,
                    trains: bool = True, input_grad: bool = False,
                    kernel: AttentionKernel | None = None, pattern: str | None = None,
-                   chunks: Sequence[int] | None = None) -> Flops:
+                   chunks: Sequence[int] | None = None, adapters: Adapters | None = None
+                   ) -> Flops:
     """FLOPs of one microbatch through the language model.
 
     ``config``: its TransformerConfig; ``vocab_size``: the padded vocabulary the output layer
@@ -149,7 +168,8 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     projection needs the gradient of its inputs (a frozen model then still runs a backward);
     ``kernel``: the attention kernel (default: the one ``config.transformer_impl`` runs);
     ``pattern``: the ``--hybrid-layer-pattern`` of a hybrid model; ``chunks``: layers per model
-    chunk, for ``--recompute-method block`` where :func:`chunk_layers` cannot tell.
+    chunk, for ``--recompute-method block`` where :func:`chunk_layers` cannot tell;
+    ``adapters``: LoRA on it (``trains`` then False).
     """
     for field, flag in UNSUPPORTED:
         if getattr(config, field, None):
@@ -160,16 +180,21 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     layers = _layers(config, pattern)
     modules = (set(config.recompute_modules or ["core_attn"])
                if config.recompute_granularity == "selective" else set())
-    common = {"kernel": attention_kernel(config.transformer_impl) if kernel is None else kernel,
-              "modules": modules, "trains": trains, "input_grad": input_grad}
-    total = sum((_layer_flops(config, parts, segments, full=full, **common) for parts, full
-                 in zip(layers, _recomputed(config, len(layers), chunks, pattern is not None))),
-                Flops())
-    grads = {"trains": trains, "input_grad": input_grad}
+    shape = {"kernel": attention_kernel(config.transformer_impl) if kernel is None else kernel,
+             "modules": modules}
+    grads = {"trains": trains, "adapters": adapters}
+    total, flowing = Flops(), input_grad
+    for parts, full in zip(layers, _recomputed(config, len(layers), chunks, pattern is not None)):
+        works = _layer_works(config, parts, segments, **shape)
+        total += _layer_flops(works, full=full, input_grad=flowing, **grads)
+        if adapters is not None:
+            flowing = flowing or adapters.adapt(sum((work for work, _ in works), Work()).linears)
     mtp_full = config.recompute_granularity == "full" and config.recompute_method != "block"
     eh_proj = Work(inner=linear(tokens, 2 * config.hidden_size, config.hidden_size))
     for _ in range(config.mtp_num_layers or 0):
-        total += (eh_proj.flops(recomputed=mtp_full, **grads)
-                  + _layer_flops(config, layers[-1], segments, full=mtp_full, **common))
+        total += (eh_proj.flops(trains=trains, input_grad=flowing, recomputed=mtp_full)
+                  + _layer_flops(_layer_works(config, layers[-1], segments, **shape),
+                                 full=mtp_full, input_grad=flowing, **grads))
     logits = Work(inner=linear(tokens, config.hidden_size, vocab_size))
-    return total + (logits * (1 + (config.mtp_num_layers or 0))).flops(**grads)
+    return total + (logits * (1 + (config.mtp_num_layers or 0))).flops(trains=trains,
+                                                                       input_grad=flowing)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_plugins.flops.count import Work
+from megatron_plugins.flops.count import Work, linear
 
 __all__ = ["Attention", "AttentionKernel", "Layer", "MLP", "MoE", "attention_kernel", "linear"]
 
@@ -44,12 +44,6 @@ def attention_kernel(transformer_impl: str) -> AttentionKernel:
         AttentionKernel.MATMUL
 
 
-def linear(tokens: int, fan_in: int, fan_out: int) -> int:
-    """Forward FLOPs of a ``fan_in -> fan_out`` linear layer (or convolution with
-    ``fan_in`` = channels x kernel size) over ``tokens`` rows."""
-    return 2 * tokens * fan_in * fan_out
-
-
 @dataclass(frozen=True)
 class Attention:
     """Self-attention: fused QKV (GQA: ``groups`` key/value heads; an output gate adds a
@@ -66,7 +60,8 @@ class Attention:
     def projections(self, tokens: int) -> Work:
         query, key_value = self.heads * self.head_dim, self.groups * self.head_dim
         qkv = query * (2 if self.output_gate else 1) + 2 * key_value
-        return Work(inner=linear(tokens, self.hidden, qkv) + linear(tokens, query, self.hidden))
+        return (Work.linear("linear_qkv", tokens, self.hidden, qkv)
+                + Work.linear("linear_proj", tokens, query, self.hidden))
 
     def scores(self, segments: Iterable[int]) -> Work:
         """QK^T and PV over each segment, with every query head (GQA repeats key/value heads)."""
@@ -91,14 +86,15 @@ class MLP:
     gated: bool = False
 
     def work(self, tokens: int) -> Work:
-        up = linear(tokens, self.hidden, self.ffn * (2 if self.gated else 1))
-        return Work(inner=up + linear(tokens, self.ffn, self.hidden))
+        return (Work.linear("linear_fc1", tokens, self.hidden, self.ffn * (2 if self.gated else 1))
+                + Work.linear("linear_fc2", tokens, self.ffn, self.hidden))
 
 
 @dataclass(frozen=True)
 class MoE:
     """Router (``hidden -> experts``), each token through its ``topk`` routed experts (no token
-    dropped: no capacity factor), the shared experts and their optional sigmoid gate."""
+    dropped: no capacity factor), the shared experts and their optional sigmoid gate; none of
+    their linears adaptable (LoRA adapts no expert)."""
 
     hidden: int
     experts: int
@@ -108,14 +104,14 @@ class MoE:
     shared_gate: bool = False
 
     def routed(self, tokens: int) -> Work:
-        return Work(inner=linear(tokens, self.hidden, self.experts)) + self.expert.work(
-            tokens * self.topk)
+        return Work(gating=linear(tokens, self.hidden, self.experts)) + self.expert.work(
+            tokens * self.topk).unadaptable()
 
     def shared_work(self, tokens: int) -> Work:
         if self.shared is None:
             return Work()
         gate = linear(tokens, self.hidden, 1) if self.shared_gate else 0
-        return self.shared.work(tokens) + Work(inner=gate)
+        return self.shared.work(tokens).unadaptable() + Work(inner=gate)
 
     def work(self, tokens: int) -> Work:
         return self.routed(tokens) + self.shared_work(tokens)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_plugins.errors import FlagError
+from megatron_plugins.flops.count import Adapters
 from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
 from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
@@ -54,6 +55,11 @@ class LoraSpec:
     def scale(self) -> float:
         """The factor on the adapter's output (PEFT's ``lora_alpha / r``)."""
         return self.alpha / self.rank
+
+    @property
+    def adapters(self) -> Adapters:
+        """What the FLOPs count needs of it (rank and targets)."""
+        return Adapters(self.rank, self.targets)
 
 
 @dataclass(frozen=True)

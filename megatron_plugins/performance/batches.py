@@ -7,7 +7,9 @@ rank that speaks for it in the data alignment guard too) counts it, so sums over
 the module's. The language model counts its real tokens (:data:`~megatron_plugins.data.streams.
 REAL_TOKENS`, padding excluded) and its FLOPs over the rows as they run (whole ``--seq-length``
 rows, or a packed row's segments); an encoder counts its items, their output tokens and, when its
-plugin implements ``item_flops``, their FLOPs (else a notice says it is left out).
+plugin implements ``item_flops``, their FLOPs (else a notice says it is left out). Each part
+(the language model, an encoder's network, its projection) counts as trained, frozen
+(``--freeze-*``) or LoRA'd (``--lora``: its weights frozen, its adapters trained).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron_plugins.errors import FlagError
 from megatron_plugins.flops.language import FlopsError, language_flops
 from megatron_plugins.model.language import language_config_from_args
 from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
+from megatron_plugins.peft.flags import PROJECTION, lora_specs
 from megatron_plugins.performance.recorder import Consumed
 
 __all__ = ["BatchCounter", "language_rows"]
@@ -61,6 +64,8 @@ class BatchCounter:
         hidden = language.hidden_size
         frozen = set(args.freeze_encoder)
         frozen_projections = frozen | set(args.freeze_projection)
+        adapters = {part: spec.adapters
+                    for part, spec in lora_specs(args.lora, run.layout, args.num_experts).items()}
         encoders, notices = {}, []
         for name, plugin in run.plugins.items():
             notice = flops_notice(plugin)
@@ -68,16 +73,21 @@ class BatchCounter:
                 notices.append(notice)
                 continue
             config = plugin.transformer_config(language)
-            encoders[name] = _encoder_count(plugin, config, hidden, name not in frozen,
-                                            name not in frozen_projections)
-        # A gradient reaches the language model's inputs when an encoder network trains (its
-        # projection then passes it on, trained or not).
+            parts = {"encoder_adapters": adapters.get(name),
+                     "projection_adapters": adapters.get(name + PROJECTION)}
+            encoders[name] = _encoder_count(plugin, config, hidden, {
+                "encoder_trains": name not in frozen and parts["encoder_adapters"] is None,
+                "projection_trains": (name not in frozen_projections
+                                      and parts["projection_adapters"] is None), **parts})
+        # A gradient reaches the language model's inputs unless --freeze-encoder freezes the
+        # encoder and its projection (LoRA on either is then refused).
         input_grad = any(name not in frozen for name in run.plugins)
 
         def language_count(rows: tuple[tuple[int, ...], ...], vocab_size: int) -> float:
             return float(language_flops(language, vocab_size, rows,
-                                        trains=not args.freeze_language_model,
-                                        input_grad=input_grad,
+                                        trains=not (args.freeze_language_model
+                                                    or LANGUAGE in adapters),
+                                        input_grad=input_grad, adapters=adapters.get(LANGUAGE),
                                         pattern=getattr(args, "hybrid_layer_pattern", None)).model)
 
         @lru_cache(maxsize=64)
@@ -119,13 +129,14 @@ def _is_witness(coordinates: Mapping[str, int]) -> bool:
     return coordinates["tp"] == 0 and coordinates["cp"] == 0 and coordinates["pp"] == 0
 
 
-def _encoder_count(plugin: Any, config: Any, hidden: int, trains: bool,
-                   projection_trains: bool) -> Callable[[Mapping[str, Any]], float]:
-    """An encoder microbatch's model FLOPs from its items' sizes."""
+def _encoder_count(plugin: Any, config: Any, hidden: int, parts: Mapping[str, Any]
+                   ) -> Callable[[Mapping[str, Any]], float]:
+    """An encoder microbatch's model FLOPs from its items' sizes, its ``parts`` trained, frozen
+    or LoRA'd (:meth:`~megatron_plugins.flops.count.EncoderFlops.flops`'s keywords)."""
 
     def count(batch: Mapping[str, Any]) -> float:
         sizes = [size for sample in batch[ITEM_SIZES][plugin.name] for size in sample]
         work = microbatch_flops(plugin, sizes, config, hidden)
-        return float(work.flops(encoder_trains=trains, projection_trains=projection_trains).model)
+        return float(work.flops(**parts).model)
 
     return count

@@ -80,27 +80,42 @@ def _images(*sizes: tuple[int, int], seed: int = 0) -> list[np.ndarray]:
 
 
 def _encoder_row(family: str, case: str, plugin: Any, media: list[Any], language_hidden: int,
-                 freeze: tuple[str, ...] = ()) -> Row:
+                 freeze: tuple[str, ...] = (), lora: tuple[str, ...] = ()) -> Row:
     """``plugin``'s whole modality (encoder and projection, built from its spec as MiMo does)
-    on the collated ``media``; ``freeze``: "encoder" / "projection" parts without gradients."""
+    on the collated ``media``; ``freeze``: "encoder" / "projection" parts without gradients;
+    ``lora``: parts with rank-2 adapters on all their targets."""
     from megatron_plugins.encoders.counting import microbatch_flops
     from megatron_plugins.media.codec import media_size
+    from megatron_plugins.peft.flags import ATTENTION, MLP
     from tests.models.hf_vision import language_config
 
     language = dataclasses.replace(language_config(), hidden_size=language_hidden)
     config = plugin.transformer_config(language)
     spec = plugin.submodule_spec(config, language_hidden, _groups())
     module = spec.module.from_spec(spec)
+    parts = {"encoder": module.encoders, "projection": module.input_projections}
     for part in freeze:
-        (module.encoders if part == "encoder" else module.input_projections).requires_grad_(False)
+        parts[part].requires_grad_(False)
+    adapters = {f"{part}_adapters": _adapt(parts[part], part, MLP if part == "projection"
+                                          else ATTENTION + MLP) for part in lora}
     preprocessor = plugin.preprocessor()
     inputs = preprocessor.collate([preprocessor(item) for item in media])
     count = counted(lambda: module(encoder_inputs={plugin.name: inputs}))
     work = microbatch_flops(plugin, [media_size(item) for item in media], config,
                             language_hidden)
-    flops = work.flops(encoder_trains="encoder" not in freeze,
-                       projection_trains="projection" not in freeze)
+    flops = work.flops(encoder_trains=not {"encoder"} & {*freeze, *lora},
+                       projection_trains=not {"projection"} & {*freeze, *lora}, **adapters)
     return Row(family, case, flops.hardware, count)
+
+
+def _adapt(module: torch.nn.Module, part: str, targets: tuple[str, ...]) -> Any:
+    """Rank-2 LoRA adapters on ``targets`` of ``module`` (frozen now); their FLOPs' spec."""
+    from megatron_plugins.peft.flags import LoraSpec
+    from megatron_plugins.peft.layers import adapt
+
+    spec = LoraSpec(part, 2, 4.0, 0.0, targets)
+    adapt(module, spec, seed=1)
+    return spec.adapters
 
 
 def flag_plugin(plugin_class: type, provider: str, flags: list[str]) -> Any:
@@ -233,6 +248,8 @@ LANGUAGE_CASES = [
 DOCUMENTS = [5, 9, 3, 4]
 PACK = "--pack-sequences"
 """Our flag (not stock's): the language model then runs packed rows."""
+BEFORE = "--trained-encoder-before"
+"""Not a flag: a gradient reaches the language model's input (dropped before parsing)."""
 
 
 def _language(flags: list[str]) -> tuple[Any, Any, Any]:
@@ -245,7 +262,8 @@ def _language(flags: list[str]) -> tuple[Any, Any, Any]:
 
     unset_global_variables()
     MTPLossLoggingHelper.tracker.clear()  # sized by the MTP layers of the first model built
-    args = stock_args([*BASE_FLAGS, *SHAPE, *(flag for flag in flags if flag != PACK)])
+    args = stock_args([*BASE_FLAGS, *SHAPE, *(flag for flag in flags
+                                                if flag not in (PACK, BEFORE))])
     args.padded_vocab_size = args.vocab_size
     args.pack_sequences = PACK in flags
     set_global_variables(args, build_tokenizer=False)
@@ -254,7 +272,9 @@ def _language(flags: list[str]) -> tuple[Any, Any, Any]:
     return model.train(), config.transformer, args
 
 
-def _language_row(family: str, case: str, flags: list[str]) -> Row:
+def _language_row(family: str, case: str, flags: list[str], lora: tuple[str, ...] = ()) -> Row:
+    """``lora``: rank-2 adapters on these targets (the base frozen); a gradient reaches the
+    language model's input in the "frozen" family and with :data:`BEFORE`."""
     from megatron_plugins.flops.language import language_flops
     from megatron_plugins.model.deepstack import DeepStack
     from megatron_plugins.ops.packed_attention import packed_seq_params
@@ -271,9 +291,11 @@ def _language_row(family: str, case: str, flags: list[str]) -> Row:
     tokens = torch.randint(0, args.vocab_size, (rows, length),
                            generator=torch.Generator().manual_seed(0))
     positions = torch.arange(length).expand(rows, length)
-    trains, input_grad = family != "frozen", family == "frozen"
+    adapters = _adapt(model, "language", lora) if lora else None
+    trains, input_grad = family != "frozen" and not lora, family == "frozen" or BEFORE in flags
     if family == "frozen":
         model.requires_grad_(False)
+    if input_grad:
         embedded = model.embedding(tokens, positions).detach().requires_grad_()
         kwargs["decoder_input"] = embedded
     if family == "DeepStack":
@@ -283,7 +305,8 @@ def _language_row(family: str, case: str, flags: list[str]) -> Row:
                                for _ in range(2)]
     count = counted(lambda: model(tokens, positions, labels=tokens, **kwargs))
     flops = language_flops(config, args.padded_vocab_size, layout, trains=trains,
-                           input_grad=input_grad, pattern=args.hybrid_layer_pattern)
+                           input_grad=input_grad, pattern=args.hybrid_layer_pattern,
+                           adapters=adapters)
     return Row(family, case, flops.hardware, count)
 
 

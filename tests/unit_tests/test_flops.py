@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_plugins.encoders import BUILTIN
-from megatron_plugins.flops.count import EncoderFlops, Flops, Work
+from megatron_plugins.flops.count import Adapters, EncoderFlops, Flops, Work
 from megatron_plugins.flops.language import FlopsError, chunk_layers, language_flops
 from megatron_plugins.flops.transformer import Attention, AttentionKernel, MLP, MoE
 from tests.harness.flops_cases import (
@@ -22,6 +22,7 @@ from tests.harness.flops_cases import (
     language_rows,
     stock_rows,
 )
+from tests.harness.lora_flops_cases import LORA_LANGUAGE_CASES, lora_rows
 from tests.harness.multiprocess import REPO_ROOT, run_in_processes
 
 TOLERANCE = 2.0
@@ -59,6 +60,39 @@ def test_every_language_family_counts_its_microbatch_as_flop_counter_mode_does()
         by_case["2 rows of 24"].counted
     assert by_case["every layer and MTP layer rerun"].counted > \
         by_case["1 MTP layer"].counted
+
+
+@pytest.mark.multirank
+def test_lora_counts_frozen_weights_and_adapters_as_flop_counter_mode_does():
+    """Attention and MLP adapters, attention only, a gradient starting mid-layer or in a later
+    layer, MoE and MTP, a LoRA'd encoder and projection: exactly FlopCounterMode's count."""
+    with tempfile.TemporaryDirectory() as folder:
+        [rows] = run_in_processes(lora_rows, 1, args=(folder,), timeout=300, simulated=True)
+    assert [(row.family, row.case) for row in rows][:len(LORA_LANGUAGE_CASES)] == [
+        case[:2] for case in LORA_LANGUAGE_CASES]
+    assert [(row.case, row.formula - row.counted) for row in rows
+            if row.formula != row.counted] == []
+    assert {row.family for row in rows} == {"LoRA", "LoRA vit", "LoRA whisper"}
+
+
+def test_lora_counts_no_weight_gradient_and_its_adapters():
+    layer = (Work.linear("linear_qkv", 10, 8, 24) + Work(scores=1000)
+             + Work.linear("linear_proj", 10, 8, 8))
+    adapters = Adapters(rank=2, targets=("linear_qkv", "linear_proj"))
+    adapted = 2 * 2 * 10 * (8 + 24 + 8 + 8)
+    frozen = layer.flops(trains=False, input_grad=True)
+    flowing = layer.flops(trains=False, input_grad=True, adapters=adapters)
+    assert flowing == Flops(frozen.forward + adapted, frozen.backward + 2 * adapted)
+    assert flowing.backward < layer.flops(trains=True, input_grad=True).backward
+    # Nothing before it trains: the first adapted linear's input needs no gradient.
+    start = layer.leading().flops(trains=False, input_grad=False, adapters=adapters)
+    assert start.backward == flowing.backward - 2 * 10 * 8 * 24 - 2 * 2 * 10 * 8
+    # Only linear_proj adapted: QKV and the scores run no backward.
+    late = Adapters(rank=2, targets=("linear_proj",))
+    assert layer.leading().flops(trains=False, input_grad=False, adapters=late).backward == \
+        2 * 2 * 2 * 10 * (8 + 8) - 2 * 2 * 10 * 8
+    with pytest.raises(ValueError, match="frozen"):
+        layer.flops(trains=True, input_grad=False, adapters=adapters)
 
 
 @pytest.mark.multirank
@@ -124,7 +158,7 @@ def test_moe_counts_router_topk_experts_and_shared_experts():
     moe = MoE(hidden=8, experts=4, topk=2, expert=MLP(8, 6, gated=True),
               shared=MLP(8, 10), shared_gate=True)
     tokens = 5
-    assert moe.work(tokens).inner == (2 * tokens * 8 * 4 + 2 * (2 * tokens) * 8 * 6 * 3
+    assert moe.work(tokens).forward == (2 * tokens * 8 * 4 + 2 * (2 * tokens) * 8 * 6 * 3
                                       + 2 * tokens * 8 * 10 * 2 + 2 * tokens * 8)
 
 

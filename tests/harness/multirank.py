@@ -1,8 +1,8 @@
 """The ``multirank`` marker and the check that keeps it true (a pytest plugin, loaded by
 ``tests/conftest.py``).
 
-A test starts processes when it runs gloo ranks, a torchrun or entry-point launch, or any other
-fresh interpreter (``run_in_processes``, ``run_script``, ``launch_preforked``, ``subprocess``):
+A test starts processes when it runs gloo ranks, a torchrun or entry-point launch, a shell
+script, or any other fresh interpreter (``run_in_processes``, ``run_script``, ``launch_preforked``, ``subprocess``):
 each costs seconds of imports or a preloaded server's start on a 2-core machine. Such a test, or
 a fixture it uses, must carry ``@pytest.mark.multirank``, so that ``pytest -m "not multirank"``
 is the fast, in-process subset. Forgetting the marker cannot go unnoticed: a test phase that
@@ -37,8 +37,19 @@ def _record(what: str) -> None:
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     if event == "subprocess.Popen":  # arguments: executable, args, cwd, env
         command = args[1] if isinstance(args[1], (list, tuple)) else [args[1] or args[0]]
-        if str(command[0]) != "git":  # megatron.core's first import asks git for its hash
+        if _launches(str(command[0])):
             _record(" ".join(map(str, command))[:200])
+
+
+LAUNCHERS = ("python", "torchrun", "bash", "sh")
+"""Programs whose start costs an interpreter (or runs a script that starts one). Tools that
+imports probe for themselves (``git rev-parse`` in megatron.core, ``ldconfig -p`` in ctypes)
+cost milliseconds and are not watched."""
+
+
+def _launches(program: str) -> bool:
+    name = program.rsplit("/", 1)[-1]
+    return program == sys.executable or name in LAUNCHERS or name.startswith("python")
 
 
 _stock_start = multiprocessing.process.BaseProcess.start

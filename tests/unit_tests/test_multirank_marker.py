@@ -12,17 +12,20 @@ from tests.harness.multirank import MARKER
 INNER_TESTS = '''
 import multiprocessing
 import subprocess
+import sys
 
 import pytest
+
+PYTHON = [sys.executable, "-c", "pass"]
 
 
 @pytest.fixture(scope="module")
 def launched():
-    subprocess.run(["true"], check=True)
+    subprocess.run(PYTHON, check=True)
 
 
 def test_unmarked_subprocess():
-    subprocess.run(["true"], check=True)
+    subprocess.run(PYTHON, check=True)
 
 
 def test_unmarked_rank():
@@ -43,10 +46,11 @@ def test_forked_worker():
 
 @pytest.mark.multirank
 def test_marked_subprocess():
-    subprocess.run(["true"], check=True)
+    subprocess.run(PYTHON, check=True)
 
 
 def test_in_process():
+    subprocess.run(["true"], check=True)  # a probe, not an interpreter
     assert sum([1, 2]) == 3
 '''
 
@@ -60,7 +64,7 @@ def test_starting_processes_without_the_marker_fails_the_test(pytester: pytest.P
     result.stdout.fnmatch_lines([  # errors (setup) are reported before failures
         "*test_unmarked_fixture_launch started 1 process(es) in its setup *",
         "*test_unmarked_subprocess started 1 process(es) in its call without "
-        "@pytest.mark.multirank (first: true)*",
+        "@pytest.mark.multirank (first: */python* -c pass)*",
         "*test_unmarked_rank started 1 process(es) in its call * (first: spawn SpawnProcess-* *",
     ])
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.harness.mimo_runs import train_mimo
+from tests.harness.mimo_runs import MimoLaunch, shared_run, train_mimo
 
 pytestmark = pytest.mark.multirank
 
@@ -130,3 +130,23 @@ def test_lora_language_with_a_fully_trained_tower_and_a_frozen_projection(saved,
     for name in tower:
         if ".lora_" not in name:
             np.testing.assert_array_equal(ref_vision[name], before["vision"][name], name)
+
+
+@pytest.mark.timeout(600)
+def test_lora_on_an_moe_language_model_trains_identically_at_ep1_and_ep2():
+    """LoRA on an MoE language model adapts its attention (experts are not LoRA targets):
+    expert parallelism changes neither the losses nor the trained adapters. CPU-initialized
+    experts are the same model at EP 1 and EP 2 (test_language_models.py)."""
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--lora", "language:rank=4,alpha=8")
+    runs = {ep: shared_run(MimoLaunch(3, (*VISION, "vision:", "--grid", language, *moe),
+                                      timeout=400))
+            for ep, language in ((1, "language:dp=2"), (2, "language:dp=2,ep=2"))}
+    (ep1_scalars, ep1), (ep2_scalars, ep2) = runs[1], runs[2]
+    assert sorted(ep2_scalars["lm loss"]) == list(range(1, 11))
+    for iteration, value in ep1_scalars["lm loss"].items():
+        assert ep2_scalars["lm loss"][iteration] == pytest.approx(value, rel=1e-5), iteration
+    expected, got = (_adapters(module_params(results, "language")) for results in (ep1, ep2))
+    assert len(expected) == 8 and got.keys() == expected.keys()  # 2 layers x (qkv, proj) x (A, B)
+    assert all(np.any(value) for name, value in expected.items() if ".lora_b" in name)  # trained
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)

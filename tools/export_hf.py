@@ -229,9 +229,20 @@ def export(checkpoint: str | Path, output: str | Path, *, iteration: int | None 
            progress: bool = True, adapter_output: str | Path | None = None) -> list[Path]:
     """Write the HF folders of a MiMo checkpoint (a LoRA run's with its adapters merged, and
     the adapters in PEFT's format under ``adapter_output``, default ``output/adapters``);
-    returns the files written."""
-    ckpt = Checkpoint(iteration_folder(Path(checkpoint), iteration))
-    args, out = ckpt.args, Path(output)
+    returns the files written. The one-rank world reading the checkpoint needs is removed
+    afterwards when this call made it, so a caller's process is left as it was."""
+    made_world = not torch.distributed.is_initialized()
+    try:
+        return _export(Checkpoint(iteration_folder(Path(checkpoint), iteration)), Path(output),
+                       max_shard_size, language_family, progress, adapter_output)
+    finally:
+        if made_world and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _export(ckpt: Checkpoint, out: Path, max_shard_size: int, language_family: str | None,
+            progress: bool, adapter_output: str | Path | None) -> list[Path]:
+    args = ckpt.args
     adapters_out = Path(adapter_output) if adapter_output else out / ADAPTERS
     reader = AdapterReader(ckpt, Checkpoint)
     if getattr(args, "hf_model", None):

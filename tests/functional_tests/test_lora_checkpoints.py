@@ -265,6 +265,9 @@ def test_an_export_whose_base_folder_changed_is_one_line(runs, tmp_path):
             export(runs["root"] / "lora", tmp_path / "out", progress=False)
     finally:
         weights.write_bytes(saved)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "the export left its one-rank world in the caller"
 
 
 def test_a_base_from_a_megatron_checkpoint_is_referenced_and_resumes_bit_identically(tmp_path):

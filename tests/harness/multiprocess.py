@@ -198,6 +198,14 @@ def _adopt_orphans() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+def run_python(code: str, *, timeout: float = 120.0,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter running ``code`` in the repository root (what a new process imports,
+    or refuses, before anything else), its output captured as text."""
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
 def start_session(command: Sequence[str], **popen: Any) -> tuple[subprocess.Popen, float]:
     """Launch ``command`` in a session of its own; returns it and its start time for
     :func:`kill_session`."""

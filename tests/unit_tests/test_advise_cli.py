@@ -4,14 +4,12 @@ tiny model's command line gets ranked layouts whose flags the launch accepts."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from megatron_plugins.launch.plan import main
 from megatron_plugins.launch.preflight import check_run
-from tests.harness.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import run_python
 from tests.models.tiny import TINY_TRANSFORMER
 
 GPUS = ["--advise", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h100"]
@@ -50,8 +48,7 @@ def test_bad_input_is_refused_before_torch_is_imported():
     code = ("import sys; from megatron_plugins.launch.plan import main; "
             "code = main(['--advise', '--gpus', '3', '--gpus-per-node', '2', '--gpu', 'h100']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = run_python(code)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("mimo-plan: error: --gpus 3 is more than one node")
 

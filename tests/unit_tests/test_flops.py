@@ -5,8 +5,6 @@ recomputation, attention kernels, packing) on their own."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 from types import SimpleNamespace
 
@@ -23,7 +21,7 @@ from tests.harness.flops_cases import (
     stock_rows,
 )
 from tests.harness.lora_flops_cases import LORA_LANGUAGE_CASES, lora_rows
-from tests.harness.multiprocess import REPO_ROOT, run_in_processes
+from tests.harness.multiprocess import run_in_processes, run_python
 
 TOLERANCE = 2.0
 """Percent: the acceptance bound of issue 39 (every case is exact today)."""
@@ -107,8 +105,8 @@ def test_model_flops_agree_with_stock_log_throughput_on_a_causal_skipping_kernel
 def test_the_formulas_import_neither_torch_nor_megatron():
     code = ("import sys; import megatron_plugins.flops.language, megatron_plugins.flops.encoder; "
             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, check=True)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 

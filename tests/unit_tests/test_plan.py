@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_plugins.launch.plan import main
-from tests.harness.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT, run_python
 
 GOOD = ["--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:pp=2,dp=2,ep=2",
         "--num-experts", "4", "--nproc-per-node", "6"]
@@ -147,8 +147,7 @@ def test_plan_launches_and_imports_nothing_heavy():
     code = ("import sys; from megatron_plugins.launch.plan import main; main(['--nproc-per-node', '1']); "
             "heavy = {'torch', 'megatron', 'numpy'}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = run_python(code, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
 

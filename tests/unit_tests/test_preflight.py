@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from megatron_plugins.launch.preflight import (
     check_run,
     resolve_freeze,
 )
-from tests.harness.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import run_python
 
 TWO = ["--encoder", "vision=vit", "--encoder", "audio=audio", "--grid", "vision:",
        "--grid", "audio:", "--grid", "language:dp=2"]
@@ -121,8 +120,7 @@ def test_a_process_spawned_by_a_rank_re_imports_the_entry_point_without_torch():
             "'language:dp=4']; sys.modules['torch'] = None\n"
             "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__mp_main__')"
             "\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60, env={"WORLD_SIZE": "3", "PATH": ""})
+    result = run_python(code, timeout=60, env={"WORLD_SIZE": "3", "PATH": ""})
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["['torch']"]  # only the stand-in set above
 
@@ -132,8 +130,7 @@ def _entry_point(flags: list[str], world_size: int) -> subprocess.CompletedProce
     code = (f"import sys; sys.argv = ['pretrain_mimo.py', '--cpu-simulation', *{flags!r}]; "
             "sys.modules['torch'] = None\n"
             "import runpy; runpy.run_path('examples/mimo/pretrain_mimo.py', run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=60, env={"WORLD_SIZE": str(world_size), "PATH": ""})
+    return run_python(code, timeout=60, env={"WORLD_SIZE": str(world_size), "PATH": ""})
 
 
 @pytest.mark.multirank
@@ -222,8 +219,7 @@ def test_the_cpu_simulation_is_active_before_megatron_is_imported(tp):
     which imports Megatron: the simulation is switched on before, as on every other path."""
     flags = ["--cpu-simulation", "--encoder", "vision=vit", "--grid", f"vision:tp={tp}",
              "--grid", "language:dp=1", "--lrr", "1"]
-    result = subprocess.run([sys.executable, "-c", ACTIVATION.format(flags=flags)],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    result = run_python(ACTIVATION.format(flags=flags),
                             env={"WORLD_SIZE": str(tp + 1), "PATH": ""})
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "megatron modules at activation: [[]]"

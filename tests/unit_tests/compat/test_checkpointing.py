@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +18,7 @@ from megatron_plugins.compat.checkpointing import (
     put_plain_values,
     restore_module_rng,
 )
-from tests.harness.multiprocess import REPO_ROOT, run_in_processes
+from tests.harness.multiprocess import run_in_processes, run_python
 
 
 def test_gap5_canary_mimo_optimizer_keeps_plain_state_in_rank_zero_common_state():
@@ -132,8 +130,7 @@ def test_gap6_canary_stock_distributed_optimizer_resume_without_te_or_apex():
     views of leaves outside no_grad; under no_grad every parameter gets one shared step tensor
     holding the template's step (1), not the saved one (2); a fully_reshardable param-state load
     brings no step for torch Adam's per-parameter one."""
-    result = subprocess.run([sys.executable, "-c", STOCK_DISTRIBUTED_OPTIMIZER_RESUME],
-                            cwd=REPO_ROOT, text=True, capture_output=True, timeout=240)
+    result = run_python(STOCK_DISTRIBUTED_OPTIMIZER_RESUME, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     reported = [line for line in result.stdout.splitlines()
                 if line.startswith(("fresh template:", "load:", "params ",

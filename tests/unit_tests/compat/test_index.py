@@ -7,8 +7,6 @@ import ast
 import importlib
 import inspect
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,7 +14,7 @@ import pytest
 
 from megatron_plugins import compat
 from megatron_plugins.compat import GAPS, MegatronCompatError, installed, record
-from tests.harness.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import REPO_ROOT, run_python
 
 
 SNAPSHOT = """
@@ -41,8 +39,7 @@ print(len(names), changed)
 
 @pytest.mark.multirank
 def test_importing_every_plugin_module_changes_nothing_in_torch_or_megatron():
-    result = subprocess.run([sys.executable, "-c", SNAPSHOT], cwd=REPO_ROOT, text=True,
-                            capture_output=True, timeout=240)
+    result = run_python(SNAPSHOT, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     count, changed = result.stdout.strip().splitlines()[-1].split(" ", 1)
     assert int(count) >= 15  # every module of the package was imported

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.compat import model_build
-from tests.harness.multiprocess import REPO_ROOT
+from tests.harness.multiprocess import run_python
 
 
 STOCK_LOCAL_ATTENTION = """
@@ -52,8 +50,7 @@ def test_gap2_canary_stock_local_attention_needs_the_buffer_only_model_parallel_
     """Gap 2: in a fresh process with explicit groups and no ``initialize_model_parallel`` (as on
     disjoint grids), stock leaves the global memory buffer unset and the local attention
     forward asserts on it."""
-    result = subprocess.run([sys.executable, "-c", STOCK_LOCAL_ATTENTION], cwd=REPO_ROOT,
-                            text=True, capture_output=True, timeout=240)
+    result = run_python(STOCK_LOCAL_ATTENTION, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     reported = [line for line in result.stdout.splitlines()
                 if line.startswith(("initialized ", "buffer ", "raised "))]

@@ -145,6 +145,8 @@ def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None) -> 
         if not eq or key not in ("rank", "alpha", "dropout", "targets"):
             raise FlagError(f"{LORA_FLAG} {text}: {item!r} is not rank=, alpha=, dropout= or "
                             f"targets=; {usage}")
+        if key in values:
+            raise FlagError(f"{LORA_FLAG} {text}: {key}= is given twice; give each once")
         values[key] = value
     for key in ("rank", "alpha"):
         if key not in values:

@@ -54,6 +54,7 @@ BAD = {
                           "'eight' is not an integer"),
     "alpha-missing": (["--lora", "language:rank=8"], "alpha= is missing"),
     "unknown-key": (["--lora", "language:r=8,alpha=8"], "'r=8' is not rank=, alpha="),
+    "key-twice": (["--lora", "language:rank=4,alpha=8,rank=8"], "rank= is given twice"),
     "unknown-target": (["--lora", "vision:rank=4,alpha=8,targets=linear_qkv+q_proj"],
                        "unknown target 'q_proj'; vision's targets are linear_qkv, linear_proj, "
                        "linear_fc1, linear_fc2$"),

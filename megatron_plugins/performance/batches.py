@@ -73,12 +73,11 @@ class BatchCounter:
                 notices.append(notice)
                 continue
             config = plugin.transformer_config(language)
-            parts = {"encoder_adapters": adapters.get(name),
-                     "projection_adapters": adapters.get(name + PROJECTION)}
+            tower, projection = adapters.get(name), adapters.get(name + PROJECTION)
             encoders[name] = _encoder_count(plugin, config, hidden, {
-                "encoder_trains": name not in frozen and parts["encoder_adapters"] is None,
-                "projection_trains": (name not in frozen_projections
-                                      and parts["projection_adapters"] is None), **parts})
+                "encoder_trains": name not in frozen and tower is None,
+                "projection_trains": name not in frozen_projections and projection is None,
+                "encoder_adapters": tower, "projection_adapters": projection})
         # A gradient reaches the language model's inputs unless --freeze-encoder freezes the
         # encoder and its projection (LoRA on either is then refused).
         input_grad = any(name not in frozen for name in run.plugins)

@@ -1,0 +1,54 @@
+"""A tiny whole Qwen3.5-VL, dense or MoE (:func:`save_whole`): a Qwen3-VL-style vision tower
+without DeepStack, its merger, and a hybrid language model interleaving Gated DeltaNet layers with
+gated full-attention layers (partial rotary, interleaved multimodal RoPE); transformers' logits
+on a sample of several images of different sizes. The sample and our run over the grids are
+:mod:`tests.models.qwen_vlm`'s."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.models.hf_vision import QWEN_PIXELS, redraw
+from tests.models.qwen3_vlm import IMAGE_TOKEN, VISION, processor
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT = dict(vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+            max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                             "mrope_interleaved": True, "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.5})
+"""A tiny Qwen3.5 language model: Gated DeltaNet, gated attention, twice (two value heads per key
+head, so TP 2 splits both kinds of heads); partial rotary over half the head dim."""
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=20)
+"""The MoE variant's experts: routed and a gated shared expert on every layer."""
+
+
+def save_whole(folder: str | Path, seed: int = 0, moe: bool = False, **text: Any) -> Path:
+    """A tiny random ``Qwen3_5ForConditionalGeneration`` (``moe``: ``Qwen3_5Moe...``) with its
+    preprocessor_config.json, every weight redrawn (norm weights too, so a 1-centred norm read as
+    plain would show); ``text`` overrides :data:`TEXT` fields."""
+    import transformers
+
+    text = {**TEXT, **(MOE if moe else {}), **text}
+    vision = {key: value for key, value in VISION.items() if key != "deepstack_visual_indexes"}
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{kind}Config")(
+        vision_config={**vision, "out_hidden_size": text["hidden_size"]},
+        text_config=text, image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = redraw(getattr(transformers, f"{kind}ForConditionalGeneration")(config))
+    model.save_pretrained(folder)
+    processor(**QWEN_PIXELS).save_pretrained(folder)
+    return Path(folder)

@@ -38,7 +38,7 @@ from megatron_plugins.peft.flags import PROJECTION
 from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.encoder_view import includes_projection, module_tensors
 from megatron_plugins.weights.local_view import LocalParam
-from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
+from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError, linear_geometry
 from megatron_plugins.weights.megatron_init import split_key
 from megatron_plugins.weights.streaming import WeightPiece, assemble, pieces_of
 from megatron_plugins.weights.vision_families import untrained_tensors
@@ -212,7 +212,8 @@ def _encoder_families(args: Any) -> dict[str, Family | None]:
 def _heads(args: Any) -> Heads:
     return Heads(args.num_attention_heads,
                  args.num_query_groups if args.group_query_attention else args.num_attention_heads,
-                 args.kv_channels or args.hidden_size // args.num_attention_heads)
+                 args.kv_channels or args.hidden_size // args.num_attention_heads,
+                 linear_geometry(args))
 
 
 def _encoder_heads(config: Mapping[str, Any]) -> Heads:
@@ -350,7 +351,8 @@ def export_whole(reader: AdapterReader, out: Path, adapters_out: Path, max_shard
         *hf_pieces(reader.tensors(f"{name}:projection"), parts.projector, None, None, where),
     ]
     untrained = {hf: checkpoint.read(hf, 0, 0, -1) for hf in sorted(checkpoint.names())
-                 if any(re.match(pattern, hf) for pattern in parts.tower.untrained)}
+                 if any(re.match(pattern, hf)
+                        for pattern in (*parts.tower.untrained, *parts.language.untrained))}
     tensors = reader.fill({**assemble(pieces), **untrained},
                           [LANGUAGE, name, name + PROJECTION], None)
     adapters = [*reader.hf_adapters(LANGUAGE, parts.language, _heads(args)),

@@ -180,6 +180,12 @@ GAPS: tuple[Gap, ...] = (
         "optimizer", "peft.optimizer.install",
         _canary("optimizer", "test_gap29_canary_mimo_optimizer_builds_each_module_without_"
                              "config_overrides")),
+    Gap("31", "the Gated DeltaNet block spec asserts Transformer Engine; no local spec",
+        "gdn_spec", "model.language.StockLanguageModel.__new__",
+        _canary("gdn_spec", "test_gap31_canary_linear_attention_spec_asserts_transformer_engine")),
+    Gap("32", "the local norm refuses 1-centred weights (--apply-layernorm-1p)",
+        "gdn_spec", "model.language.StockLanguageModel.__new__",
+        _canary("gdn_spec", "test_gap32_canary_local_norm_refuses_zero_centered_gamma")),
 )
 """Every gap in the order the bridges were added."""
 

@@ -33,6 +33,7 @@ BUILTIN = {
     "whisper": "megatron_plugins.encoders.whisper:WhisperEncoder",
     "qwen2_5_vl": "megatron_plugins.encoders.qwen2_5_vision:Qwen2_5VisionEncoder",
     "qwen3_vl": "megatron_plugins.encoders.qwen3_vision:Qwen3VisionEncoder",
+    "qwen3_5_vl": "megatron_plugins.encoders.qwen3_5_vision:Qwen3_5VisionEncoder",
     "siglip2": "megatron_plugins.encoders.siglip2:Siglip2VisionEncoder",
     "llava_next": "megatron_plugins.encoders.llava_next:LlavaNextEncoder",
 }

@@ -212,16 +212,20 @@ class Qwen3VisionEncoder(QwenTowerEncoder):
         if side * side != hf.num_position_embeddings:
             problems.append(f"num_position_embeddings {hf.num_position_embeddings} (not a "
                             "square grid)")
-        indexes = list(hf.deepstack_visual_indexes)
+        indexes = list(self._deepstack_indexes(hf))
         if indexes != sorted(set(indexes)) or any(not 0 <= i < hf.depth for i in indexes):
             problems.append(f"deepstack_visual_indexes {indexes} (need increasing block indexes "
                             f"below depth {hf.depth})")
         return problems
 
+    def _deepstack_indexes(self, hf: Any) -> tuple[int, ...]:
+        """The blocks whose outputs are DeepStack levels (``deepstack_visual_indexes``)."""
+        return tuple(hf.deepstack_visual_indexes)
+
     @property
     def deepstack_levels(self) -> int:
         """One level per ``deepstack_visual_indexes`` entry."""
-        return len(self.hf_config.deepstack_visual_indexes)
+        return len(self._deepstack_indexes(self.hf_config))
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
@@ -230,7 +234,7 @@ class Qwen3VisionEncoder(QwenTowerEncoder):
             "config": config, "patch_size": hf.patch_size,
             "temporal_patch_size": hf.temporal_patch_size, "merge": hf.spatial_merge_size,
             "position_side": math.isqrt(hf.num_position_embeddings),
-            "deepstack_layers": tuple(hf.deepstack_visual_indexes),
+            "deepstack_layers": self._deepstack_indexes(hf),
             "rope_theta": float(hf.rope_parameters["rope_theta"]),
             "pg_collection": pg_collection})
 

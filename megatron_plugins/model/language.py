@@ -28,7 +28,7 @@ from megatron.training.argument_utils import gpt_config_from_args, hybrid_config
 from megatron.training.models.base import ModelConfig
 from megatron.training.models.gpt import default_layer_spec
 
-from megatron_plugins.compat import context_parallel, model_build
+from megatron_plugins.compat import context_parallel, gated_delta_net, gdn_spec, model_build
 from megatron_plugins.ops.cp_attention import ContextParallelAttention
 from megatron_plugins.ops.packed_attention import PackedAttention
 from megatron_plugins.errors import UsageError
@@ -61,6 +61,11 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
             f"--hybrid-layer-pattern {pattern} with language context parallelism (cp={cp}) is "
             "not supported (Mamba layers do not split the sequence here); give the language cp=1 "
             "or drop --hybrid-layer-pattern")
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        raise LanguageModelError(
+            f"language context parallelism (cp={cp}) with Gated DeltaNet layers (Qwen3.5) is not "
+            "supported here (their state runs along the whole sequence); give the language "
+            "cp=1 (--grid language:cp=1) and split the model with tp/pp instead")
     if getattr(args, "mtp_num_layers", None):
         raise LanguageModelError(
             f"--mtp-num-layers {args.mtp_num_layers} with language context parallelism (cp={cp}) "
@@ -73,9 +78,22 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
             "--attention-dropout 0 or use --transformer-impl transformer_engine")
 
 
+def _check_gated_delta_net(args: argparse.Namespace) -> None:
+    """Gated DeltaNet layers are built from the local spec (``compat.gdn_spec``) only."""
+    impl = getattr(args, "transformer_impl", "local")
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net" and (
+            impl != "local"):
+        raise LanguageModelError(
+            f"--transformer-impl {impl} with Gated DeltaNet layers (Qwen3.5) is not supported: "
+            "the stock Transformer Engine spec centres the Gated DeltaNet output norm, which "
+            "Qwen3.5 does not, and places its layers by parallel_state; pass --transformer-impl "
+            "local (Gated DeltaNet then uses flash-linear-attention where it is installed)")
+
+
 def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
     """The stock model config for the language flags; hybrid needs ``mamba-ssm`` for Mamba layers."""
     _check_context_parallel(args)
+    _check_gated_delta_net(args)
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is None:
         config = gpt_config_from_args(args)
@@ -108,6 +126,9 @@ class StockLanguageModel:
     def __new__(cls, config: object, model_config: ModelConfig,
                 pg_collection: ProcessGroupCollection, max_sequence_length: int) -> MegatronModule:
         # ``config`` and ``max_sequence_length`` are read from the spec by MimoModel itself.
+        model_config = gdn_spec.with_local_gdn_spec(model_config, pg_collection.pp.rank())
+        if gdn_spec.is_gated_delta_net(model_config.transformer):
+            gated_delta_net.use_reference_gdn_kernels()
         model_config = model_build.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
         model_config = model_build.with_local_hybrid_spec(model_config)
         model_config = _with_local_core_attention(model_config)
@@ -125,7 +146,9 @@ class StockLanguageModel:
 def _swap_core_attention(spec: Any, core_attention: type) -> None:
     """Put ``core_attention`` into a layer spec, or each layer of a block spec (MoE)."""
     for layer in getattr(spec, "layer_specs", None) or [spec]:
-        layer.submodules.self_attention.submodules.core_attention = core_attention
+        attention = layer.submodules.self_attention.submodules
+        if hasattr(attention, "core_attention"):  # not Gated DeltaNet's
+            attention.core_attention = core_attention
 
 
 def _local_core_attention(model_config: ModelConfig) -> type | None:

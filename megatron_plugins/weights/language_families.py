@@ -1,7 +1,8 @@
 """Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts),
 dots.llm1 (DeepSeek-V3-style MoE: sigmoid router with an fp32 expert bias, shared experts, dense
 first layers), Qwen2.5-VL's language model (Qwen2 with multimodal RoPE) and Qwen3-VL's (Qwen3
-with interleaved multimodal RoPE).
+with interleaved multimodal RoPE); Qwen3.5-VL's, built from these pieces, are
+:mod:`~megatron_plugins.weights.qwen3_5_language`'s.
 
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
@@ -18,13 +19,15 @@ from typing import Any
 
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
-__all__ = ["DOTS1", "FAMILIES", "QWEN2_5_VL", "QWEN3_VL"]
+__all__ = ["DENSE_MLP", "DOTS1", "ENDS", "FAMILIES", "HF_LAYER", "LAYER", "MOE_MLP", "QWEN2_5_VL",
+           "QWEN3_VL", "QWEN3_VL_TEXT", "TIED", "attention_rules", "mrope_section", "qwen3_args",
+           "qwen3_vl_name", "swiglu_rules", "text_config", "vlm_config"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
 
 
-def _attention(bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
+def attention_rules(bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
     qkv = tuple(f"{HF_LAYER}self_attn.{p}_proj" for p in "qkv")
     rules = [
         Rule(f"{LAYER}input_layernorm.weight", (f"{HF_LAYER}input_layernorm.weight",)),
@@ -47,7 +50,7 @@ def _attention(bias: bool, qk_norm: bool) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-def _swiglu(megatron: str, hf: str) -> tuple[Rule, Rule]:
+def swiglu_rules(megatron: str, hf: str) -> tuple[Rule, Rule]:
     """A SwiGLU MLP under ``megatron`` (``linear_fc1`` = [gate; up], ``linear_fc2``) from the HF
     ``gate_proj`` / ``up_proj`` / ``down_proj`` under ``hf``: dense, expert and shared alike."""
     return (Rule(f"{megatron}linear_fc1.weight", (f"{hf}gate_proj.weight", f"{hf}up_proj.weight"),
@@ -55,17 +58,17 @@ def _swiglu(megatron: str, hf: str) -> tuple[Rule, Rule]:
             Rule(f"{megatron}linear_fc2.weight", (f"{hf}down_proj.weight",), tp_dim=1))
 
 
-DENSE_MLP = _swiglu(f"{LAYER}mlp.", f"{HF_LAYER}mlp.")
+DENSE_MLP = swiglu_rules(f"{LAYER}mlp.", f"{HF_LAYER}mlp.")
 
 EXPERT = f"{LAYER}mlp.experts.local_experts.{{expert}}."
 HF_EXPERT = f"{HF_LAYER}mlp.experts.{{expert}}."
 MOE_MLP = (Rule(f"{LAYER}mlp.router.weight", (f"{HF_LAYER}mlp.gate.weight",)),
-           *_swiglu(EXPERT, HF_EXPERT))
+           *swiglu_rules(EXPERT, HF_EXPERT))
 
 DEEPSEEK_MOE_MLP = (
     *MOE_MLP,
     Rule(f"{LAYER}mlp.router.expert_bias", (f"{HF_LAYER}mlp.gate.e_score_correction_bias",)),
-    *_swiglu(f"{LAYER}mlp.shared_experts.", f"{HF_LAYER}mlp.shared_experts."),
+    *swiglu_rules(f"{LAYER}mlp.shared_experts.", f"{HF_LAYER}mlp.shared_experts."),
 )
 """Sigmoid router with its expert bias (a buffer, kept fp32 by Megatron), routed and shared
 experts."""
@@ -141,7 +144,7 @@ def _qwen2_args(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**_llama_args(config), "add_qkv_bias": True}
 
 
-def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """A VLM's language model config: ``text_config`` over the top level (where transformers 5
     keeps ``tie_word_embeddings``; older folders keep every text field there)."""
     top = {key: value for key, value in config.items()
@@ -149,7 +152,7 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**top, **(config.get("text_config") or {})}
 
 
-def _mrope_section(text: Mapping[str, Any], interleaved: bool = False) -> list[int]:
+def mrope_section(text: Mapping[str, Any], interleaved: bool = False) -> list[int]:
     """HF's ``mrope_section``, which Megatron's ``--mrope-section`` takes as is: both count
     rotary frequency pairs per axis (t, h, w) and lay the cos/sin halves out alike
     (``MultimodalRotaryEmbedding`` splits ``cat(freqs, freqs)`` by the sections twice, HF splits
@@ -173,16 +176,16 @@ def _mrope_section(text: Mapping[str, Any], interleaved: bool = False) -> list[i
 def _qwen2_5_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
     """A Qwen2.5-VL folder's language model: Qwen2 with multimodal RoPE (transformers 4 wrote its
     rope type as 'mrope', meaning default RoPE split by ``mrope_section``)."""
-    text = _text_config(config)
+    text = text_config(config)
     params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     if params.get("rope_type", params.get("type")) == "mrope":
         params["rope_type"] = "default"
     return {**_qwen2_args({**text, "rope_parameters": params}),
-            "position_embedding_type": "mrope", "mrope_section": _mrope_section(text),
+            "position_embedding_type": "mrope", "mrope_section": mrope_section(text),
             "mrope_interleaved": False}
 
 
-def _vlm_config(architecture: str, model_type: str, **rope: Any):
+def vlm_config(architecture: str, model_type: str, **rope: Any):
     """``config.json`` of a VLM folder's language side (the vision tower's ``vision_config`` is
     its own family's), its mrope section and ``rope`` in ``rope_parameters``."""
 
@@ -199,12 +202,12 @@ def _qwen3_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
     """A Qwen3-VL folder's language model: Qwen3 (q/k norm) with interleaved multimodal RoPE,
     which transformers' ``Qwen3VLTextRotaryEmbedding`` applies whatever ``mrope_interleaved``
     says."""
-    text = _text_config(config)
-    return {**_qwen3_args(text), "position_embedding_type": "mrope",
-            "mrope_section": _mrope_section(text, interleaved=True), "mrope_interleaved": True}
+    text = text_config(config)
+    return {**qwen3_args(text), "position_embedding_type": "mrope",
+            "mrope_section": mrope_section(text, interleaved=True), "mrope_interleaved": True}
 
 
-def _qwen3_args(config: Mapping[str, Any]) -> dict[str, Any]:
+def qwen3_args(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**_dense_args(config), "qk_layernorm": True}
 
 
@@ -212,7 +215,7 @@ def _qwen3_moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
     _refuse(config, "mlp_only_layers", [], "every layer must be an MoE layer")
     _refuse(config, "decoder_sparse_step", 1, "every layer must be an MoE layer")
     return {
-        **_qwen3_args(config),
+        **qwen3_args(config),
         "num_experts": config.get("num_experts", config.get("num_local_experts")),
         "moe_ffn_hidden_size": config["moe_intermediate_size"],
         "moe_router_topk": config["num_experts_per_tok"],
@@ -255,7 +258,7 @@ def _dots1_args(config: Mapping[str, Any]) -> dict[str, Any]:
     dense = config.get("first_k_dense_replace") or 0
     shared = config.get("n_shared_experts") or 0
     return {
-        **_qwen3_args(config),
+        **qwen3_args(config),
         "num_experts": config["n_routed_experts"],
         "moe_ffn_hidden_size": config["moe_intermediate_size"],
         "moe_router_topk": topk,
@@ -322,14 +325,14 @@ def _decoder(model_type: str, architecture: str, layer_rules: tuple[Rule, ...],
                   _hf_config(architecture, model_type, extra), tied=TIED)
 
 
-LLAMA = _decoder("llama", "LlamaForCausalLM", (*_attention(False, False), *DENSE_MLP),
+LLAMA = _decoder("llama", "LlamaForCausalLM", (*attention_rules(False, False), *DENSE_MLP),
                  _dense_args)
-QWEN2 = _decoder("qwen2", "Qwen2ForCausalLM", (*_attention(True, False), *DENSE_MLP),
+QWEN2 = _decoder("qwen2", "Qwen2ForCausalLM", (*attention_rules(True, False), *DENSE_MLP),
                  _qwen2_args)
-QWEN3 = _decoder("qwen3", "Qwen3ForCausalLM", (*_attention(False, True), *DENSE_MLP),
-                 _qwen3_args)
+QWEN3 = _decoder("qwen3", "Qwen3ForCausalLM", (*attention_rules(False, True), *DENSE_MLP),
+                 qwen3_args)
 QWEN3_MOE = _decoder(
-    "qwen3_moe", "Qwen3MoeForCausalLM", (*_attention(False, True), *MOE_MLP), _qwen3_moe_args, {
+    "qwen3_moe", "Qwen3MoeForCausalLM", (*attention_rules(False, True), *MOE_MLP), _qwen3_moe_args, {
         "num_experts": lambda args: args.num_experts,
         "moe_intermediate_size": lambda args: args.moe_ffn_hidden_size,
         "num_experts_per_tok": lambda args: args.moe_router_topk,
@@ -340,7 +343,7 @@ QWEN3_MOE = _decoder(
     })
 
 DOTS1 = _decoder(
-    "dots1", "Dots1ForCausalLM", (*_attention(False, True), *DENSE_MLP, *DEEPSEEK_MOE_MLP),
+    "dots1", "Dots1ForCausalLM", (*attention_rules(False, True), *DENSE_MLP, *DEEPSEEK_MOE_MLP),
     _dots1_args, {
         "n_routed_experts": lambda args: args.num_experts,
         "moe_intermediate_size": lambda args: args.moe_ffn_hidden_size,
@@ -357,8 +360,8 @@ DOTS1 = _decoder(
     })
 
 QWEN2_5_VL = Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), "qwen2_5_vl",
-                    (*ENDS, *_attention(True, False), *DENSE_MLP), _qwen2_5_vl_args,
-                    _vlm_config("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+                    (*ENDS, *attention_rules(True, False), *DENSE_MLP), _qwen2_5_vl_args,
+                    vlm_config("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
                     unused=(r"visual\.",), tied=TIED)
 """The language model of a whole Qwen2.5-VL folder (Qwen2's tensor names); its vision tower
 (``visual.*``) is another model's."""
@@ -367,18 +370,18 @@ QWEN3_VL_TEXT = "model.language_model."
 """Where a Qwen3-VL folder keeps its text model's ``model.*`` tensors (``lm_head`` stays)."""
 
 
-def _qwen3_vl_name(name: str) -> str:
+def qwen3_vl_name(name: str) -> str:
     return QWEN3_VL_TEXT + name[len("model."):] if name.startswith("model.") else name
 
 
 QWEN3_VL = Family(
     "qwen3_vl", ("Qwen3VLForConditionalGeneration",), "qwen3_vl",
-    tuple(dataclasses.replace(rule, hf=tuple(map(_qwen3_vl_name, rule.hf)))
-          for rule in (*ENDS, *_attention(False, True), *DENSE_MLP)),
+    tuple(dataclasses.replace(rule, hf=tuple(map(qwen3_vl_name, rule.hf)))
+          for rule in (*ENDS, *attention_rules(False, True), *DENSE_MLP)),
     _qwen3_vl_args,
-    _vlm_config("Qwen3VLForConditionalGeneration", "qwen3_vl", mrope_interleaved=True),
+    vlm_config("Qwen3VLForConditionalGeneration", "qwen3_vl", mrope_interleaved=True),
     unused=(r"model\.visual\.",),
-    tied=tuple((_qwen3_vl_name(a), _qwen3_vl_name(b)) for a, b in TIED))
+    tied=tuple((qwen3_vl_name(a), qwen3_vl_name(b)) for a, b in TIED))
 """The language model of a whole Qwen3-VL folder (Qwen3's tensors under
 ``model.language_model.``); its vision tower (``model.visual.*``) is another model's."""
 

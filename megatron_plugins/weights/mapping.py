@@ -18,17 +18,21 @@ from typing import Any
 from megatron_plugins.errors import UsageError
 
 __all__ = ["PROJECTION", "TOWER", "Bound", "Family", "HFWeightsError", "Heads", "Rule",
-           "includes_projection", "norm_rules", "split_projection"]
+           "includes_projection", "linear_geometry", "norm_rules", "split_projection"]
 
 TOWER = "encoder."
 """Prefix of the encoder network's parameters in a family that includes the projection."""
 PROJECTION = "projection."
 """Prefix of the input projection's parameters in such a family."""
 
-COMBINES = ("copy", "qkv", "gate_up", "fused_qkv")
+COMBINES = ("copy", "qkv", "gate_up", "fused_qkv", "gated_qkv", "gdn_in", "gdn_conv")
 """copy: one HF tensor (optionally sliced on ``tp_dim``); qkv: q, k, v -> Megatron's fused layout,
 per query group [that group's q heads, k, v]; gate_up: SwiGLU ``linear_fc1`` = [gate; up];
-fused_qkv: as qkv, from one HF tensor laid out [q; k; v] (Qwen2.5-VL's vision ``attn.qkv``)."""
+fused_qkv: as qkv, from one HF tensor laid out [q; k; v] (Qwen2.5-VL's vision ``attn.qkv``);
+gated_qkv: as qkv with an output gate, HF's q_proj holding [q; gate] per head, Megatron's group
+[q heads, gate heads, k, v]; gdn_in: Gated DeltaNet's ``in_proj`` = [q; k; v; z; beta; alpha]
+from HF's in_proj_qkv ([q; k; v]), in_proj_z, in_proj_b, in_proj_a, each section split over TP;
+gdn_conv: its ``conv1d`` channels [q; k; v], each section split over TP."""
 
 PLACEHOLDERS = ("layer", "expert")
 
@@ -60,7 +64,8 @@ class Rule:
         if self.combine not in COMBINES:
             raise ValueError(f"Rule {self.megatron}: combine {self.combine!r} is not one of "
                              f"{', '.join(COMBINES)}")
-        arity = {"copy": 1, "qkv": 3, "gate_up": 2, "fused_qkv": 1}[self.combine]
+        arity = {"copy": 1, "qkv": 3, "gate_up": 2, "fused_qkv": 1, "gated_qkv": 3, "gdn_in": 4,
+                 "gdn_conv": 1}[self.combine]
         if len(self.hf) != arity:
             raise ValueError(f"Rule {self.megatron}: {self.combine} takes {arity} HF tensors")
         if any(not 0 <= i < arity for i in self.absent_zero) or (
@@ -175,11 +180,23 @@ class Heads:
     heads: int
     groups: int
     head_dim: int
+    linear: tuple[int, int, int] | None = None
+    """Gated DeltaNet's (q and k width, v width, value heads), for the gdn combines."""
 
     @classmethod
     def of(cls, config: Any) -> "Heads":
         heads = config.num_attention_heads
-        return cls(heads, config.num_query_groups or heads, config.kv_channels)
+        return cls(heads, config.num_query_groups or heads, config.kv_channels,
+                   linear_geometry(config))
+
+
+def linear_geometry(config: Any) -> tuple[int, int, int] | None:
+    """:attr:`Heads.linear` of a TransformerConfig or stock args (None without Gated DeltaNet)."""
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
+        return None
+    return (config.linear_num_key_heads * config.linear_key_head_dim,
+            config.linear_num_value_heads * config.linear_value_head_dim,
+            config.linear_num_value_heads)
 
 
 def includes_projection(family: Family) -> bool:

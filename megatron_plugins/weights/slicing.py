@@ -42,6 +42,18 @@ def source_slices(bound: Bound, local_shape: Sequence[int], rank: int, heads: He
     if rule.combine == "gate_up":
         half = rows // 2
         return [(name, dim, rank * half, half) for name in bound.hf]
+    if rule.combine in ("gdn_in", "gdn_conv"):
+        sections = _gdn_sections(bound, heads)
+        size = sum(length for _, _, length in sections) // rows
+        return [(name, dim, base + rank * (length // size), length // size)
+                for name, base, length in sections]
+    if rule.combine == "gated_qkv":
+        per_group = heads.heads // heads.groups
+        groups = rows // ((2 * per_group + 2) * heads.head_dim)
+        q_rows, kv_rows = groups * per_group * heads.head_dim, groups * heads.head_dim
+        return [(bound.hf[0], dim, rank * 2 * q_rows, 2 * q_rows),
+                (bound.hf[1], dim, rank * kv_rows, kv_rows),
+                (bound.hf[2], dim, rank * kv_rows, kv_rows)]
     per_group = heads.heads // heads.groups
     groups = rows // ((per_group + 2) * heads.head_dim)
     q_rows, kv_rows = groups * per_group * heads.head_dim, groups * heads.head_dim
@@ -54,13 +66,33 @@ def source_slices(bound: Bound, local_shape: Sequence[int], rank: int, heads: He
             (bound.hf[2], dim, rank * kv_rows, kv_rows)]
 
 
+def _gdn_sections(bound: Bound, heads: Heads) -> list[tuple[str, int, int]]:
+    """(HF name, first row, rows) of each Gated DeltaNet section, whole (TP 1): q, k, v inside
+    the fused qkv tensor (or the convolution), then z, beta, alpha for ``in_proj``."""
+    qk, v, value_heads = heads.linear
+    fused = bound.hf[0]
+    sections = [(fused, 0, qk), (fused, qk, qk), (fused, 2 * qk, v)]
+    if bound.rule.combine == "gdn_in":
+        sections += [(bound.hf[1], 0, v), (bound.hf[2], 0, value_heads),
+                     (bound.hf[3], 0, value_heads)]
+    return sections
+
+
 def combine(bound: Bound, parts: Sequence[torch.Tensor], heads: Heads | None) -> torch.Tensor:
     """This rank's Megatron tensor from its HF slices (in :func:`source_slices` order)."""
     kind = bound.rule.combine
     if kind == "copy":
         return parts[0].reshape((1,) * bound.rule.leading_ones + tuple(parts[0].shape))
-    if kind == "gate_up":
+    if kind in ("gate_up", "gdn_in", "gdn_conv"):
         return torch.cat(parts, dim=bound.rule.tp_dim or 0)
+    if kind == "gated_qkv":
+        query_gate, k, v = parts
+        groups, trailing = k.shape[0] // heads.head_dim, k.shape[1:]
+        pairs = query_gate.reshape(-1, 2, heads.head_dim, *trailing)
+        q, gate = (pairs[:, i].reshape(groups, -1, *trailing) for i in range(2))
+        fused = torch.cat([q, gate, k.reshape(groups, -1, *trailing),
+                           v.reshape(groups, -1, *trailing)], dim=1)
+        return fused.reshape(-1, *trailing)
     q, k, v = parts
     groups = k.shape[0] // heads.head_dim
     trailing = q.shape[1:]
@@ -78,6 +110,22 @@ def split(bound: Bound, local: torch.Tensor, rank: int, heads: Heads | None) -> 
         parts = [local.reshape(local.shape[bound.rule.leading_ones:])]
     elif kind == "gate_up":
         parts = list(local.chunk(2, dim=bound.rule.tp_dim or 0))
+    elif kind in ("gdn_in", "gdn_conv"):
+        qk, v, _ = heads.linear
+        total = 2 * qk + v
+        parts = list(local.split([length for *_, length in slices], dim=bound.rule.tp_dim or 0))
+        return [Piece(name, part, dim, start, total if index < 3 else None)
+                for index, ((name, dim, start, _), part) in enumerate(zip(slices, parts))]
+    elif kind == "gated_qkv":
+        kv_rows = slices[1][3]
+        groups, trailing = kv_rows // heads.head_dim, local.shape[1:]
+        q_size = (local.shape[0] // groups - 2 * heads.head_dim) // 2
+        q, gate, k, v = local.reshape(groups, -1, *trailing).split(
+            [q_size, q_size, heads.head_dim, heads.head_dim], dim=1)
+        query_gate = torch.stack([q.reshape(-1, heads.head_dim, *trailing),
+                                  gate.reshape(-1, heads.head_dim, *trailing)], dim=1)
+        parts = [query_gate.reshape(-1, *trailing), k.reshape(-1, *trailing),
+                 v.reshape(-1, *trailing)]
     else:
         q_rows, kv_rows = slices[0][3], slices[1][3]
         groups = kv_rows // heads.head_dim

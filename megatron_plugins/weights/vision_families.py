@@ -11,6 +11,8 @@ HF names are those of a transformers 5 ``CLIPVisionModel`` / ``SiglipVisionModel
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from collections.abc import Mapping
@@ -30,7 +32,7 @@ from megatron_plugins.weights.mapping import (
     norm_rules,
 )
 
-__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION",
+__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "QWEN3_5_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION",
            "SIGLIP_VISION", "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
@@ -254,6 +256,16 @@ QWEN3_VL_VISION = Family(
     # A whole Qwen3-VL folder also holds the language model, another module's weights.
     unused=(r"model\.language_model\.", r"lm_head\."),
     hf_prefixes=("", "visual.", "model.visual."),
+)
+
+QWEN3_5_VISION = dataclasses.replace(
+    QWEN3_VL_VISION, name="qwen3_5_vision",
+    architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                   "Qwen3_5VisionModel"),
+    model_type="qwen3_5_vision",
+    # Qwen3-VL's tower without DeepStack: the merger alone is the projection.
+    rules=tuple(rule for rule in QWEN3_VL_VISION.rules if "deepstack" not in rule.megatron),
+    hf_config=_loaded_config("qwen3_5_vision"),
 )
 
 SIGLIP2_VISION = Family(

@@ -23,8 +23,10 @@ from typing import Any
 from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
+from megatron_plugins.weights.qwen3_5_language import FAMILIES as QWEN3_5_LANGUAGE_FAMILIES
 
-__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_VL", "QWEN3_VL",
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_VL", "QWEN3_5_MOE_VL",
+           "QWEN3_5_VL", "QWEN3_VL",
            "PartFamilies",
            "VLMFamily",
            "find_vlm",
@@ -85,6 +87,9 @@ class VLMFamily:
     top_level_text_fields: tuple[str, ...] = ()
     """Language fields transformers reads from the top level of config.json, over
     ``text_config``'s (Qwen3-VL's ``tie_word_embeddings``)."""
+    carried: tuple[str, ...] = ()
+    """Regexes of HF tensors of no MiMo module (Qwen3.5's multi-token-prediction layers,
+    ``mtp.*``): not imported, and copied unchanged on export."""
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The language model's config inside the VLM's (an older save keeps its fields at the
@@ -218,7 +223,20 @@ QWEN3_VL = VLMFamily(
     top_level_text_fields=("tie_word_embeddings",),
 )
 
-FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL)
+QWEN3_5_VL = dataclasses.replace(
+    QWEN3_VL, name="qwen3_5_vl", architectures=("Qwen3_5ForConditionalGeneration",),
+    # Qwen3-VL's tower without DeepStack: its merger alone is the projection.
+    encoder_provider="qwen3_5_vl", projector_prefixes=("model.visual.merger.",),
+    language="qwen3_5", image_token_id=lambda config: int(config.get("image_token_id", 248056)),
+    carried=(r"mtp\.",),
+)
+
+QWEN3_5_MOE_VL = dataclasses.replace(
+    QWEN3_5_VL, name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeForConditionalGeneration",),
+    language="qwen3_5_moe",
+)
+
+FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL)
 """Supported whole-VLM architectures."""
 
 
@@ -242,7 +260,8 @@ def read_vlm(folder: str) -> tuple[VLMFamily, dict[str, Any]]:
 
 def language_family(vlm: VLMFamily) -> Family:
     """The language family the entry names, as HF names it on its own."""
-    return next(family for family in LANGUAGE_FAMILIES if family.name == vlm.language)
+    return next(family for family in (*LANGUAGE_FAMILIES, *QWEN3_5_LANGUAGE_FAMILIES)
+                if family.name == vlm.language)
 
 
 def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
@@ -320,5 +339,6 @@ def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
         rules=tuple(dataclasses.replace(rule, hf=tuple(_renamed(n, renames) for n in rule.hf))
                     for rule in text.rules),
         tied=tuple((_renamed(a, renames), _renamed(b, renames)) for a, b in text.tied),
-        unused=(_outside(*(new for _, new in renames)),), untrained=(), hf_prefixes=("",))
+        unused=(_outside(*(new for _, new in renames)),), untrained=vlm.carried,
+        hf_prefixes=("",))
     return PartFamilies(tower_part, projector, language)

@@ -1,0 +1,52 @@
+"""RMSNorm with an optionally 1-centred weight (``--apply-layernorm-1p``), without Transformer
+Engine.
+
+Megatron's local norm (``WrappedTorchNorm``) refuses ``layernorm_zero_centered_gamma``, which
+Qwen3.5's norms need: its decoder, q/k and final norms scale by ``1 + weight`` (transformers'
+``Qwen3_5RMSNorm``), its Gated DeltaNet output norm by ``weight`` (``Qwen3_5RMSNormGated``).
+:class:`RMSNorm` computes both as transformers does (fp32 statistics and scale, output in the
+input dtype), so the stored weight is the checkpoint's and export gives its bytes back.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["PlainRMSNorm", "RMSNorm"]
+
+
+class RMSNorm(torch.nn.Module):
+    """``x / rms(x) * (1 + weight)`` when the config says ``layernorm_zero_centered_gamma``,
+    else ``* weight``; statistics and scale in fp32."""
+
+    zero_centered_override: bool | None = None
+    """A subclass fixing the centring whatever the config says (None: the config decides)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        centred = self.zero_centered_override
+        self.zero_centered = (config.layernorm_zero_centered_gamma if centred is None
+                              else centred)
+        initial = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(initial(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised ``x`` in its own dtype."""
+        wide = x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.weight.float()
+        if self.zero_centered:
+            return (wide * (1.0 + scale)).type_as(x)
+        # transformers' gated norm scales after returning to the input dtype.
+        return scale.type_as(x) * wide.type_as(x)
+
+
+class PlainRMSNorm(RMSNorm):
+    """:class:`RMSNorm` scaling by ``weight`` even when the model's other norms are 1-centred
+    (Qwen3.5's Gated DeltaNet output norm)."""
+
+    zero_centered_override = False

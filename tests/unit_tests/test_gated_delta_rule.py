@@ -56,7 +56,8 @@ def recurrence(q, k, v, g, beta, state=None):
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 150, 200])
 def test_chunked_rule_equals_the_token_by_token_recurrence(length: int) -> None:
     inputs = rule_inputs(length)
-    state = torch.randn(2, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=torch.Generator().manual_seed(5))
+    state = torch.randn(2, VALUE_HEADS, KEY_DIM, VALUE_DIM,
+                        generator=torch.Generator().manual_seed(5))
     o, final = chunk_gated_delta_rule(**inputs, initial_state=state, output_final_state=True)
     expected_o, expected_final = recurrence(**inputs, state=state)
     assert o.dtype == torch.float32 and o.shape == (2, length, VALUE_HEADS, VALUE_DIM)

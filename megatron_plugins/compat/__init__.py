@@ -180,6 +180,10 @@ GAPS: tuple[Gap, ...] = (
         "optimizer", "peft.optimizer.install",
         _canary("optimizer", "test_gap29_canary_mimo_optimizer_builds_each_module_without_"
                              "config_overrides")),
+    Gap("30", "Gated DeltaNet layers need flash-linear-attention's Triton kernels (GPU only)",
+        "gated_delta_net", "model.language.StockLanguageModel.__new__",
+        _canary("gated_delta_net", "test_gap30_canary_stock_gated_delta_net_refuses_to_build_"
+                                   "without_flash_linear_attention")),
     Gap("31", "the Gated DeltaNet block spec asserts Transformer Engine; no local spec",
         "gdn_spec", "model.language.StockLanguageModel.__new__",
         _canary("gdn_spec", "test_gap31_canary_linear_attention_spec_asserts_transformer_engine")),

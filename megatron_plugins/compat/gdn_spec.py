@@ -1,14 +1,5 @@
 """A Gated DeltaNet language model (Qwen3.5) without Transformer Engine (Gaps 31, 32).
 
-Gap 31 (no local spec for linear attention): a GPT with ``experimental_attention_variant=
-"gated_delta_net"`` gets its block spec from ``get_transformer_block_with_experimental_attention_
-variant_spec`` (training/models/gpt.py, ``default_layer_spec``), whose backend provider asserts
-``transformer_impl == "transformer_engine"`` (models/gpt/experimental_attention_variant_module_
-specs.py, ``_get_backend_spec_provider``) and whose full-attention layers come from the TE spec.
-
-Gap 32 (1-centred norms): the local norm (``WrappedTorchNorm``) asserts
-``layernorm_zero_centered_gamma`` is off, which Qwen3.5's norms need (``--apply-layernorm-1p``).
-
 :func:`with_local_gdn_spec` gives such a model, on ``--transformer-impl local``, the same layers
 built from local modules: Gated DeltaNet (in_proj, causal conv, the gated delta rule, gated output
 norm, out_proj; its own input norm, which TE fuses into in_proj) at the ``linear_attention_freq``
@@ -77,8 +68,17 @@ def _layer_specs(transformer: Any) -> list[Any]:
 
 def with_local_gdn_spec(model_config: Any, pp_rank: int) -> Any:
     """``model_config`` itself, or for a Gated DeltaNet GPT on ``--transformer-impl local``
-    without an explicit spec a copy whose block spec is this pipeline rank's local layers
-    (Gaps 31, 32)."""
+    without an explicit spec a copy whose block spec is this pipeline rank's local layers.
+
+    Gap 31 (no local spec for linear attention): a GPT with ``experimental_attention_variant=
+    "gated_delta_net"`` gets its block spec from ``get_transformer_block_with_experimental_attention_
+    variant_spec`` (training/models/gpt.py, ``default_layer_spec``), whose backend provider asserts
+    ``transformer_impl == "transformer_engine"`` (models/gpt/experimental_attention_variant_module_
+    specs.py, ``_get_backend_spec_provider``) and whose full-attention layers come from the TE spec.
+    
+    Gap 32 (1-centred norms): the local norm (``WrappedTorchNorm``) asserts
+    ``layernorm_zero_centered_gamma`` is off, which Qwen3.5's norms need (``--apply-layernorm-1p``).
+    """
     transformer = model_config.transformer
     if (not is_gated_delta_net(transformer) or transformer.transformer_impl != "local"
             or getattr(model_config, "transformer_layer_spec", None) is not None):

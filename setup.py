@@ -41,6 +41,9 @@ setup(
         # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.
         "te": ["transformer-engine[pytorch,core_cu13]==2.14.0"],
         "ssm": ["mamba-ssm==2.2.6.post3", "causal-conv1d==1.5.3.post1"],
+        # Gated DeltaNet's Triton kernels (Qwen3.5, GPU); megatron-core 0.19.2's own dev extra
+        # asks for ~=0.4.0. Without it the reference kernels run (compat Gap 30).
+        "fla": ["flash-linear-attention==0.4.2"],
         "data": DATA,
         "test": DATA + [
             "pytest==8.4.2",

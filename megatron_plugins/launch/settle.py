@@ -42,7 +42,7 @@ from megatron_plugins.launch.optimizer_flags import implied_stock_flags
 from megatron_plugins.launch.preflight import Preflight
 from megatron_plugins.launch.scheduler_flags import check_resumed_scheduler, check_scheduler
 from megatron_plugins.model import deepstack
-from megatron_plugins.model.language import language_config_from_args
+from megatron_plugins.model.language import check_gated_delta_net, language_config_from_args
 from megatron_plugins.parallel.flags import language_grid_flags, language_world_size
 from megatron_plugins.peft.settling import check_peft_run, peft_values
 from megatron_plugins.weights.flags import (
@@ -261,6 +261,12 @@ def language_grid(run: Settling) -> list[Adjustment]:
             for attr, flag, value in language_grid_flags(run.args, layout)]
 
 
+def linear_attention(run: Settling) -> None:
+    """Gated DeltaNet layers (Qwen3.5) on the grid just written: refused at language CP > 1 and
+    off the local implementation, before stock's checks reach them."""
+    check_gated_delta_net(run.args)
+
+
 def _stock_reason(error: BaseException) -> str:
     """Stock's message, or the failing check's source line when stock gives none."""
     reason = str(error).strip()
@@ -375,7 +381,7 @@ def peft_targets(run: Settling) -> None:
 STEPS: tuple[Step, ...] = (
     language_shape, freeze_lists, encoder_plugins, encoder_weights, resume, defaults,
     mock_tokenizer, data_source, image_token, data_source_values, optimizer_flags,
-    mimo_before_validation, language_grid, validate, packing, mrope, scheduler,
+    mimo_before_validation, language_grid, linear_attention, validate, packing, mrope, scheduler,
     padded_vocabulary, init_checkpoints, mimo_after_validation, peft, language_config,
     peft_targets,
 )

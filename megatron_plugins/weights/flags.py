@@ -13,6 +13,9 @@ the encoder it implies into the parsed flags, its ``text_config`` sets the shape
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -135,7 +138,7 @@ embeddings starts its output layer as a copy of the embedding."""
 
 
 def _shown(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 def language_origin(args: argparse.Namespace) -> str:
@@ -281,3 +284,9 @@ def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any]) -> None
             raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: projector {hf_name} {side} size "
                                  f"{have} does not meet {what}, {want}; the tower and language "
                                  "model are not this projector's pair")
+    carried = sorted(n for n in checkpoint.names() if any(re.match(p, n) for p in vlm.carried))
+    if carried and os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_mimo.py: notice: {HF_MODEL_FLAG} {folder}: {len(carried)} tensors of no "
+              f"module here ({carried[0].split('.')[0]}.*, e.g. multi-token-prediction layers) are "
+              "not trained; tools/export_hf writes them back unchanged", file=sys.stderr,
+              flush=True)

@@ -6,6 +6,7 @@ on a sample of several images of different sizes. The sample and our run over th
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -57,3 +58,22 @@ def save_whole(folder: str | Path, seed: int = 0, moe: bool = False, **text: Any
     model.save_pretrained(folder)
     processor(**QWEN_PIXELS).save_pretrained(folder)
     return Path(folder)
+
+
+def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[np.ndarray]) -> np.ndarray:
+    """transformers' own forward of the saved Qwen3.5-VL in float64 (experts looped: its
+    grouped matmul has no float64), its processor's pixel values and grids, its own mrope
+    positions: the exact reference. Its float32 forward is itself 4e-6 (dense) to 7e-6 (MoE)
+    from it, in other directions than ours, so fp32 against fp32 would measure two roundings."""
+    import transformers
+
+    from tests.models.qwen3_vlm import IMAGE_TOKEN
+
+    kind = json.loads((Path(folder) / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, kind).from_pretrained(folder, dtype=torch.float64,
+                                                         experts_implementation="eager")
+    inputs = processor(folder)(pictures, return_tensors="pt")
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=inputs["pixel_values"].double(),
+                     image_grid_thw=inputs["image_grid_thw"],
+                     mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits.numpy()

@@ -82,7 +82,8 @@ def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
                        positions: torch.Tensor | None = None,
                        levels: int = 0) -> np.ndarray | None:
     """One forward over the grids: the encoder's TP rank 0 sends its projected features (of
-    ``tokens`` positions, from its forward ``inputs``) to the language's first stage, the stages
+    ``tokens`` positions, from its forward ``inputs``) to every language rank, which the first
+    stage's (each TP and data-parallel rank of it) take as input, the stages
     pass hidden states on, the last returns full logits. ``positions``: consecutive unless
     given (``[3, 1, S]`` under multimodal RoPE); ``levels``: the encoder's DeepStack levels
     (its rows are ``1 + levels`` language hidden sizes wide)."""
@@ -92,19 +93,20 @@ def cross_grid_forward(mimo: Any, module: str, topology: Any, ids: torch.Tensor,
     length = ids.shape[1]
     positions = torch.arange(length).unsqueeze(0) if positions is None else positions
     mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1).expand(1, 1, length, length)
-    language_ranks = topology.grids["language"].rank_offset
+    grid = topology.grids["language"]
     with torch.no_grad():
         if module != "language":
             outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
             if pgc.tp.rank() == 0:
-                dist.send(outputs[module].contiguous(), dst=language_ranks)
+                for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
+                    dist.send(outputs[module].contiguous(), dst=rank)
             return None
         stage = pgc.pp.rank()
         stage_ranks = dist.get_process_group_ranks(pgc.pp)
         hidden = mimo.language_model.config.hidden_size
+        features = torch.empty(tokens, (1 + levels) * hidden)
+        dist.recv(features, src=topology.grids[ENCODER].rank_offset)
         if stage == 0:
-            features = torch.empty(tokens, (1 + levels) * hidden)
-            dist.recv(features, src=topology.grids[ENCODER].rank_offset)
             mimo.set_input_tensor({ENCODER: features})
         else:
             received = torch.empty(length, 1, hidden)

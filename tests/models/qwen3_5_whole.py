@@ -39,8 +39,8 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
 def save_whole(folder: str | Path, seed: int = 0, moe: bool = False, **text: Any) -> Path:
     """A tiny random ``Qwen3_5ForConditionalGeneration`` (``moe``: ``Qwen3_5Moe...``) with its
     preprocessor_config.json, every weight redrawn (norm weights too, so a 1-centred norm read as
-    plain would show; Gated DeltaNet's input projections at half scale, so fp32 rounding stays
-    well under the 1e-5 comparisons); ``text`` overrides :data:`TEXT` fields."""
+    plain would show; Gated DeltaNet's input projections and the experts at half scale, so fp32
+    rounding stays well under the 1e-5 comparisons); ``text`` overrides :data:`TEXT` fields."""
     import transformers
 
     text = {**TEXT, **(MOE if moe else {}), **text}
@@ -53,7 +53,7 @@ def save_whole(folder: str | Path, seed: int = 0, moe: bool = False, **text: Any
     model = redraw(getattr(transformers, f"{kind}ForConditionalGeneration")(config))
     with torch.no_grad():  # transformers' own fp32 is 1.3e-5 from fp64 at the full redraw
         for name, param in model.named_parameters():
-            if "linear_attn.in_proj" in name:
+            if "linear_attn.in_proj" in name or ".experts." in name or "shared_expert." in name:
                 param.mul_(0.5)
     model.save_pretrained(folder)
     processor(**QWEN_PIXELS).save_pretrained(folder)

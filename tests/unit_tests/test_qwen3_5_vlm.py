@@ -3,7 +3,7 @@ without DeepStack on the encoder grid, its merger as the projection, the hybrid 
 (Gated DeltaNet and gated attention layers as ``layer_types`` says, 1-centred norms, partial
 interleaved multimodal RoPE, routed and gated shared experts) on the language grid give
 transformers' logits on several images of different sizes at one rank per module and at encoder
-TP 2 + language PP 2 (+ EP 2 for MoE), every tensor streaming back unchanged; training is the
+TP 2 + language PP 2 (+ TP 2 and EP 2 for MoE: the experts split over the TP ranks), every tensor streaming back unchanged; training is the
 same at language TP 2, PP 2, packed and colocated; a trained run exports the same bytes from two
 layouts, which transformers loads as the same class, a zero-learning-rate run the folder's own
 bytes (its MTP tensors carried); what Megatron would compute differently is one line."""
@@ -35,7 +35,7 @@ LAYOUTS = {
     "dense-one-rank-per-module": (False, ("image:dp=1", "language:dp=1"), 2),
     "dense-encoder-tp2-language-pp2": (False, ("image:tp=2", "language:pp=2"), 4),
     "moe-one-rank-per-module": (True, ("image:dp=1", "language:dp=1"), 2),
-    "moe-encoder-tp2-language-pp2-ep2": (True, ("image:tp=2", "language:pp=2,dp=2,ep=2"), 6),
+    "moe-encoder-tp2-language-tp2-pp2-ep2": (True, ("image:tp=2", "language:tp=2,pp=2,ep=2"), 6),
 }
 """(MoE, ``--grid`` values, ranks) by test id."""
 

@@ -39,7 +39,7 @@ from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.encoder_view import includes_projection, module_tensors
 from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError, linear_geometry
-from megatron_plugins.weights.megatron_init import split_key
+from megatron_plugins.weights.megatron_init import join_sections, split_key
 from megatron_plugins.weights.streaming import WeightPiece, assemble, pieces_of
 from megatron_plugins.weights.vision_families import untrained_tensors
 
@@ -130,8 +130,8 @@ class Checkpoint:
         keys = self.modules[module]
         loaded = self._dc.load({key: self.metadata[key] for key in keys.values()},
                                str(self.folder), validate_access_integrity=False)
-        for name, key in keys.items():
-            yield from unstack(name, loaded[key])
+        yield from join_sections(item for name, key in keys.items()
+                                 for item in unstack(name, loaded[key]))
 
 
 def hf_pieces(tensors: Iterator[tuple[str, torch.Tensor]], family: Family, heads: Heads | None,

@@ -190,6 +190,11 @@ GAPS: tuple[Gap, ...] = (
     Gap("32", "the local norm refuses 1-centred weights (--apply-layernorm-1p)",
         "gdn_spec", "model.language.StockLanguageModel.__new__",
         _canary("gdn_spec", "test_gap32_canary_local_norm_refuses_zero_centered_gamma")),
+    Gap("33", "Gated DeltaNet's output norm weight is replicated over TP, its gradient summed "
+              "only under sequence parallelism",
+        "gdn_spec", "model.language.StockLanguageModel.__new__",
+        _canary("gdn_spec", "test_gap33_canary_stock_sums_replicated_grads_only_under_sequence_"
+                            "parallelism")),
 )
 """Every gap in the order the bridges were added."""
 

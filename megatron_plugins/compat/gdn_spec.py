@@ -1,4 +1,4 @@
-"""A Gated DeltaNet language model (Qwen3.5) without Transformer Engine (Gaps 31, 32).
+"""A Gated DeltaNet language model (Qwen3.5) without Transformer Engine (Gaps 31, 32, 33).
 
 :func:`with_local_gdn_spec` gives such a model, on ``--transformer-impl local``, the same layers
 built from local modules: Gated DeltaNet (in_proj, causal conv, the gated delta rule, gated output
@@ -18,7 +18,7 @@ from typing import Any
 from megatron_plugins.compat import record
 from megatron_plugins.ops.rms_norm import PlainRMSNorm, RMSNorm
 
-__all__ = ["is_gated_delta_net", "with_local_gdn_spec"]
+__all__ = ["is_gated_delta_net", "sum_out_norm_grads_over_tp", "with_local_gdn_spec"]
 
 
 def is_gated_delta_net(transformer: Any) -> bool:
@@ -98,3 +98,22 @@ def with_local_gdn_spec(model_config: Any, pp_rank: int) -> Any:
     if transformer.layernorm_zero_centered_gamma:
         record("32")
     return resolved
+
+
+def sum_out_norm_grads_over_tp(model: Any) -> None:
+    """Give every Gated DeltaNet output norm of ``model`` its layer's TP group (Gap 33).
+
+    Gap 33 (the output norm's gradient under TP): Gated DeltaNet normalises each value head with
+    one weight replicated over TP, each rank seeing only its own heads, so each rank's gradient
+    is a part of the whole; stock's ``_allreduce_non_tensor_model_parallel_grads``
+    (distributed/finalize_model_grads.py) sums replicated weights only under sequence
+    parallelism (and q/k norms by name), so at TP > 1 without it the replicas drift apart.
+    :class:`~megatron_plugins.ops.rms_norm.PlainRMSNorm` sums the gradient over the group given.
+    """
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet) and isinstance(module.out_norm, PlainRMSNorm):
+            module.out_norm.tp_group = module.pg_collection.tp
+            if module.pg_collection.tp.size() > 1:
+                record("33")

@@ -139,6 +139,7 @@ class StockLanguageModel:
         with model_build.distinct_cpu_init_experts():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
         model_build.direct_single_rank_expert_output(model)
+        gdn_spec.sum_out_norm_grads_over_tp(model)
         if getattr(model_config, MROPE_INTERLEAVED, False):
             model_build.interleave_mrope(model)
         if model_config.transformer.context_parallel_size > 1:

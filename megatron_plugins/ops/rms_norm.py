@@ -36,9 +36,12 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The normalised ``x`` in its own dtype."""
+        return self._normalised(x, self.weight)
+
+    def _normalised(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         wide = x.float()
         wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = self.weight.float()
+        scale = weight.float()
         if self.zero_centered:
             return (wide * (1.0 + scale)).type_as(x)
         # transformers' gated norm scales after returning to the input dtype.
@@ -47,6 +50,18 @@ class RMSNorm(torch.nn.Module):
 
 class PlainRMSNorm(RMSNorm):
     """:class:`RMSNorm` scaling by ``weight`` even when the model's other norms are 1-centred
-    (Qwen3.5's Gated DeltaNet output norm)."""
+    (Qwen3.5's Gated DeltaNet output norm). Given a ``tp_group``, it sums its weight's gradient
+    over it: the norm runs per value head, each TP rank normalising only its own heads, so each
+    rank's gradient is a part of the whole (stock sums it only under sequence parallelism)."""
 
     zero_centered_override = False
+    tp_group: torch.distributed.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised ``x``; the weight's gradient summed over :attr:`tp_group`."""
+        group = self.tp_group
+        if group is None or group.size() == 1 or self.config.sequence_parallel:
+            return super().forward(x)
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        return self._normalised(x, copy_to_tensor_model_parallel_region(self.weight, group))

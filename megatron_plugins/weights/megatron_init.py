@@ -17,7 +17,8 @@ resumed with stock ``--load`` overwrites all of it: stock loads ``--load`` after
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
 __all__ = [
     "CheckpointInitError", "SHAPE_FLAGS", "add_checkpoint_init_args", "check_init_flags",
-    "check_language_shape", "load_megatron_checkpoints", "module_keys", "split_key",
+    "check_language_shape", "join_sections", "load_megatron_checkpoints", "module_keys",
+    "split_key",
     "tensor_problems"
 ]
 
@@ -76,6 +78,31 @@ def add_checkpoint_init_args(parser: argparse.ArgumentParser) -> argparse.Argume
                             "(its encoder NAME, any TP); the projection starts from init. "
                             "Repeatable.")
     return parser
+
+
+SECTIONS = re.compile(r"(.*\.(?:in_proj\.weight|conv1d\.(?:weight|bias)))\."
+                      r"(query|key|value|z|beta|alpha)$")
+"""Gated DeltaNet's ``in_proj`` and ``conv1d`` tensors, which its ``sharded_state_dict`` saves
+as one key per section (ssm/gated_delta_net/common.py), so the checkpoint is the same at any TP."""
+SECTION_ORDER = ("query", "key", "value", "z", "beta", "alpha")
+"""The sections' order inside the module's tensor (``in_proj_split_names``)."""
+
+
+def join_sections(items: Iterator[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` with each tensor saved by :data:`SECTIONS` joined back to the module's own
+    (its TP 1 layout, which the gdn combines read)."""
+    import torch
+
+    sections: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in items:
+        found = SECTIONS.match(name)
+        if found is None:
+            yield name, tensor
+        else:
+            sections.setdefault(found.group(1), {})[found.group(2)] = tensor
+    for name, parts in sections.items():
+        yield name, torch.cat([parts[key] for key in SECTION_ORDER if key in parts])
 
 
 def split_key(key: str) -> tuple[str, str] | None:

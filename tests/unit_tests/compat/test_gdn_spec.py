@@ -84,3 +84,27 @@ def test_rms_norm_computes_transformers_qwen3_5_norms():
     torch.testing.assert_close(gated, hf_gated(x, gate), rtol=0, atol=1e-6)
     assert torch.equal(RMSNorm(_config(layernorm_zero_centered_gamma=False), 16)(x),
                        PlainRMSNorm(_config(), 16)(x))
+
+
+def test_gap33_canary_stock_sums_replicated_grads_only_under_sequence_parallelism(monkeypatch,
+                                                                                 one_rank_world):
+    """Gap 33: at TP 2 without sequence parallelism stock reduces a q/k norm's gradient but not
+    Gated DeltaNet's output norm's (its per-rank gradient is a part of the whole)."""
+    from types import SimpleNamespace
+
+    import importlib
+
+    finalize_model_grads = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda tensor, **kwargs: reduced.append(tensor.numel()))
+    chunk = torch.nn.Module()
+    chunk.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+    chunk.q_layernorm = torch.nn.Linear(3, 1, bias=False)
+    chunk.out_norm = PlainRMSNorm(_config(), 5)
+    for param in chunk.parameters():
+        param.main_grad = torch.ones_like(param)
+        param.grad = torch.ones_like(param)
+    tp = SimpleNamespace(size=lambda: 2)
+    finalize_model_grads._allreduce_non_tensor_model_parallel_grads([chunk], _config(), tp)
+    assert reduced == [3]  # the q norm's 3 values; not the output norm's 5

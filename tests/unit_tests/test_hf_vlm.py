@@ -106,7 +106,8 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
         f"{HF_MODEL_FLAG} {llama}/config.json: architecture LlamaForCausalLM is not a supported "
         "whole VLM; supported: LlavaForConditionalGeneration, "
         "Qwen2_5_VLForConditionalGeneration, LlavaNextForConditionalGeneration, "
-        "Qwen3VLForConditionalGeneration")
+        "Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
+        "Qwen3_5MoeForConditionalGeneration")
     origin = f"{HF_MODEL_FLAG} {folder} (LlavaForConditionalGeneration)"
     flags = vlm_flags(folder, grids)
     assert bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (

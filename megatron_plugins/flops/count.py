@@ -84,8 +84,9 @@ class Linears(_Counts):
 @dataclass(frozen=True)
 class FirstLayer(_Counts):
     """A module's first layer (a tower's layer 0 per item, a projection's MLP per instance):
-    where the gradient of a LoRA'd module whose input needs none starts; ``before``: products
-    on the way to it past the entry (a stem's second convolution), which that gradient skips."""
+    where the gradient of a LoRA'd module whose input needs none starts; ``before``: the input
+    gradients of the products on the way to it past the entry (a stem's second convolution, a
+    Gated DeltaNet mixer before its layer's MLP), which that gradient skips."""
 
     before: int = 0
     scores: int = 0
@@ -131,6 +132,9 @@ class Work(_Counts):
       gradients whenever a gradient flows;
     - ``gating``: products of a weight with activations whose kernel computes both gradients
       whenever a gradient flows, the weight frozen or not (Megatron's MoE router);
+    - ``recurrence``: products of activations carried through a recurrence (Gated DeltaNet's
+      chunked delta rule), whose backward whenever a gradient flows is
+      ``recurrence_backward``, counted as it runs rather than as a multiple of the forward;
     - ``kernel_recompute``: what a fused attention kernel recomputes in its backward (the
       scores), counted as recomputation;
     - ``linears``: the adaptable linears among the ``inner`` products, by name, for LoRA;
@@ -144,6 +148,8 @@ class Work(_Counts):
     inner: int = 0
     scores: int = 0
     gating: int = 0
+    recurrence: int = 0
+    recurrence_backward: int = 0
     kernel_recompute: int = 0
     linears: Linears = Linears()
     first: FirstLayer = FirstLayer()
@@ -164,7 +170,7 @@ class Work(_Counts):
 
     @property
     def forward(self) -> int:
-        return self.entry + self.inner + self.scores + self.gating
+        return self.entry + self.inner + self.scores + self.gating + self.recurrence
 
     def flops(self, *, trains: bool, input_grad: bool, recomputed: bool = False,
               adapters: Adapters | None = None) -> Flops:
@@ -180,7 +186,7 @@ class Work(_Counts):
         if not (trains or input_grad):
             return Flops(self.forward)
         backward = (self.entry * (int(trains) + int(input_grad)) + self.inner * (int(trains) + 1)
-                    + 2 * (self.scores + self.gating))
+                    + 2 * (self.scores + self.gating) + self.recurrence_backward)
         recompute = self.kernel_recompute + (self.forward if recomputed else 0)
         return Flops(self.forward, backward, recompute)
 
@@ -192,7 +198,7 @@ class Work(_Counts):
         adapted = adapters.forward(self.linears)
         forward = self.forward + adapted
         backward = (self.entry * int(input_grad) + self.inner + 2 * (self.scores + self.gating)
-                    + 2 * adapted)
+                    + self.recurrence_backward + 2 * adapted)
         if not input_grad:
             backward -= self._ahead(adapters)
         return Flops(forward, backward, self.kernel_recompute + (forward if recomputed else 0))

@@ -5,7 +5,10 @@ layers by ``moe_layer_freq``, GQA, gated MLP, top-k routed and shared experts, t
 (logits over the padded vocabulary), and ``mtp_num_layers`` multi-token-prediction layers (each
 its ``eh_proj``, a layer like the last decoder layer, and logits again). A hybrid model
 (``--hybrid-layer-pattern``) of attention (``*``), MLP (``-``) and MoE (``E``) layers counts
-the same parts layer by layer.
+the same parts layer by layer. A Gated DeltaNet GPT (Qwen3.5: ``experimental_attention_variant=
+"gated_delta_net"``) has a Gated DeltaNet mixer (:mod:`.gated_delta_net`, the reference kernels'
+products) in the layers ``linear_attention_freq`` marks and gated attention (its query projection
+also yields a per-head output gate; partial rotary changes no product) in the others.
 
 The layout is one list of segment lengths per row: a whole unpacked row (``[seq_length]``,
 padding included: every position runs), or a packed row's documents (``--pack-sequences``: one
@@ -20,9 +23,10 @@ Recomputation follows Megatron's ``--recompute-granularity``: ``full`` reruns wh
 (``layernorm``, ``moe_act``) rerun elementwise work only. DeepStack's additions after the first
 layers are elementwise and not counted (its mergers are the encoder's). Under LoRA (``--lora
 language``, :class:`~.count.Adapters`) the weights get no gradient, the adapters do, and
-without a trained encoder before it the gradient starts at the first adapted linear. Not supported (a
-:class:`FlopsError` naming the flag): multi-latent attention, linear-attention variants, MoE
-latent projections, Mamba / GDN / MLA / DSA hybrid layers, MTP in a hybrid pattern.
+without a trained encoder before it the gradient starts at the first adapted linear (LoRA
+adapts no Gated DeltaNet linear). Not supported (a :class:`FlopsError` naming the flag):
+multi-latent attention, attention variants other than Gated DeltaNet (DSA), MoE latent
+projections, Mamba / GDN / MLA / DSA hybrid layers, MTP in a hybrid pattern.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 from megatron_plugins.errors import UsageError
 from megatron_plugins.flops.count import Adapters, Flops, Work
+from megatron_plugins.flops.gated_delta_net import GatedDeltaNet, linear_attention_layers
 from megatron_plugins.flops.transformer import (
     AttentionKernel,
     Layer,
@@ -48,26 +53,30 @@ class FlopsError(UsageError):
 
 
 UNSUPPORTED = (("multi_latent_attention", "--multi-latent-attention"),
-               ("experimental_attention_variant", "--experimental-attention-variant"),
                ("moe_latent_size", "--moe-latent-size"))
 """Config fields (truthy: unsupported) and their flags."""
+VARIANTS = (None, "gated_delta_net")
+"""``--experimental-attention-variant`` values counted."""
 
-ATTENTION, MLP, MOE = "*", "-", "E"
-"""Hybrid layer symbols counted (Megatron's ``Symbols``); a GPT layer is ``*-`` or ``*E``."""
+ATTENTION, LINEAR, MLP, MOE = "*", "G", "-", "E"
+"""Layer symbols (Megatron's hybrid ``Symbols``): a GPT layer is ``*-`` or ``*E``, a Gated
+DeltaNet GPT's linear-attention layer ``G-`` or ``GE``."""
 
 
-def _gpt_layer(config: Any, index: int) -> str:
+def _gpt_layer(config: Any, index: int, linear: bool) -> str:
+    mixer = LINEAR if linear else ATTENTION
     if not config.num_moe_experts:
-        return ATTENTION + MLP
+        return mixer + MLP
     pattern = config.moe_layer_freq
     moe = bool(pattern[index]) if isinstance(pattern, list) else index % pattern == 0
-    return ATTENTION + (MOE if moe else MLP)
+    return mixer + (MOE if moe else MLP)
 
 
 def _layers(config: Any, pattern: str | None) -> list[str]:
-    """Each decoder layer's parts as hybrid symbols."""
+    """Each decoder layer's parts as layer symbols."""
     if pattern is None:
-        return [_gpt_layer(config, index) for index in range(config.num_layers)]
+        return [_gpt_layer(config, index, linear)
+                for index, linear in enumerate(linear_attention_layers(config))]
     if "/" in pattern or config.mtp_num_layers:
         raise FlopsError(f"--hybrid-layer-pattern {pattern} with MTP layers: the FLOPs count "
                          "does not describe them; drop the MTP part")
@@ -119,13 +128,16 @@ def _recomputed(config: Any, layers: int, chunks: Sequence[int] | None,
     return chosen
 
 
-def _layer_works(config: Any, parts: str, segments: list[int], *, kernel: AttentionKernel,
+def _layer_works(config: Any, parts: str, rows: list[Sequence[int]], *, kernel: AttentionKernel,
                  modules: set[str]) -> list[tuple[Work, bool]]:
-    """One layer of these hybrid ``parts``: its works, each with whether the selective
+    """One layer of these ``parts`` over these rows: its works, each with whether the selective
     ``modules`` rerun it."""
+    segments = [length for row in rows for length in row]
     tokens = sum(segments)
     shape = Layer.of(config, causal=True, kernel=kernel, moe=MOE in parts)
     works = []
+    if LINEAR in parts:
+        works.append((GatedDeltaNet.of(config).work(rows), False))
     if ATTENTION in parts:
         works += [(shape.attention.projections(tokens), False),
                   (shape.attention.scores(segments), "core_attn" in modules)]
@@ -171,12 +183,15 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     chunk, for ``--recompute-method block`` where :func:`chunk_layers` cannot tell;
     ``adapters``: LoRA on it (``trains`` then False).
     """
-    for field, flag in UNSUPPORTED:
-        if getattr(config, field, None):
-            raise FlopsError(f"{flag}: the FLOPs count does not describe this language model; "
-                             "drop the flag or count its FLOPs elsewhere")
-    segments = [length for row in rows for length in row]
-    tokens = sum(segments)
+    variant = getattr(config, "experimental_attention_variant", None)
+    unsupported = [flag for field, flag in UNSUPPORTED if getattr(config, field, None)]
+    if variant not in VARIANTS:
+        unsupported.append(f"--experimental-attention-variant {variant}")
+    if unsupported:
+        raise FlopsError(f"{unsupported[0]}: the FLOPs count does not describe this language "
+                         "model; drop the flag or count its FLOPs elsewhere")
+    rows = [list(row) for row in rows]
+    tokens = sum(sum(row) for row in rows)
     layers = _layers(config, pattern)
     modules = (set(config.recompute_modules or ["core_attn"])
                if config.recompute_granularity == "selective" else set())
@@ -185,7 +200,7 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     grads = {"trains": trains, "adapters": adapters}
     total, flowing = Flops(), input_grad
     for parts, full in zip(layers, _recomputed(config, len(layers), chunks, pattern is not None)):
-        works = _layer_works(config, parts, segments, **shape)
+        works = _layer_works(config, parts, rows, **shape)
         total += _layer_flops(works, full=full, input_grad=flowing, **grads)
         if adapters is not None:
             flowing = flowing or adapters.adapt(sum((work for work, _ in works), Work()).linears)
@@ -193,7 +208,7 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     eh_proj = Work(inner=linear(tokens, 2 * config.hidden_size, config.hidden_size))
     for _ in range(config.mtp_num_layers or 0):
         total += (eh_proj.flops(trains=trains, input_grad=flowing, recomputed=mtp_full)
-                  + _layer_flops(_layer_works(config, layers[-1], segments, **shape),
+                  + _layer_flops(_layer_works(config, layers[-1], rows, **shape),
                                  full=mtp_full, input_grad=flowing, **grads))
     logits = Work(inner=linear(tokens, config.hidden_size, vocab_size))
     return total + (logits * (1 + (config.mtp_num_layers or 0))).flops(trains=trains,

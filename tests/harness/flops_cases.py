@@ -45,12 +45,31 @@ def table(rows: list[Row], against: str = "FlopCounterMode") -> str:
     return "\n".join(lines)
 
 
+def _convolution_backward(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation,
+                          transposed, output_padding, groups, output_mask, out_shape=None,
+                          **kwargs) -> int:
+    """FlopCounterMode's convolution backward, its weight gradient divided by the groups: torch
+    counts a grouped convolution's weight gradient as a dense one's (``groups`` times the
+    products; a depthwise kernel's gradient, Gated DeltaNet's, ``channels`` times)."""
+    from torch.utils.flop_counter import conv_backward_flop
+
+    def count(mask: list[bool]) -> int:
+        return conv_backward_flop.__wrapped__(
+            grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed,
+            output_padding, groups, mask, out_shape=out_shape, **kwargs)
+
+    return (count([output_mask[0], False, False])
+            + count([False, output_mask[1], False]) // groups)
+
+
 def counted(run: Callable[[], torch.Tensor]) -> int:
     """FlopCounterMode's total over ``run()``'s forward and, when its output needs one, the
-    backward of the output's sum."""
+    backward of the output's sum (a grouped convolution's weight gradient as it runs:
+    :func:`_convolution_backward`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    grouped = {torch.ops.aten.convolution_backward: _convolution_backward}
+    with FlopCounterMode(display=False, custom_mapping=grouped) as counter:
         output = run()
         if output.requires_grad:
             output.sum().backward()
@@ -215,6 +234,21 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48",
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
        "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
 SHARED = ["--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate"]
+QWEN3_5 = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
+           "[1,0]", "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "8",
+           "--linear-value-head-dim", "8", "--linear-num-key-heads", "2",
+           "--linear-num-value-heads", "4", "--attention-output-gate", "--kv-channels", "16",
+           "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm",
+           "--rotary-percent", "0.5", "--swiglu", "--normalization", "RMSNorm"]
+"""A tiny Qwen3.5 language model: a Gated DeltaNet layer (two value heads per key head), then
+gated attention with partial rotary."""
+DOCUMENTS = [5, 9, 3, 4]
+PACK = "--pack-sequences"
+"""Our flag (not stock's): the language model then runs packed rows."""
+BEFORE = "--trained-encoder-before"
+"""Not a flag: a gradient reaches the language model's input (dropped before parsing)."""
+LONG = ["--seq-length", "150", "--max-position-embeddings", "160"]
+"""Rows of 150: three delta-rule chunks of 64, the last partial."""
 LANGUAGE_CASES = [
     ("dense", "2 rows of 24", []),
     ("GQA + SwiGLU", "2 rows of 24, 4 heads / 2 groups",
@@ -243,13 +277,17 @@ LANGUAGE_CASES = [
     ("hybrid", "pattern **-, recompute full uniform",
      ["--hybrid-layer-pattern", "**-", "--num-layers", "3", "--recompute-granularity", "full",
       "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("Qwen3.5", "2 rows of 24: Gated DeltaNet, gated attention", QWEN3_5),
+    ("Qwen3.5", "2 rows of 150: 3 delta-rule chunks", [*QWEN3_5, *LONG]),
+    ("Qwen3.5", "1 row: documents 5, 9, 3, 4 + padding 129", [*QWEN3_5, *LONG, PACK]),
+    ("Qwen3.5", "a trained encoder before it, recompute full uniform",
+     [*QWEN3_5, BEFORE, "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"]),
+    ("Qwen3.5 MoE", "top-2 of 4 + gated shared expert, 2 rows of 150",
+     [*QWEN3_5, *MOE, *SHARED, *LONG]),
+    ("Qwen3.5 MoE", "1 row: documents 5, 9, 3, 4 + padding 3", [*QWEN3_5, *MOE, *SHARED, PACK]),
 ]
 """(family, case, flags) of each language row."""
-DOCUMENTS = [5, 9, 3, 4]
-PACK = "--pack-sequences"
-"""Our flag (not stock's): the language model then runs packed rows."""
-BEFORE = "--trained-encoder-before"
-"""Not a flag: a gradient reaches the language model's input (dropped before parsing)."""
 
 
 def _language(flags: list[str]) -> tuple[Any, Any, Any]:

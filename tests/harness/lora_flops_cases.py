@@ -13,6 +13,7 @@ from tests.harness.flops_cases import (
     BEFORE,
     MOE,
     PACK,
+    QWEN3_5,
     SHARED,
     Row,
     _audio,
@@ -34,6 +35,9 @@ LORA_LANGUAGE_CASES = [
                                                              "1"], ATTENTION),
     ("LoRA", "hybrid -*: the gradient starts in layer 1", ["--hybrid-layer-pattern=-*"],
      ("linear_qkv",)),
+    ("LoRA", "Qwen3.5 MLP: the gradient starts past the Gated DeltaNet mixer", QWEN3_5, MLP),
+    ("LoRA", "Qwen3.5 attention, packed: the Gated DeltaNet layer runs forward only",
+     [*QWEN3_5, PACK], ATTENTION),
 ]
 """(family, case, flags, targets) of each LoRA'd language row."""
 

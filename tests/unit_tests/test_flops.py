@@ -1,6 +1,6 @@
 """FLOPs per module from the actual batch: the formulas of ``megatron_plugins.flops`` against
-``FlopCounterMode`` on a real forward and backward of every built-in encoder and language family
-(within 2%), against stock ``--log-throughput``'s count, and their conventions (frozen modules,
+``FlopCounterMode`` on a real forward and backward of every built-in encoder and language family,
+Qwen3.5's Gated DeltaNet layers included (within 2%), against stock ``--log-throughput``'s count, and their conventions (frozen modules,
 recomputation, attention kernels, packing) on their own."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from megatron_plugins.encoders import BUILTIN
 from megatron_plugins.flops.count import Adapters, EncoderFlops, Flops, Work
+from megatron_plugins.flops.gated_delta_net import CHUNK_SIZE, GatedDeltaNet
 from megatron_plugins.flops.language import FlopsError, chunk_layers, language_flops
 from megatron_plugins.flops.transformer import Attention, AttentionKernel, MLP, MoE
 from tests.harness.flops_cases import (
@@ -160,6 +161,30 @@ def test_moe_counts_router_topk_experts_and_shared_experts():
                                       + 2 * tokens * 8 * 10 * 2 + 2 * tokens * 8)
 
 
+def test_gated_delta_net_counts_the_reference_kernels_layout():
+    from megatron_plugins.ops import gated_delta_rule
+
+    assert CHUNK_SIZE == gated_delta_rule.CHUNK_SIZE
+    mixer = GatedDeltaNet(hidden=24, key_heads=2, value_heads=4, key_dim=8, value_dim=16,
+                          conv_kernel=4)
+    assert (mixer.conv_channels, mixer.in_proj_width) == (2 * 16 + 64, 2 * 16 + 2 * 64 + 2 * 4)
+    # One chunk per value head: k_beta k^T and q k^T, then w S, q S, A v_new and k^T v_new.
+    one = mixer.mixing([[64]])
+    chunk = 4 * 64 * 64 * 8 + 2 * 64 * 64 * 16 + 6 * 64 * 8 * 16
+    assert one.recurrence == 4 * chunk
+    assert one.inner == 2 * 64 * 4 * mixer.conv_channels
+    # Rows run in whole chunks; a packed row's documents each as long as its longest.
+    assert mixer.mixing([[65]]).recurrence == mixer.mixing([[128]]).recurrence == 8 * chunk
+    packed = mixer.mixing([[5, 9, 3, 4, 3]])
+    assert packed == mixer.mixing([[9]] * 5) == mixer.mixing([[1]] * 5) + Work(
+        inner=5 * 8 * 2 * 4 * mixer.conv_channels)
+    # The backward is counted as it runs: not a multiple of the forward.
+    assert one.recurrence_backward != 2 * one.recurrence
+    assert one.flops(trains=True, input_grad=False).backward == \
+        2 * one.inner + one.recurrence_backward
+    assert one.flops(trains=False, input_grad=False) == Flops(one.forward)
+
+
 def _config(**fields):
     base = dict(num_layers=8, pipeline_model_parallel_size=1,
                 virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_layout=None,
@@ -182,8 +207,7 @@ def test_block_recompute_follows_megatrons_model_chunks():
 
 @pytest.mark.parametrize("fields, pattern, flag", [
     (dict(multi_latent_attention=True), None, "--multi-latent-attention"),
-    (dict(experimental_attention_variant="gated_delta_net"), None,
-     "--experimental-attention-variant"),
+    (dict(experimental_attention_variant="dsa"), None, "--experimental-attention-variant dsa"),
     ({}, "M*-", r"--hybrid-layer-pattern M\*-: .* its M layers"),
     (dict(mtp_num_layers=1), "*-", "with MTP layers"),
 ])

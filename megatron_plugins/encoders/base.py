@@ -87,14 +87,16 @@ class EncoderPluginError(UsageError):
 
 def encoder_config(language: TransformerConfig, grid: ModulePlacement,
                    **shape: object) -> TransformerConfig:
-    """An encoder's TransformerConfig: its own shape (``shape`` fields) and TP, the LM's numerics.
+    """An encoder's TransformerConfig: its own shape (``shape`` fields, which may also override a
+    numeric the encoder cannot share, e.g. a fusion its activation has none for) and TP, the
+    LM's numerics.
 
     Copying precision, initialization and per-token-loss settings from the language model is what
     makes encoder gradients mean the same thing as language gradients once they cross the grid
     boundary (DDP scales by 1/dp unless ``calculate_per_token_loss`` is set on *each* module).
     """
     numerics = {name: getattr(language, name) for name in NUMERICS}
-    return TransformerConfig(**numerics, **shape, tensor_model_parallel_size=grid.tp,
+    return TransformerConfig(**{**numerics, **shape}, tensor_model_parallel_size=grid.tp,
                              expert_tensor_parallel_size=grid.tp)
 
 

@@ -247,11 +247,12 @@ class QwenTowerEncoder(HFVisionEncoder):
             language, self.grid, num_layers=hf.depth, hidden_size=hf.hidden_size,
             num_attention_heads=hf.num_heads, ffn_hidden_size=hf.intermediate_size,
             activation_func=self.activations[hf.hidden_act], gated_linear_unit=self.gated,
-            add_bias_linear=True, add_qkv_bias=True, normalization=self.normalization)
-        # HF's norm eps; Megatron's fused bias-activation is not HF's function, torch's norms
-        # do not persist.
-        return dataclasses.replace(config, layernorm_epsilon=1e-6, bias_activation_fusion=False,
-                                   persist_layer_norm=False)
+            add_bias_linear=True, add_qkv_bias=True, normalization=self.normalization,
+            # Megatron's fused bias-activation is not HF's function (and refuses a tanh GELU
+            # where the language model's flags leave the fusion on, as on a GPU).
+            bias_activation_fusion=False)
+        # HF's norm eps; torch's norms do not persist.
+        return dataclasses.replace(config, layernorm_epsilon=1e-6, persist_layer_norm=False)
 
     @abc.abstractmethod
     def encoder_spec(self, config: TransformerConfig,

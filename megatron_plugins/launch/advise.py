@@ -42,9 +42,10 @@ from megatron_plugins.performance.data import (
     given_description,
 )
 from megatron_plugins.performance.gpus import FIGURES, Hardware, hardware
+from megatron_plugins.performance.memory import candidate_memory
 from megatron_plugins.performance.workload import Workload
 
-__all__ = ["FLAG", "Planned", "advisor_flags", "main", "plan_inputs"]
+__all__ = ["FLAG", "Planned", "advisor_flags", "layout_memory", "main", "plan_inputs"]
 
 FLAG = "--advise"
 
@@ -55,6 +56,7 @@ STOCK_PARALLEL_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parall
                         "--context-parallel-size", "--expert-model-parallel-size",
                         "--expert-tensor-parallel-size")
 """Stock flags that set the language grid, which the advisor chooses."""
+COLOCATED_RECOMPUTE = "--colocated-encoder-recompute"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,14 +136,19 @@ def _quiet() -> Iterator[None]:
 
 def _parse_run(argv: list[str], providers: dict[str, str]) -> tuple[Any, ParallelLayout]:
     """The launch's parse of ``argv`` on a probe layout of one rank per module; returns the
-    parsed run and the probe layout."""
-    probe = _without(argv, {**_layout_flags(), **{flag: 1 for flag in STOCK_PARALLEL_FLAGS}})
+    parsed run and the probe layout. ``--colocated-encoder-recompute`` is kept off the probe,
+    which hosts no encoder, and set on the parsed run as given: the layouts priced may host
+    one."""
+    probe = _without(argv, {**_layout_flags(), **{flag: 1 for flag in STOCK_PARALLEL_FLAGS},
+                            COLOCATED_RECOMPUTE: 0})
     probe += [token for name in providers for token in ("--grid", f"{name}:dp=1")]
     probe += ["--grid", f"{LANGUAGE}:dp=1"]
     checked = check_run(probe, len(providers) + 1, quiet=True)
     from megatron_plugins.launch.pretrain import parse_mimo_args
 
-    return parse_mimo_args(probe, checked), checked.layout
+    run = parse_mimo_args(probe, checked, planning=True)
+    run.args.colocated_encoder_recompute = given_flag(argv, [COLOCATED_RECOMPUTE]) is not None
+    return run, checked.layout
 
 
 def _check_given_data(own: argparse.Namespace, providers: dict[str, str],
@@ -158,13 +165,16 @@ def _check_given_data(own: argparse.Namespace, providers: dict[str, str],
 
 def _space(args: argparse.Namespace, plugins: dict, providers: dict[str, str],
            gpus: Hardware) -> Space:
+    linear = args.experimental_attention_variant == "gated_delta_net"
     return Space(heads=args.num_attention_heads, layers=args.num_layers,
                  encoder_heads={name: plugin.num_attention_heads
                                 for name, plugin in plugins.items()},
                  providers=providers, experts=args.num_experts or 0,
                  global_batch=args.global_batch_size,
                  gpus_per_node=gpus.gpus_per_node, fewest=gpus.fewest_gpus, most=gpus.gpus,
-                 checks={flag: getattr(args, flag, None) for flag in CHECKED_FLAGS})
+                 checks={flag: getattr(args, flag, None) for flag in CHECKED_FLAGS},
+                 linear_heads=((args.linear_num_key_heads, args.linear_num_value_heads)
+                               if linear else None))
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,27 @@ def advisor_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if own.advise_top < 1 or own.advise_samples < 1:
         raise FlagError("--advise-top and --advise-samples must be at least 1")
     return own, rest
+
+
+def layout_memory(argv: Sequence[str], layout: ParallelLayout, nodes: int,
+                  per_node: int) -> str:
+    """What ``mimo-plan --gpu NAME`` (without ``--advise``) adds to the rank map: the advisor's
+    memory per rank of ``layout`` (the command line's, checked) on ``nodes`` nodes of
+    ``per_node`` such GPUs, the model read as the launch reads it (the data as the advisor's data
+    flags describe it, else sampled from the run's source)."""
+    own, rest = _parser().parse_known_args(list(argv))
+    gpus = hardware(nodes * per_node, per_node, own.gpu,
+                    {field: getattr(own, field) for field, _ in FIGURES})
+    planned = plan_inputs(own, rest)
+    args = planned.run.args
+    candidate = layout_candidate(layout, args.micro_batch_size,
+                                 args.recompute_granularity == "full",
+                                 args.colocated_encoder_recompute)
+    memory = candidate_memory(candidate, planned.workload, gpus, assumptions_from_args(own))
+    fits = "fits" if memory.fits else "does NOT fit"
+    return (f"memory per rank (GiB, the advisor's model; {gpus.gpu.name}: "
+            f"{gpus.gpu.memory_gib:g} GiB, {memory.capacity:.1f} usable): {memory.per_rank()}; "
+            f"{fits}")
 
 
 def advise_main(argv: Sequence[str]) -> int:

@@ -223,10 +223,11 @@ def apply_optimizer_args(args: argparse.Namespace, argv: Sequence[str] | None = 
         setattr(args, attr, value)
 
 
-def implied_stock_flags(args: argparse.Namespace,
-                        argv: Sequence[str] | None = None) -> dict[str, Any]:
+def implied_stock_flags(args: argparse.Namespace, argv: Sequence[str] | None = None,
+                        planning: bool = False) -> dict[str, Any]:
     """The stock args (attribute -> value) ``--bf16-precision-aware-optimizer`` implies on parsed
-    ``args``; empty without the flag or without ``--bf16``.
+    ``args``; empty without the flag or without ``--bf16``. Transformer Engine's FusedAdam must
+    be importable, except ``planning`` (``mimo-plan``, often on a machine without it).
 
     A stock flag counts as chosen when it appears in ``argv`` (default ``sys.argv[1:]``), whatever
     its value: comparing with parser defaults would miss ``--exp-avg-dtype fp32`` chosen on
@@ -252,6 +253,7 @@ def implied_stock_flags(args: argparse.Namespace,
         and not args.grad_reduce_in_bf16,
     }
     settings = _bf16_settings(current, explicit)
-    require_te_fused_adam()
+    if not planning:
+        require_te_fused_adam()
     return {_ARG_OF_FIELD.get(field, field): value for field, value in settings.items()
             if field not in explicit}

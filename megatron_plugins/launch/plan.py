@@ -1,5 +1,6 @@
-"""Print a heterogeneous layout's rank map without launching anything (``mimo-plan``), or with
-``--advise`` the layouts to launch on the GPUs given (:mod:`megatron_plugins.launch.advise`).
+"""Print a heterogeneous layout's rank map without launching anything (``mimo-plan``), with
+``--gpu NAME`` also each rank's memory by the advisor's model, or with ``--advise`` the layouts
+to launch on the GPUs given (:mod:`megatron_plugins.launch.advise`).
 
 Takes the whole training command line (flags it does not need are ignored) plus torchrun's
 ``--nproc-per-node`` / ``--nnodes`` (or ``--nproc-per-node 1,8,8`` for nodes running different
@@ -77,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--nnodes", type=int, default=None)
     launch.add_argument("--ranks", action="store_true",
                         help=f"Print the per-rank table (default: only up to {SMALL} ranks).")
+    launch.add_argument("--gpu", default=None, metavar="NAME",
+                        help="Also print each rank's memory by the advisor's model on this GPU "
+                             "(e.g. h100-sxm; reads the model as the launch does: seconds; "
+                             "the data as mimo-plan --advise's data flags describe it).")
     return raise_flag_errors(parser)
 
 
@@ -169,6 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report("mimo-plan", error)
     print(format_plan(layout, own.nproc_per_node, own.ranks or layout.world_size <= SMALL,
                       own.micro_batch_size))
+    if own.gpu is None:
+        return 0
+    from megatron_plugins.launch.advise import layout_memory
+
+    sizes = own.nproc_per_node
+    per_node = sizes if isinstance(sizes, int) else max(sizes)
+    nodes = node_of(layout.world_size - 1, sizes) + 1
+    try:
+        print(layout_memory(argv, layout, nodes, per_node), flush=True)
+    except UsageError as error:
+        return report("mimo-plan", error)
     return 0
 
 

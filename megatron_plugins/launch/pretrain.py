@@ -140,12 +140,13 @@ def _parse_flags(command_line: CommandLine, classes: Mapping[str, type[EncoderPl
     return args, parsers[0]
 
 
-def parse_mimo_args(argv: Sequence[str] | None = None,
-                    checked: Preflight | None = None) -> MimoRun:
+def parse_mimo_args(argv: Sequence[str] | None = None, checked: Preflight | None = None,
+                    planning: bool = False) -> MimoRun:
     """Parse, settle and check every flag; raises a :class:`~megatron_plugins.errors.UsageError`
     naming the flag to fix. ``checked`` is what the entry point's pre-import checks found
     (:func:`megatron_plugins.launch.preflight.run`), ``argv`` then unused; without it they run
-    here (with --help, stock's parser prints the help and exits)."""
+    here (with --help, stock's parser prints the help and exits). ``planning``: for
+    ``mimo-plan``, which loads no weights (a config-only ``--hf-model`` folder passes)."""
     if checked is None:
         argv = list(sys.argv[1:] if argv is None else argv)
         if asks_help(argv):
@@ -154,7 +155,7 @@ def parse_mimo_args(argv: Sequence[str] | None = None,
         checked = check_run(argv, world_size_from_env())
     classes = _plugin_classes(checked.command_line, checked.plugins)
     args, parser = _parse_flags(checked.command_line, classes)
-    settled = settle(args, checked.command_line.argv, parser, checked, classes)
+    settled = settle(args, checked.command_line.argv, parser, checked, classes, planning)
     return MimoRun(args, checked.layout, settled.plugins, settled.source, settled.language,
                    checked.command_line.argv)
 

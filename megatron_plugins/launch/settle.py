@@ -91,8 +91,9 @@ class Settling:
 
     def __init__(self, args: argparse.Namespace, argv: Sequence[str],
                  parser: argparse.ArgumentParser, checked: Preflight,
-                 classes: Mapping[str, type[EncoderPlugin]]) -> None:
+                 classes: Mapping[str, type[EncoderPlugin]], planning: bool = False) -> None:
         self.args = args
+        self.planning = planning  # for mimo-plan, which loads no weights
         self.argv = argv
         self.parser = parser
         self.checked = checked
@@ -127,7 +128,7 @@ Step = Callable[[Settling], "Iterable[Adjustment] | None"]
 
 def language_shape(run: Settling) -> list[Adjustment]:
     """The stock shape flags and the family of ``--language-hf-weights``' config.json."""
-    family, implied = implied_language_args(run.args, run.given)
+    family, implied = implied_language_args(run.args, run.given, run.planning)
     why = language_origin(run.args)
     return [Adjustment("language_hf_family", family, LANGUAGE_FLAG, why),
             *(Adjustment(attr, value, run.spelling(attr), why)
@@ -155,7 +156,7 @@ def encoder_weights(run: Settling) -> list[Adjustment]:
     checked to meet)."""
     args, plugins = run.args, run.settled.plugins
     folders = encoder_folders(args.encoder_hf_weights, plugins, args.hf_model)
-    check_hf_model(args, plugins)
+    check_hf_model(args, plugins, run.planning)
     return [Adjustment("encoder_hf_weights", folders, "--encoder-hf-weights",
                        "checked against the run's encoders")]
 
@@ -242,7 +243,7 @@ def optimizer_flags(run: Settling) -> list[Adjustment]:
     """The stock flags ``--bf16-precision-aware-optimizer`` implies."""
     return [Adjustment(attr, value, run.spelling(attr),
                        "--bf16-precision-aware-optimizer implies it")
-            for attr, value in implied_stock_flags(run.args, run.argv).items()]
+            for attr, value in implied_stock_flags(run.args, run.argv, run.planning).items()]
 
 
 def mimo_before_validation(run: Settling) -> list[Adjustment]:
@@ -389,11 +390,13 @@ STEPS: tuple[Step, ...] = (
 
 
 def settle(args: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser,
-           checked: Preflight, classes: Mapping[str, type[EncoderPlugin]]) -> Settled:
-    """Run :data:`STEPS` on parsed ``args`` in order (``classes``: every encoder's plugin class);
-    returns the record and the run's encoder plugins, data source and language config. Raises a
+           checked: Preflight, classes: Mapping[str, type[EncoderPlugin]],
+           planning: bool = False) -> Settled:
+    """Run :data:`STEPS` on parsed ``args`` in order (``classes``: every encoder's plugin class;
+    ``planning``: for ``mimo-plan``, which loads no weights); returns the record and the run's
+    encoder plugins, data source and language config. Raises a
     :class:`~megatron_plugins.errors.UsageError` naming the flag to fix."""
-    run = Settling(args, argv, parser, checked, classes)
+    run = Settling(args, argv, parser, checked, classes, planning)
     for step in STEPS:
         run.apply(step(run) or ())
     return run.settled

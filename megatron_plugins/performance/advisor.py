@@ -101,8 +101,8 @@ def _row(rank: str, estimate: Estimate, advice: Advice) -> list[str]:
         f"    {estimate.candidate.ranks} GPUs, step {estimate.step:.3g} s, "
         f"{estimate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU{versus}, "
         f"{estimate.tflops_per_gpu:.0f} TFLOP/s/GPU",
-        f"    memory per rank (GiB, {estimate.memory.capacity:.1f} usable): " + ", ".join(
-            f"{kind} {gib:.1f}" for kind, gib in estimate.memory.ranks.items()),
+        f"    memory per rank (GiB, {estimate.memory.capacity:.1f} usable): "
+        f"{estimate.memory.per_rank()}",
         f"    compute per rank per step: {busy}; bubble {estimate.parts['bubble']:.3g} s, "
         f"reduction and optimizer {estimate.parts['reduction+optimizer']:.3g} s",
     ]

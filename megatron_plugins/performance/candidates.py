@@ -138,6 +138,9 @@ class Space:
     most: int
     checks: Mapping[str, Any]
     """The run's :data:`CHECKED_FLAGS` values."""
+    linear_heads: tuple[int, int] | None = None
+    """Gated DeltaNet's key and value heads (Qwen3.5): TP divides both, and no layout splits
+    the sequence over CP (the launch refuses it: the layers' state runs along it)."""
 
 
 def _powers(limit: int) -> list[int]:
@@ -147,13 +150,15 @@ def _powers(limit: int) -> list[int]:
 def _language_grids(space: Space, size: int) -> Iterator[tuple[int, int, int, int, int]]:
     """``(tp, pp, cp, ep, dp)`` of ``size`` ranks the model's shape allows."""
     seq = space.checks.get("seq_length") or 0
+    linear = space.linear_heads or ()
     for tp in _powers(min(space.gpus_per_node, size)):
-        if space.heads % tp:
+        if space.heads % tp or any(heads % tp for heads in linear):
             continue
         for pp in divisors(space.layers):
             if size % (tp * pp) or pp > 32:
                 continue
-            for cp in _powers(min(space.gpus_per_node, size // (tp * pp))):
+            widest = 1 if linear else min(space.gpus_per_node, size // (tp * pp))
+            for cp in _powers(widest):
                 if size % (tp * pp * cp) or (cp > 1 and seq % (2 * cp * tp)):
                     continue
                 dp = size // (tp * pp * cp)

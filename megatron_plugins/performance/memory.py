@@ -42,6 +42,11 @@ class Memory:
     def fits(self) -> bool:
         return self.peak <= self.capacity
 
+    def per_rank(self) -> str:
+        """GiB per kind of rank, as the advisor prints them: ``image 17.5, language stage 0
+        40.1``."""
+        return ", ".join(f"{kind} {gib:.1f}" for kind, gib in self.ranks.items())
+
 
 def microbatches(candidate: Candidate, workload: Workload) -> int:
     """Microbatches per step: global batch over micro-batch size x language DP."""

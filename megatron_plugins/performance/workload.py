@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_plugins.flops.count import Flops, Work
+from megatron_plugins.flops.gated_delta_net import (
+    CHUNK_SIZE,
+    GatedDeltaNet,
+    linear_attention_layers,
+)
 from megatron_plugins.flops.language import language_flops
 from megatron_plugins.flops.transformer import linear
 
@@ -24,7 +29,9 @@ __all__ = ["EncoderWork", "LanguageWork", "TransformerShape", "Workload"]
 
 @dataclass(frozen=True)
 class TransformerShape:
-    """A transformer stack's shape: what parameters, activations and TP/CP/EP traffic follow."""
+    """A transformer stack's shape: what parameters, activations and TP/CP/EP traffic follow.
+    ``linear_layers`` of the ``layers`` are Gated DeltaNet layers (Qwen3.5: ``linear``'s
+    shape), the others attention layers."""
 
     layers: int
     hidden: int
@@ -39,6 +46,8 @@ class TransformerShape:
     expert_ffn: int = 0
     shared_ffn: int = 0
     moe_layers: int = 0
+    linear: GatedDeltaNet | None = None
+    linear_layers: int = 0
 
     @classmethod
     def of(cls, config: Any) -> TransformerShape:
@@ -54,6 +63,7 @@ class TransformerShape:
             moe_layers = sum(bool(flag) for flag in freq)
         else:
             moe_layers = len(range(0, config.num_layers, freq))
+        linear_layers = sum(linear_attention_layers(config))
         return cls(
             layers=config.num_layers, hidden=hidden, ffn=ffn, heads=heads,
             groups=getattr(config, "num_query_groups", None) or heads,
@@ -63,7 +73,9 @@ class TransformerShape:
             topk=getattr(config, "moe_router_topk", 0) if experts else 0,
             expert_ffn=(getattr(config, "moe_ffn_hidden_size", None) or ffn) if experts else 0,
             shared_ffn=getattr(config, "moe_shared_expert_intermediate_size", None) or 0,
-            moe_layers=moe_layers)
+            moe_layers=moe_layers,
+            linear=GatedDeltaNet.of(config) if linear_layers else None,
+            linear_layers=linear_layers)
 
     @property
     def attention_params(self) -> int:
@@ -81,20 +93,39 @@ class TransformerShape:
 
     @property
     def params(self) -> int:
-        """Parameters of the layers (norms and biases left out)."""
+        """Parameters of the layers (layer norms and biases left out; a Gated DeltaNet mixer's
+        per-head parameters and output norm counted, :attr:`GatedDeltaNet.params`)."""
         dense = self.layers - self.moe_layers
         moe = self.moe_layers * (self.hidden * self.experts + self.mlp_params(self.shared_ffn))
-        return (self.layers * self.attention_params + dense * self.mlp_params(self.ffn) + moe
-                + self.expert_params)
+        mixers = (self.layers - self.linear_layers) * self.attention_params
+        if self.linear is not None:
+            mixers += self.linear_layers * self.linear.params
+        return mixers + dense * self.mlp_params(self.ffn) + moe + self.expert_params
+
+    def _linear_elements(self) -> int:
+        """Per token, what a Gated DeltaNet mixer keeps for its backward on the GPU kernel
+        (flash-linear-attention, as attention is modelled on flash attention): its norm's input
+        and output, ``in_proj``'s output, the convolution's output, the rule's inputs (q and k
+        l2-normed and repeated to the value heads, v, g, beta) and its intra-chunk matrix
+        (:data:`CHUNK_SIZE` per value head), the rule's output and the gated norm's."""
+        mixer = self.linear
+        values = mixer.value_heads * mixer.value_dim
+        rule = mixer.value_heads * (2 * mixer.key_dim + mixer.value_dim + 2 + CHUNK_SIZE)
+        return (2 * self.hidden + mixer.in_proj_width + mixer.conv_channels + rule
+                + 2 * values)
 
     def activation_elements(self, tokens: float) -> float:
         """Elements one layer keeps for its backward over ``tokens`` (flash attention: no score
         matrix): both norms' inputs and outputs, Q/K/V (and an output gate) and the attention
-        output, the MLP's first layer's outputs and its activation's; routed tokens count
-        ``topk`` times."""
+        output (a Gated DeltaNet layer: :meth:`_linear_elements`), the MLP's first layer's
+        outputs and its activation's; routed tokens count ``topk`` times; layers of each kind
+        averaged."""
         query, key_value = self.heads * self.head_dim, self.groups * self.head_dim
         attention = (2 * self.hidden + (3 if self.output_gate else 2) * query
                      + 2 * key_value)
+        if self.linear is not None:
+            linear = self.linear_layers / self.layers
+            attention = linear * self._linear_elements() + (1 - linear) * attention
         width = 3 if self.gated else 2
         dense_mlp = 2 * self.hidden + width * self.ffn
         if not self.moe_layers:

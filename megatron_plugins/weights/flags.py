@@ -178,19 +178,22 @@ def check_safetensors(folder: str, flag: str) -> None:
     HFCheckpoint(folder, flag).check_files()
 
 
-def implied_language_args(args: argparse.Namespace, given: Callable[[str], str | None]
-                          ) -> tuple[str | None, dict[str, Any]]:
+def implied_language_args(args: argparse.Namespace, given: Callable[[str], str | None],
+                          planning: bool = False) -> tuple[str | None, dict[str, Any]]:
     """The family name of ``--language-hf-weights`` and the stock shape args (attribute -> value)
     its config.json sets: (None, {}) without the flag. ``given(attr)`` is the flag as the user
-    spelled it, or None when it was not given; a given flag that contradicts is an error."""
+    spelled it, or None when it was not given; a given flag that contradicts is an error.
+    ``planning`` (``mimo-plan``): a folder holding only its config.json passes."""
+    from megatron_plugins.weights.hf_folder import holds_weights
+
     found = language_args(args)
     if found is None:
         return None, {}
     family, implied = found
-    if args.language_hf_weights is not None:
-        check_safetensors(args.language_hf_weights, LANGUAGE_FLAG)
-    else:
-        check_safetensors(args.hf_model, HF_MODEL_FLAG)
+    folder, flag = ((args.language_hf_weights, LANGUAGE_FLAG)
+                    if args.language_hf_weights is not None else (args.hf_model, HF_MODEL_FLAG))
+    if not planning or holds_weights(folder):
+        check_safetensors(folder, flag)
     values = {}
     for attr, value in implied.items():
         if not hasattr(args, attr):
@@ -256,10 +259,13 @@ def encoder_folders(values: Mapping[str, str], plugins: Mapping[str, Any],
     return folders
 
 
-def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any]) -> None:
+def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any],
+                   planning: bool = False) -> None:
     """Before any process group: ``--hf-model``'s projector meets its tower and its language
-    model (input = the tower's output width, output = the language hidden size)."""
-    from megatron_plugins.weights.hf_folder import HFCheckpoint
+    model (input = the tower's output width, output = the language hidden size). ``planning``
+    (``mimo-plan``, which loads nothing): a folder holding only its config.json passes, its
+    shapes read from config.json alone."""
+    from megatron_plugins.weights.hf_folder import HFCheckpoint, holds_weights
 
     name = hf_model_encoder(args)
     if name is None:
@@ -269,6 +275,8 @@ def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any]) -> None
     if encoder_family(plugins[name]) is None:
         raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: encoder {name}'s provider has no HF "
                              "weight mapping")
+    if planning and not holds_weights(folder):
+        return
     checkpoint = HFCheckpoint(folder, HF_MODEL_FLAG)
     prefix = projector_prefix(vlm, checkpoint.names())
     sizes = (("input", vlm.projector_input, vlm.tower_width(config),

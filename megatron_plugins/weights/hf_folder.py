@@ -16,7 +16,7 @@ from safetensors import safe_open
 from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.mapping import HFWeightsError
 
-__all__ = ["HFCheckpoint"]
+__all__ = ["HFCheckpoint", "holds_weights"]
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -26,6 +26,12 @@ SAFETENSORS_DTYPES = {
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+
+def holds_weights(folder: str | Path) -> bool:
+    """Whether ``folder`` has safetensors weights (a single file or an index), not only its
+    config.json (a recipe's config-only folder, which ``mimo-plan`` can plan with)."""
+    return (Path(folder) / SINGLE).is_file() or (Path(folder) / INDEX).is_file()
 
 
 class HFCheckpoint:

@@ -8,7 +8,7 @@
 # tower's activations at a time.
 # Run on every node with NODE_RANK (or under srun), MASTER_ADDR and MASTER_PORT set: one
 # torchrun per node through torchrun_node.sh. HF_MODEL and DATA as in train_slurm.sbatch.
-# MIMO_PLAN_ONLY=1 prints the plan.
+# MIMO_PLAN_ONLY=1 prints the plan and each rank's memory by the advisor's model.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$HERE/../../../.."
@@ -18,7 +18,7 @@ LAYOUT=(--hf-model "$HF_MODEL" --grid image:tp=8,dp=2@language --grid language:t
         --colocated-encoder-recompute)
 source "$HERE/finetune_flags.sh"
 if [ "${MIMO_PLAN_ONLY:-0}" = 1 ]; then
-  exec python -m megatron_plugins.launch.plan --nproc-per-node "$NODE_SIZES" --ranks \
+  exec python -m megatron_plugins.launch.plan --nproc-per-node "$NODE_SIZES" "${PLAN_FLAGS[@]}" \
     "${LAYOUT[@]}" "${TRAINING[@]}"
 fi
 : "${DATA:?set DATA to an Energon conversation dataset (tools/make_energon_dataset --kind conversation)}"

@@ -45,6 +45,7 @@ class TransformerShape:
     topk: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
+    shared_gate: bool = False
     moe_layers: int = 0
     linear: GatedDeltaNet | None = None
     linear_layers: int = 0
@@ -73,6 +74,7 @@ class TransformerShape:
             topk=getattr(config, "moe_router_topk", 0) if experts else 0,
             expert_ffn=(getattr(config, "moe_ffn_hidden_size", None) or ffn) if experts else 0,
             shared_ffn=getattr(config, "moe_shared_expert_intermediate_size", None) or 0,
+            shared_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
             moe_layers=moe_layers,
             linear=GatedDeltaNet.of(config) if linear_layers else None,
             linear_layers=linear_layers)
@@ -96,7 +98,8 @@ class TransformerShape:
         """Parameters of the layers (layer norms and biases left out; a Gated DeltaNet mixer's
         per-head parameters and output norm counted, :attr:`GatedDeltaNet.params`)."""
         dense = self.layers - self.moe_layers
-        moe = self.moe_layers * (self.hidden * self.experts + self.mlp_params(self.shared_ffn))
+        router = self.hidden * (self.experts + int(self.shared_gate))
+        moe = self.moe_layers * (router + self.mlp_params(self.shared_ffn))
         mixers = (self.layers - self.linear_layers) * self.attention_params
         if self.linear is not None:
             mixers += self.linear_layers * self.linear.params

@@ -1,8 +1,10 @@
-"""mimo-plan: the rank map of a good layout, one line and exit code 2 for a bad one."""
+"""mimo-plan: the rank map of a good layout (with ``--gpu``, the advisor's memory per rank), one
+line and exit code 2 for a bad one."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,19 +171,49 @@ def _launcher(path: Path) -> object:
     return path
 
 
+def _plan_only(script: Path) -> subprocess.CompletedProcess:
+    """``script`` run with MIMO_PLAN_ONLY=1 (this interpreter first on PATH), succeeded."""
+    env = {**os.environ, "MIMO_PLAN_ONLY": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 @pytest.mark.parametrize("script", [_launcher(path) for path in LAUNCHERS],
                          ids=[path.stem for path in LAUNCHERS])
 @pytest.mark.multirank
 def test_gpu_launchers_pass_the_planning_view(script):
-    env = {**os.environ, "MIMO_PLAN_ONLY": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
+    result = _plan_only(script)
     world = int(result.stdout.split()[1])
     assert world == len([line for line in result.stdout.splitlines() if line.startswith("rank ")])
     assert "WARNING" not in result.stdout
     assert world >= 8
+
+
+QWEN3_5_RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen3_5_vl"
+
+
+@pytest.mark.parametrize("script, kinds", [
+    ("train_slurm.sbatch", ["image", "language stage 0", "language stage 1"]),
+    ("train_colocated_16gpu.sh", ["language stage 0", "language stage 1"]),
+])
+@pytest.mark.multirank
+def test_the_qwen3_5_vl_recipe_plans_with_its_memory_per_rank(script, kinds):
+    """The 27B recipe's config-only folder: the rank map, then each kind of rank's memory by the
+    advisor's model (Gated DeltaNet layers counted as such), every one within an H100's usable
+    memory."""
+    lines = _plan_only(QWEN3_5_RECIPE / script).stdout.splitlines()
+    assert lines[0].startswith("world: ")
+    [line] = [line for line in lines if line.startswith("memory per rank")]
+    assert line.startswith("memory per rank (GiB, the advisor's model; h100-sxm: ")
+    usable = float(re.search(r"([\d.]+) usable\): ", line).group(1))
+    per_rank = {kind: float(gib) for kind, gib in
+                re.findall(r"([a-z][a-z0-9 ]*?) ([\d.]+)(?:, |;)", line.split("usable): ")[1])}
+    assert list(per_rank) == kinds
+    assert all(0 < gib <= usable for gib in per_rank.values())
+    assert line.endswith("; fits")
 
 
 def test_nodes_of_unequal_sizes_keep_the_language_tp_groups_inside_nodes(capsys):

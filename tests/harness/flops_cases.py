@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from tests.harness.flop_counter import counted
 
 BUILT = {}
 """The process groups of this rank, made once (``_groups``)."""
@@ -43,37 +44,6 @@ def table(rows: list[Row], against: str = "FlopCounterMode") -> str:
     lines += [f"| {row.family} | {row.case} | {row.formula:,} | {row.counted:,} | "
               f"{row.difference:+.2f}% |" for row in rows]
     return "\n".join(lines)
-
-
-def _convolution_backward(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation,
-                          transposed, output_padding, groups, output_mask, out_shape=None,
-                          **kwargs) -> int:
-    """FlopCounterMode's convolution backward, its weight gradient divided by the groups: torch
-    counts a grouped convolution's weight gradient as a dense one's (``groups`` times the
-    products; a depthwise kernel's gradient, Gated DeltaNet's, ``channels`` times)."""
-    from torch.utils.flop_counter import conv_backward_flop
-
-    def count(mask: list[bool]) -> int:
-        return conv_backward_flop.__wrapped__(
-            grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed,
-            output_padding, groups, mask, out_shape=out_shape, **kwargs)
-
-    return (count([output_mask[0], False, False])
-            + count([False, output_mask[1], False]) // groups)
-
-
-def counted(run: Callable[[], torch.Tensor]) -> int:
-    """FlopCounterMode's total over ``run()``'s forward and, when its output needs one, the
-    backward of the output's sum (a grouped convolution's weight gradient as it runs:
-    :func:`_convolution_backward`)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    grouped = {torch.ops.aten.convolution_backward: _convolution_backward}
-    with FlopCounterMode(display=False, custom_mapping=grouped) as counter:
-        output = run()
-        if output.requires_grad:
-            output.sum().backward()
-    return counter.get_total_flops()
 
 
 def _groups() -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "l2norm"]
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "l2norm"]
 
 CHUNK_SIZE = 64
 """Tokens per chunk of the chunked delta rule (FLA's)."""

@@ -249,13 +249,13 @@ LANGUAGE_CASES = [
       "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     ("Qwen3.5", "2 rows of 24: Gated DeltaNet, gated attention", QWEN3_5),
     ("Qwen3.5", "2 rows of 150: 3 delta-rule chunks", [*QWEN3_5, *LONG]),
-    ("Qwen3.5", "1 row: documents 5, 9, 3, 4 + padding 129", [*QWEN3_5, *LONG, PACK]),
+    ("Qwen3.5", "packed: documents 5, 9, 3, 4 + padding 129", [*QWEN3_5, *LONG, PACK]),
     ("Qwen3.5", "a trained encoder before it, recompute full uniform",
      [*QWEN3_5, BEFORE, "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"]),
     ("Qwen3.5 MoE", "top-2 of 4 + gated shared expert, 2 rows of 150",
      [*QWEN3_5, *MOE, *SHARED, *LONG]),
-    ("Qwen3.5 MoE", "1 row: documents 5, 9, 3, 4 + padding 3", [*QWEN3_5, *MOE, *SHARED, PACK]),
+    ("Qwen3.5 MoE", "packed: documents 5, 9, 3, 4 + padding 3", [*QWEN3_5, *MOE, *SHARED, PACK]),
 ]
 """(family, case, flags) of each language row."""
 

@@ -20,11 +20,11 @@ Recomputation follows Megatron's ``--recompute-granularity``: ``full`` reruns wh
 ``--recompute-num-layers`` layers of every model chunk and no MTP layer, as 0.19.2 does),
 ``selective`` reruns the ``--recompute-modules`` that hold matmuls: ``core_attn`` (the scores),
 ``mlp`` (dense MLPs), ``moe`` (router, routed and shared experts), ``shared_experts``; the others
-(``layernorm``, ``moe_act``, ``gdn_norm_out``) rerun elementwise work only. DeepStack's additions after the first
-layers are elementwise and not counted (its mergers are the encoder's). Under LoRA (``--lora
-language``, :class:`~.count.Adapters`) the weights get no gradient, the adapters do, and
-without a trained encoder before it the gradient starts at the first adapted linear (LoRA
-adapts no Gated DeltaNet linear). Not supported (a :class:`FlopsError` naming the flag):
+(``layernorm``, ``moe_act``, ``gdn_norm_out``) rerun elementwise work only. DeepStack's additions
+after the first layers are elementwise and not counted (its mergers are the encoder's). Under
+LoRA (``--lora language``, :class:`~.count.Adapters`) the weights get no gradient, the adapters
+do, and without a trained encoder before it the gradient starts at the first adapted linear
+(LoRA adapts no Gated DeltaNet linear). Not supported (a :class:`FlopsError` naming the flag):
 multi-latent attention, attention variants other than Gated DeltaNet (DSA), MoE latent
 projections, Mamba / GDN / MLA / DSA hybrid layers, MTP in a hybrid pattern.
 """

@@ -1,7 +1,8 @@
 """FLOPs per module from the actual batch: the formulas of ``megatron_plugins.flops`` against
 ``FlopCounterMode`` on a real forward and backward of every built-in encoder and language family,
-Qwen3.5's Gated DeltaNet layers included (within 2%), against stock ``--log-throughput``'s count, and their conventions (frozen modules,
-recomputation, attention kernels, packing) on their own."""
+Qwen3.5's Gated DeltaNet layers included (within 2%), against stock ``--log-throughput``'s
+count, and their conventions (frozen modules, recomputation, attention kernels, packing, the
+delta rule's chunks) on their own."""
 
 from __future__ import annotations
 

@@ -237,3 +237,17 @@ def test_an_encoder_that_does_not_count_is_left_out_with_a_notice():
         "(EncoderPlugin.item_flops), so throughput leaves this encoder out; implement "
         "item_flops to include it")
     assert flops_notice(flag_plugin(ViTEncoder, "vit", [])) is None
+
+
+def test_a_qwen3_5_runs_throughput_log_counts_its_language_model(tmp_path, monkeypatch):
+    """--log-throughput, --mimo-timeline and --mimo-profile count a Gated DeltaNet language
+    model (they refused it before the formulas described it)."""
+    from megatron_plugins.launch.pretrain import parse_mimo_args
+    from megatron_plugins.performance.batches import BatchCounter
+    from tests.models.hf_vlm import vlm_flags
+    from tests.models.qwen3_5_whole import save_whole
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = parse_mimo_args(vlm_flags(save_whole(tmp_path), ("image:dp=1", "language:dp=1")))
+    counter = BatchCounter.of_run(run)
+    assert (counter.counted, counter.notices) == ({"language", "image"}, [])

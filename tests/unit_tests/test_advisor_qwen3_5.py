@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 
 from megatron_plugins.performance.candidates import enumerate_candidates
+from megatron_plugins.performance.gpus import hardware
 from megatron_plugins.performance.workload import TransformerShape
 from tests.models.advisor import language_config, qwen35_27b, space
 from tests.models.hf import built_then
 from tests.harness.multiprocess import REPO_ROOT
 from tests.models.hf_vlm import bad_input, vlm_flags
 from tests.models.qwen3_5_whole import save_whole
-from tests.unit_tests.test_advisor_model import H100
 
+H100 = hardware(8, 8, "h100-sxm", {})
 GRIDS = ("image:dp=1", "language:tp=2")
 """The tiny model's layout: its language model split over TP (sharded parameters summed over the
 ranks, replicated ones counted once)."""

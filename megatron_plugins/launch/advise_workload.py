@@ -5,8 +5,8 @@ The launch's own parse gives the language model's config, the encoder plugins an
 The data is described from flags, or sampled through the source the run would read (language side
 only: text and the items' metadata, never decoded media). An encoder's FLOPs come from its
 plugin's ``item_flops`` on item sizes that fill the positions seen (a square image, a clip);
-parameters from the layers' shapes (layer norms and biases left out) and the embedding and projection
-FLOPs per row.
+parameters from the layers' shapes (layer norms and biases left out) and the embedding and
+projection FLOPs per row.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 # Shared by the Qwen3.5-VL recipes (sourced): fine-tuning flags. The model's shape (Gated DeltaNet
 # and gated attention layers, multimodal RoPE, MTP) and image token come from --hf-model's
 # config.json; the tower's min / max pixels from its preprocessor_config.json. Bridge's operating
-# point: one image per sample, 4096-token rows, global batch 32.
+# point: one image per sample, 4096-token rows, global batch 32. --transformer-impl local: the
+# launch builds Gated DeltaNet layers from the local spec only (flash-linear-attention's kernels
+# where installed; the precision-aware optimizer still needs Transformer Engine's FusedAdam).
 TRAINING=(--seq-length 4096
           --micro-batch-size 1 --global-batch-size 32 --train-iters 2000
           --lr 1e-5 --min-lr 1e-6 --lr-warmup-iters 50 --lr-decay-style cosine

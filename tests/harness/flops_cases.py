@@ -134,6 +134,8 @@ def encoder_rows(folder: str) -> list[Row]:
     from tests.models.hf_whisper import plugin as whisper_plugin
     from tests.models.hf_whisper import save_tiny as save_whisper
     from tests.models.llava_next import save_tiny_llava_next
+    from tests.models.qwen3_5_whole import TEXT as QWEN3_5_TEXT
+    from tests.models.qwen3_5_whole import save_whole
     from tests.models.qwen3_vlm import TEXT as QWEN3_TEXT
     from tests.models.qwen3_vlm import save_tiny_qwen3_vl
 
@@ -170,6 +172,10 @@ def encoder_rows(folder: str) -> list[Row]:
     rows.append(_encoder_row("qwen3_vl", "4 images, 2 DeepStack mergers", qwen3,
                              _images((24, 40), (16, 16), (50, 30), (13, 21)),
                              QWEN3_TEXT["hidden_size"]))
+    qwen3_5 = plugin("qwen3_5_vl", save_whole(root / "qwen3_5"))
+    rows.append(_encoder_row("qwen3_5_vl", "4 images, no DeepStack", qwen3_5,
+                             _images((24, 40), (16, 16), (50, 30), (13, 21)),
+                             QWEN3_5_TEXT["hidden_size"]))
     llava = plugin("llava_next", save_tiny_llava_next(root / "llava_next"))
     rows.append(_encoder_row("llava_next", "3 images, 3 to 4 anyres crops each", llava,
                              _images((23, 37), (40, 17), (16, 16)), 48))

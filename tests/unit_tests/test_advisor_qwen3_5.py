@@ -21,21 +21,23 @@ from tests.models.qwen3_5_whole import save_whole
 
 H100 = hardware(8, 8, "h100-sxm", {})
 GRIDS = ("image:dp=1", "language:tp=2")
-"""The tiny model's layout: its language model split over TP (sharded parameters summed over the
-ranks, replicated ones counted once)."""
+"""The tiny model's layout: its language model split over TP (expert TP 1: every TP rank holds
+the routed experts whole)."""
+VOCAB = ["--make-vocab-size-divisible-by", "1"]
+"""The vocabulary unpadded at any TP (the advisor pads it as for its probe's TP 1)."""
 
 
 def _language_params(session: Any, mimo: Any) -> dict[str, int]:
-    """This rank's language-model parameters the advisor models (layer norms left out), split
-    into TP-sharded ones and replicated ones."""
+    """This rank's language-model parameters the advisor models (layer norms left out): those
+    split over TP, and those every TP rank holds whole (replicated ones, the routed experts)."""
     model = mimo.language_model
     if model is None:
         return {}
-    counts = {"sharded": 0, "replicated": 0}
+    counts = {"split": 0, "whole": 0}
     for name, param in model.named_parameters():
         if "layernorm" not in name:
-            kind = "sharded" if getattr(param, "tensor_model_parallel", False) else "replicated"
-            counts[kind] += param.numel()
+            split = getattr(param, "tensor_model_parallel", False) and ".experts." not in name
+            counts["split" if split else "whole"] += param.numel()
     return counts
 
 
@@ -45,15 +47,14 @@ def test_the_advisor_counts_a_qwen3_5_language_model_as_built(moe, tmp_path):
     from megatron_plugins.launch.advise import advisor_flags, plan_inputs
     from tests.harness.multiprocess import run_in_processes
 
-    argv = vlm_flags(save_whole(tmp_path / "folder", moe=moe), GRIDS)
+    argv = [*vlm_flags(save_whole(tmp_path / "folder", moe=moe), GRIDS), *VOCAB]
     own, rest = advisor_flags(["--gpus", "3", "--advise-item-tokens", "image=4", *argv])
     language = plan_inputs(own, rest).workload.language
     assert language.shape.linear_layers == 2 and language.shape.linear is not None
     ranks = [rank for rank in run_in_processes(built_then, 3, args=(argv, _language_params),
-                                               timeout=240, simulated=True) if "sharded" in rank]
-    assert len(ranks) == 2
-    built = sum(rank["sharded"] for rank in ranks) + ranks[0]["replicated"]
-    assert language.params == built
+                                               timeout=240, simulated=True) if "split" in rank]
+    assert len(ranks) == 2 and ranks[0]["whole"] == ranks[1]["whole"]
+    assert language.params == sum(rank["split"] for rank in ranks) + ranks[0]["whole"]
 
 
 def test_a_launch_still_needs_the_weights_a_plan_does_without(monkeypatch):

@@ -89,6 +89,33 @@ def test_the_folder_maps_gated_delta_net_and_gated_attention_layers(folders):
     assert implied["moe_shared_expert_gate"] and implied["moe_shared_expert_intermediate_size"] == 20
 
 
+def test_tied_word_embeddings_at_the_top_level_tie_the_language_model(folders):
+    from megatron_plugins.weights.vlm_families import QWEN3_5_VL, language_family
+
+    config = json.loads((folders[False][0] / "config.json").read_text())
+    implied = language_family(QWEN3_5_VL).megatron_args(QWEN3_5_VL.text_config(
+        {**config, "tie_word_embeddings": True}))
+    assert implied["untie_embeddings_and_output_weights"] is False
+    assert implied["num_layers"] == 4 and implied["linear_num_value_heads"] == 4
+
+
+def test_a_folder_with_mtp_layers_starts_with_one_notice(folders, tmp_path, monkeypatch,
+                                                         capsys):
+    """The MTP layers are left out of training with one notice naming them; the export test
+    below shows they are written back unchanged."""
+    from megatron_plugins.launch.pretrain import parse_mimo_args
+
+    folder = _with_mtp(folders[False][0], tmp_path / "with_mtp")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    parse_mimo_args(vlm_flags(folder, ("image:dp=1", "language:dp=1")))
+    notices = [line for line in capsys.readouterr().err.splitlines() if "mtp.*" in line]
+    assert notices == [
+        f"pretrain_mimo.py: notice: --hf-model {folder}: 2 tensors of no module here (mtp.*, "
+        "e.g. multi-token-prediction layers) are not trained; tools/export_hf writes them back "
+        "unchanged"]
+
+
 def _with_mtp(folder, target):
     """The folder with one multi-token-prediction layer's tensors, as the released checkpoints
     have (transformers' classes do not load them)."""
@@ -224,6 +251,13 @@ def test_what_megatron_would_compute_differently_is_one_line(folders, tmp_path, 
     assert bad_input([*vlm_flags(folder, grids), "--mtp-num-layers", "1"], monkeypatch) == (
         f"--mtp-num-layers 1 contradicts --hf-model {folder}/config.json text_config, which "
         "gives none; drop --mtp-num-layers")
+    assert bad_input([*vlm_flags(folder, grids), "--transformer-impl", "transformer_engine"],
+                     monkeypatch) == (
+        "--transformer-impl transformer_engine with Gated DeltaNet layers (Qwen3.5) is not "
+        "supported: the stock Transformer Engine spec centres the Gated DeltaNet output norm, "
+        "which Qwen3.5 does not, and places its layers by parallel_state; pass "
+        "--transformer-impl local (Gated DeltaNet then uses flash-linear-attention where it is "
+        "installed)")
     assert bad_input(vlm_flags(folder, ("image:dp=1", "language:cp=2")), monkeypatch,
                      world_size=3) == (
         "language context parallelism (cp=2) with Gated DeltaNet layers (Qwen3.5) is not "

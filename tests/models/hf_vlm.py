@@ -296,3 +296,37 @@ def check_export(out: Path, folder: Path, pieces: list[list[Any]], untrained: tu
         want = original[name] if name.startswith(untrained) else streamed[name]
         assert torch.equal(tensor, want), name
     return written
+
+
+SGD_TRAIN = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--train-iters", "3",
+             "--eval-iters", "0")
+"""Plain SGD (see test_mimo_layout_invariance: Adam would hide a wrongly scaled gradient)."""
+
+
+def _sgd_run(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple[str, ...],
+             extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Per-iteration ``lm loss`` and every trained tensor of a short SGD run of ``folder``."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.harness.tensorboard_scalars import read_scalars
+
+    pieces = vlm_train(nproc, folder, grids, (*SGD_TRAIN, "--tensorboard-dir", str(root / name),
+                                              *extra))
+    return read_scalars(root / name, "lm loss"), assemble(p for rank in pieces for p in rank)
+
+
+def assert_trains_identically(folder: str | Path, root: Path,
+                              cases: tuple[tuple[str, int, tuple[str, ...], tuple[str, ...]], ...]
+                              ) -> None:
+    """Each case (name, ranks, ``--grid`` values, extra flags) trains ``folder`` as one rank per
+    module does: the same per-iteration losses (1e-5) and the same trained tensors."""
+    import pytest
+
+    reference = _sgd_run(folder, root, "reference", 2, ("image:dp=1", "language:dp=1"))
+    assert sorted(reference[0]) == [1, 2, 3]
+    for name, nproc, grids, extra in cases:
+        losses, weights = _sgd_run(folder, root, name, nproc, grids, extra)
+        assert losses == pytest.approx(reference[0], rel=1e-5), name
+        assert weights.keys() == reference[1].keys()
+        for key, value in reference[1].items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7,
+                                       msg=f"{name}: {key}")

@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 
-from megatron_plugins.weights.streaming import assemble
 from tests.models.hf import safetensors_of
 from tests.models.hf_vlm import (
+    assert_trains_identically,
     LAYOUTS,
     bad_input,
     check_export,
@@ -160,22 +160,6 @@ def test_tied_word_embeddings_at_the_top_level_tie_the_language_model(qwen3, tmp
     assert implied["mrope_interleaved"] and implied["num_layers"] == 4
 
 
-TRAIN = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--train-iters", "3",
-         "--eval-iters", "0")
-"""Plain SGD (see test_mimo_layout_invariance: Adam would hide a wrongly scaled gradient)."""
-
-
-def _trained(folder, root, name: str, nproc: int, grids: tuple[str, ...],
-             extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    """Per-iteration ``lm loss`` and every trained tensor of a short run of ``folder``."""
-    from tests.harness.tensorboard_scalars import read_scalars
-    from tests.models.hf_vlm import vlm_train
-
-    pieces = vlm_train(nproc, folder, grids, (*TRAIN, "--tensorboard-dir", str(root / name),
-                                              *extra))
-    return read_scalars(root / name, "lm loss"), assemble(p for rank in pieces for p in rank)
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.multirank
 def test_deepstack_trains_identically_at_language_tp2_packed_and_colocated(tmp_path):
@@ -185,15 +169,7 @@ def test_deepstack_trains_identically_at_language_tp2_packed_and_colocated(tmp_p
     module does (the same losses, the same trained weights). (--sequence-parallel needs a
     GPU.)"""
     folder = save_whole(tmp_path / "two_kv_heads", num_key_value_heads=2)  # TP 2 splits them
-    reference = _trained(folder, tmp_path, "reference", 2, ("image:dp=1", "language:dp=1"))
-    assert sorted(reference[0]) == [1, 2, 3]
-    for name, nproc, grids, extra in (
+    assert_trains_identically(folder, tmp_path, (
             ("tp2", 3, ("image:dp=1", "language:tp=2"), ()),
             ("packed", 2, ("image:dp=1", "language:dp=1"), ("--pack-sequences",)),
-            ("colocated", 2, ("image:tp=2@language", "language:dp=2"), ())):
-        losses, weights = _trained(folder, tmp_path, name, nproc, grids, extra)
-        assert losses == pytest.approx(reference[0], rel=1e-5), name
-        assert weights.keys() == reference[1].keys()
-        for key, value in reference[1].items():
-            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7,
-                                       msg=f"{name}: {key}")
+            ("colocated", 2, ("image:tp=2@language", "language:dp=2"), ())))

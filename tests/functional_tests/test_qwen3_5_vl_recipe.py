@@ -1,6 +1,6 @@
 """The Qwen3.5-VL recipe's CPU-simulation twin in CI: ``cpu_simulation.sh`` trains a tiny whole
 Qwen3.5-VL folder saved by transformers (dense and MoE) for 8 steps; its losses are finite and
-fall, and it writes its checkpoint. Runs once ``--hf-model`` reads Qwen3.5-VL folders (issue 41)."""
+fall, and it writes its checkpoint."""
 
 from __future__ import annotations
 
@@ -10,17 +10,10 @@ import subprocess
 
 import pytest
 
-from megatron_plugins.weights.vlm_families import FAMILIES
 from tests.harness.multiprocess import REPO_ROOT
 from tests.harness.tensorboard_scalars import read_scalars
 
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.skipif(
-        not any("Qwen3_5ForConditionalGeneration" in family.architectures
-                for family in FAMILIES),
-        reason="--hf-model does not read Qwen3.5-VL folders yet (issue 41)"),
-]
+pytestmark = pytest.mark.multirank
 
 RECIPE = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen3_5_vl" / "cpu_simulation.sh"
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from megatron_plugins.launch.plan import main
-from megatron_plugins.weights.vlm_families import FAMILIES
 from tests.harness.multiprocess import REPO_ROOT, run_python
 
 GOOD = ["--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:pp=2,dp=2,ep=2",
@@ -159,18 +158,6 @@ LAUNCHERS = sorted([*(REPO_ROOT / "examples" / "mimo" / "scripts").glob("*.sh"),
                     *(REPO_ROOT / "examples" / "mimo" / "recipes").glob("*/train_*.sh"),
                     *(REPO_ROOT / "examples" / "mimo" / "recipes").glob("*/train_*.sbatch")])
 """The GPU launch scripts and the recipes' (a recipe plans with its shipped config.json)."""
-QWEN3_5_VL = any("Qwen3_5ForConditionalGeneration" in family.architectures
-                 for family in FAMILIES)
-"""Whether --hf-model reads Qwen3.5-VL folders (issue 41's family); its recipe plans from then."""
-
-
-def _launcher(path: Path) -> object:
-    if path.parent.name == "qwen3_5_vl":
-        return pytest.param(path, marks=pytest.mark.skipif(
-            not QWEN3_5_VL, reason="--hf-model does not read Qwen3.5-VL folders yet (issue 41)"))
-    return path
-
-
 def _plan_only(script: Path) -> subprocess.CompletedProcess:
     """``script`` run with MIMO_PLAN_ONLY=1 (this interpreter first on PATH), succeeded."""
     env = {**os.environ, "MIMO_PLAN_ONLY": "1",
@@ -181,7 +168,7 @@ def _plan_only(script: Path) -> subprocess.CompletedProcess:
     return result
 
 
-@pytest.mark.parametrize("script", [_launcher(path) for path in LAUNCHERS],
+@pytest.mark.parametrize("script", LAUNCHERS,
                          ids=[path.stem for path in LAUNCHERS])
 @pytest.mark.multirank
 def test_gpu_launchers_pass_the_planning_view(script):

@@ -22,7 +22,7 @@ __all__ = ["is_gated_delta_net", "sum_out_norm_grads_over_tp", "with_local_gdn_s
 
 
 def is_gated_delta_net(transformer: Any) -> bool:
-    """Whether a TransformerConfig has Gated DeltaNet layers."""
+    """Whether a TransformerConfig (or stock args) has Gated DeltaNet layers."""
     return getattr(transformer, "experimental_attention_variant", None) == "gated_delta_net"
 
 

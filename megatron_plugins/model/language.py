@@ -77,7 +77,7 @@ def check_gated_delta_net(args: argparse.Namespace) -> None:
     """Gated DeltaNet layers are built from the local spec (``compat.gdn_spec``) only, and
     without context parallelism (no test covers their backward under it); the launch calls this
     before stock's validation, as the language grid is written into the flags."""
-    if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
+    if not gdn_spec.is_gated_delta_net(args):
         return
     cp = getattr(args, "context_parallel_size", 1)
     if cp > 1:

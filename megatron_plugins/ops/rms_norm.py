@@ -11,6 +11,7 @@ input dtype), so the stored weight is the checkpoint's and export gives its byte
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["PlainRMSNorm", "RMSNorm"]
@@ -62,6 +63,4 @@ class PlainRMSNorm(RMSNorm):
         group = self.tp_group
         if group is None or group.size() == 1 or self.config.sequence_parallel:
             return super().forward(x)
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
         return self._normalised(x, copy_to_tensor_model_parallel_region(self.weight, group))

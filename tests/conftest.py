@@ -1,4 +1,17 @@
-"""Suite-wide plugins: the ``multirank`` marker's check (:mod:`tests.harness.multirank`) and
-pytester, which tests that check."""
+"""Suite-wide plugins: the ``multirank`` marker's check (:mod:`tests.harness.multirank`), the
+suite's wall time beside its slowest tests (:mod:`tests.harness.suite_time`), pytester (which
+tests the marker's check), and stock's flag help texts read once per class in this process too
+(:mod:`tests.harness.stock_arguments`)."""
 
-pytest_plugins = ("tests.harness.multirank", "pytester")
+import sys
+
+pytest_plugins = ("tests.harness.multirank", "tests.harness.suite_time", "pytester")
+
+
+def pytest_collection_finish(session) -> None:
+    """Once the test modules have imported Megatron (never before: the CPU simulation must patch
+    torch first where a test activates it)."""
+    if "megatron.training.argument_utils" in sys.modules:
+        from tests.harness.stock_arguments import remember_field_docstrings
+
+        remember_field_docstrings()

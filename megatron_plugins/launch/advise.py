@@ -7,7 +7,8 @@ and data flags (on a probe layout of one rank per module, so every check the lau
 applies), the advisor describes the data, counts each module's work and hands them to
 :mod:`megatron_plugins.performance` to enumerate, estimate and rank the layouts. A layout the
 command line gives is estimated beside them; ``--profile FILE`` calibrates the efficiencies from a
-measured run first.
+measured run first. The command line is planned for the GPUs it names, not settled for this
+machine: stock's checks see a Transformer Engine there (compat Gap 34).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_plugins.compat import planning
 from megatron_plugins.errors import FlagError, UsageError, report
 from megatron_plugins.launch.command_line import given_flag, raise_flag_errors
 from megatron_plugins.launch.preflight import CommandLine, check_run, read_command_line
@@ -229,12 +231,13 @@ def layout_memory(argv: Sequence[str], layout: ParallelLayout, nodes: int,
     own, rest = _parser().parse_known_args(list(argv))
     gpus = hardware(nodes * per_node, per_node, own.gpu,
                     {field: getattr(own, field) for field, _ in FIGURES})
-    planned = plan_inputs(own, rest)
-    args = planned.run.args
-    candidate = layout_candidate(layout, args.micro_batch_size,
-                                 args.recompute_granularity == "full",
-                                 args.colocated_encoder_recompute)
-    memory = candidate_memory(candidate, planned.workload, gpus, assumptions_from_args(own))
+    with planning.transformer_engine_assumed():
+        planned = plan_inputs(own, rest)
+        args = planned.run.args
+        candidate = layout_candidate(layout, args.micro_batch_size,
+                                     args.recompute_granularity == "full",
+                                     args.colocated_encoder_recompute)
+        memory = candidate_memory(candidate, planned.workload, gpus, assumptions_from_args(own))
     fits = "fits" if memory.fits else "does NOT fit"
     return (f"memory per rank (GiB, the advisor's model; {gpus.gpu.name}: "
             f"{gpus.gpu.memory_gib:g} GiB, {memory.capacity:.1f} usable): {memory.per_rank()}; "
@@ -248,20 +251,21 @@ def advise_main(argv: Sequence[str]) -> int:
                     {field: getattr(own, field) for field, _ in FIGURES})
     assumptions = assumptions_from_args(own)
     profile = read_profile(own.profile) if own.profile else None
-    planned = plan_inputs(own, rest)
-    args, workload = planned.run.args, planned.workload
-    extra = []
-    if profile is not None:
-        assumptions = calibrate(profile, workload, gpus, assumptions)
-        extra.append(profile.candidate())
-    if planned.given is not None:
-        extra.insert(0, layout_candidate(planned.given, args.micro_batch_size,
-                                         args.recompute_granularity == "full",
-                                         args.colocated_encoder_recompute))
-    micro_batches = sorted({*MICRO_BATCHES, args.micro_batch_size})
-    space = _space(args, planned.run.plugins, planned.providers, gpus)
-    candidates = enumerate_candidates(space, micro_batches, homogeneous_fewest=1)
-    advice = advise(candidates, extra, workload, gpus, assumptions, own.advise_objective)
+    with planning.transformer_engine_assumed():
+        planned = plan_inputs(own, rest)
+        args, workload = planned.run.args, planned.workload
+        extra = []
+        if profile is not None:
+            assumptions = calibrate(profile, workload, gpus, assumptions)
+            extra.append(profile.candidate())
+        if planned.given is not None:
+            extra.insert(0, layout_candidate(planned.given, args.micro_batch_size,
+                                             args.recompute_granularity == "full",
+                                             args.colocated_encoder_recompute))
+        micro_batches = sorted({*MICRO_BATCHES, args.micro_batch_size})
+        space = _space(args, planned.run.plugins, planned.providers, gpus)
+        candidates = enumerate_candidates(space, micro_batches, homogeneous_fewest=1)
+        advice = advise(candidates, extra, workload, gpus, assumptions, own.advise_objective)
     print(format_advice(advice, workload, planned.data, assumptions, own.advise_top))
     return 0 if advice.ranked else 1
 

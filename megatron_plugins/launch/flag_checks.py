@@ -1,19 +1,24 @@
 """Checks of the parsed flags that set nothing: each refuses, in one line naming the flag, what
 stock or the data would fail on later without a word. :mod:`megatron_plugins.launch.settle` runs
-them as its steps."""
+them as its steps; :func:`megatron_plugins.launch.pretrain.train` runs :func:`check_training`,
+what stock refuses only once it trains."""
 
 from __future__ import annotations
 
 import argparse
 
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron_plugins import cpu_simulation
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.data.text import check_tokenizer_folder
 from megatron_plugins.errors import FlagError
+from megatron_plugins.parallel.layout import ModulePlacement
 from megatron_plugins.weights.flags import HF_MODEL_FLAG, hf_model_encoder
 
-__all__ = ["check_image_token", "check_mock_tokenizer", "check_mrope", "check_packing"]
+__all__ = ["check_image_token", "check_mock_tokenizer", "check_mrope", "check_packing",
+           "check_training"]
 
 
 def check_mock_tokenizer(args: argparse.Namespace) -> None:
@@ -72,3 +77,22 @@ def check_mrope(args: argparse.Namespace) -> None:
                         f"(temporal, height, width) summing to the {pairs} rotary frequency pairs "
                         f"of a head (--kv-channels {args.kv_channels} x --rotary-percent "
                         f"{args.rotary_percent} / 2)")
+
+
+def check_training(args: argparse.Namespace, language: ModulePlacement) -> None:
+    """Stock's MoE layers refuse to train under tensor parallelism without sequence parallelism,
+    in the first forward of every rank; the launch says so in one line before any process group.
+    A model only built (weights in and out) runs without it, so parsing does not refuse it."""
+    if language.tp == 1 or not args.num_experts or args.sequence_parallel:
+        return
+    pattern = args.hybrid_layer_pattern
+    if pattern is not None and Symbols.MOE not in pattern:
+        return
+    what = (f"the MoE language model ({args.num_experts} experts) at {language.source}: "
+            f"tp={language.tp} needs --sequence-parallel to train (stock's MoE layers refuse "
+            "tensor parallelism without it)")
+    if cpu_simulation.is_active():
+        raise FlagError(f"{what}, which the CPU simulation cannot run yet (the local spec's torch "
+                        "norms cannot split the sequence); give the language tp=1 there (its "
+                        "ranks as dp) and split the experts with ep")
+    raise FlagError(f"{what}; add --sequence-parallel")

@@ -39,6 +39,7 @@ from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
 from megatron_plugins.encoders import EncoderPlugin, add_encoder_args, resolve
 from megatron_plugins.launch.command_line import raise_flag_errors
+from megatron_plugins.launch.flag_checks import check_training
 from megatron_plugins.launch.optimizer_flags import add_optimizer_args
 from megatron_plugins.launch.preflight import (
     MIMO_FLAGS,
@@ -239,8 +240,10 @@ def pretrain_kwargs(session: MimoSession) -> dict[str, Any]:
 
 
 def train(run: MimoRun, customize: Callable[[MimoSession], None] | None = None) -> None:
-    """Everything after parsing, as the entry point runs it: bridges, grids, stock ``pretrain()``,
-    teardown. ``customize`` sees the live session before training (tests observe the model)."""
+    """Everything after parsing, as the entry point runs it: what stock refuses only once it
+    trains (one line, before any process group), bridges, grids, stock ``pretrain()``, teardown.
+    ``customize`` sees the live session before training (tests observe the model)."""
+    check_training(run.args, run.layout.language)
     startup.install()
     measurement.install(run)
     session = start(run)

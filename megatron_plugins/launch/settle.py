@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer, vocab_size_with_padding
@@ -41,6 +39,7 @@ from megatron_plugins.launch.flag_checks import (
 from megatron_plugins.launch.optimizer_flags import implied_stock_flags
 from megatron_plugins.launch.preflight import Preflight
 from megatron_plugins.launch.scheduler_flags import check_resumed_scheduler, check_scheduler
+from megatron_plugins.launch.stock_checks import stock_checked
 from megatron_plugins.model import deepstack
 from megatron_plugins.model.language import check_gated_delta_net, language_config_from_args
 from megatron_plugins.parallel.flags import language_grid_flags, language_world_size
@@ -268,22 +267,11 @@ def linear_attention(run: Settling) -> None:
     check_gated_delta_net(run.args)
 
 
-def _stock_reason(error: BaseException) -> str:
-    """Stock's message, or the failing check's source line when stock gives none."""
-    reason = str(error).strip()
-    if reason:
-        return reason
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return type(error).__name__
-    frame = frames[-1]
-    return f"{frame.line or type(error).__name__} ({Path(frame.filename).name}:{frame.lineno})"
-
-
 def validate(run: Settling) -> None:
     """Stock ``validate_args`` over the language grid's world size, its failures as one
-    :class:`FlagError` line. Stock compares --min-lr <= --lr with a bare assert, which a nan
-    fails without a word: a learning rate must be finite first."""
+    :class:`FlagError` line naming the flags (:mod:`.stock_checks`). Stock compares --min-lr <=
+    --lr with a bare assert, which a nan fails without a word: a learning rate must be finite
+    first."""
     args = run.args
     for attr in ("lr", "min_lr"):
         value = getattr(args, attr)
@@ -291,12 +279,9 @@ def validate(run: Settling) -> None:
             flag = run.given(attr) or f"--{attr.replace('_', '-')}"
             raise FlagError(f"{flag} {value} is not a finite number; give a learning rate such as "
                             f"{flag} 1e-4")
-    with language_world_size(args, run.checked.layout):
-        try:
-            validate_args(args)
-        except (AssertionError, ValueError) as error:
-            raise FlagError(f"stock Megatron argument check failed: {_stock_reason(error)}") \
-                from None
+    layout = run.checked.layout
+    with language_world_size(args, layout), stock_checked(args, layout.language, "argument"):
+        validate_args(args)
 
 
 def packing(run: Settling) -> None:
@@ -362,9 +347,11 @@ def peft(run: Settling) -> list[Adjustment]:
 
 
 def language_config(run: Settling) -> None:
-    """The language model's config, built once from the settled flags; the encoders' DeepStack
-    levels and build-time hooks checked against it."""
-    run.settled.language = language_config_from_args(run.args)
+    """The language model's config, built once from the settled flags (stock's config checks
+    failing as one line naming the flags, :mod:`.stock_checks`); the encoders' DeepStack levels
+    and build-time hooks checked against it."""
+    with stock_checked(run.args, run.checked.layout.language, "model config"):
+        run.settled.language = language_config_from_args(run.args)
     transformer = run.settled.language.transformer
     plugins = run.settled.plugins
     deepstack.check_layers({name: plugin.deepstack_levels for name, plugin in plugins.items()},

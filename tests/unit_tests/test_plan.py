@@ -279,3 +279,39 @@ def test_mixed_layout_lists_modules_in_rank_order(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "mimo-plan: error: WORLD_SIZE / --nproc-per-node is 4 but the --grid sizes sum to 3 "
         "(audio 1 + language 2; vision on language); launch 3 ranks or change the grids"]
+
+
+GPU_MODEL = ["--encoder", "vision=vit", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings",
+             "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16",
+             "--use-distributed-optimizer", "--vocab-size", "128", "--position-embedding-type",
+             "rope", "--lr", "1e-4", "--train-iters", "10"]
+"""A plain GPU command line's model: stock defaults, so RoPE fusion (Transformer Engine) is on."""
+
+GPU_LAYOUT = ["--grid", "vision:dp=1", "--grid", "language:tp=2,pp=2,dp=2", "--nproc-per-node",
+              "9"]
+
+
+@pytest.mark.parametrize("mode, flags", [
+    ("plain", GPU_LAYOUT),
+    ("gpu", [*GPU_LAYOUT, "--gpu", "h100-sxm"]),
+    ("advise", ["--advise", "--gpus", "8", "--gpu", "h100-sxm", "--advise-samples", "8"]),
+])
+def test_a_gpu_command_line_plans_where_transformer_engine_is_missing(mode, flags, capsys,
+                                                                      monkeypatch):
+    """Planning reads the command the GPUs will run (compat Gap 34): stock's RoPE fusion check
+    does not ask this machine, which may have no Transformer Engine."""
+    from megatron_plugins import cpu_simulation
+
+    monkeypatch.setattr(cpu_simulation, "is_active", lambda: False)  # a login node's process
+    assert main([*GPU_MODEL, *flags]) == 0
+    captured = capsys.readouterr()
+    assert "error" not in captured.err
+    out = captured.out.splitlines()
+    if mode == "advise":
+        assert out[0].startswith("mimo-plan --advise: 8 GPUs (1 node(s) of 8) of h100-sxm")
+    else:
+        assert out[0] == ("world: 9 ranks on 1 node(s) of 9; modules in rank order: vision, "
+                          "language")
+        assert [line.startswith("memory per rank") for line in out].count(True) == (
+            mode == "gpu")

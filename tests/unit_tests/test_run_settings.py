@@ -35,9 +35,12 @@ def test_a_non_finite_learning_rate_names_the_flag(monkeypatch, flag):
 
 
 def test_a_stock_check_without_a_message_names_its_source_line(monkeypatch):
-    message = _error(monkeypatch, [*TINY_MIMO, "--min-lr", "1", "--lr", "0.5"])
-    assert message.startswith("stock Megatron argument check failed: assert args.min_lr <= "
-                              "args.lr (arguments.py:")
+    """One that ``launch.stock_checks`` does not explain (tests/unit_tests/test_stock_checks.py
+    walks those it does)."""
+    message = _error(monkeypatch, [*TINY_MIMO, "--decoder-seq-length", "64"])
+    assert message.startswith("stock Megatron argument check failed: assert "
+                              "args.max_position_embeddings >= args.decoder_seq_length "
+                              "(arguments.py:")
 
 
 def test_language_cp_on_the_simulation_defaults_attention_dropout_to_zero(monkeypatch, capsys):

@@ -48,6 +48,9 @@ setup(
         "test": DATA + [
             "pytest==8.4.2",
             "pytest-timeout==2.4.0",
+            # scripts/test.sh runs the suite on two workers: one's ranks compute while the
+            # other's wait on each other (tests/harness/worker_cache.py shares their runs).
+            "pytest-xdist==3.8.0",
             "tensorboard==2.20.0",
             # The reference for video preprocessing: HF's video processor resizes with it.
             "torchvision==0.29.1",

@@ -1,11 +1,13 @@
 """Suite-wide plugins: the ``multirank`` marker's check (:mod:`tests.harness.multirank`), the
-suite's wall time beside its slowest tests (:mod:`tests.harness.suite_time`), pytester (which
+suite's wall time beside its slowest tests (:mod:`tests.harness.suite_time`), runs shared by
+xdist workers (:mod:`tests.harness.worker_cache`), pytester (which
 tests the marker's check), and stock's flag help texts read once per class in this process too
 (:mod:`tests.harness.stock_arguments`)."""
 
 import sys
 
-pytest_plugins = ("tests.harness.multirank", "tests.harness.suite_time", "pytester")
+pytest_plugins = ("tests.harness.multirank", "tests.harness.suite_time", "tests.harness.worker_cache",
+                  "pytester")
 
 
 def pytest_collection_finish(session) -> None:

@@ -9,14 +9,15 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from tests.harness.worker_cache import once_per_run
 
 SAMPLES = 300
 
 
-@lru_cache(maxsize=None)
+@once_per_run
 def synthetic_dataset(kind: str = "image_audio_caption") -> Path:
     """A prepared Energon dataset (``energon/``) and its tokenizer (``tokenizer/``), made once per
     test process by the README's own tools."""
@@ -77,7 +78,7 @@ def energon_prepare(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@lru_cache(maxsize=None)
+@once_per_run
 def stock_prepared_dataset(kind: str) -> Path:
     """Plain WebDataset shards (``<key>.png|wav`` and text parts) of a synthetic ``kind`` set in
     ``energon/``, prepared by stock ``energon prepare --field-map`` as the README says, and a

@@ -7,13 +7,13 @@ import importlib.util
 import pkgutil
 import sys
 import tempfile
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from tests.harness.multiprocess import REPO_ROOT, run_in_processes
 from tests.harness.tensorboard_scalars import read_scalars
+from tests.harness.worker_cache import once_per_run
 from tests.models.tiny import TINY_TRANSFORMER
 
 TINY_GPT = [*TINY_TRANSFORMER, "--mock-data", "--eval-interval", "10"]
@@ -69,7 +69,7 @@ def train_gpt(nproc: int, extra: tuple[str, ...] = (), *, tag: str = "run",
     return read_scalars(logdir, "lm loss"), params
 
 
-@lru_cache(maxsize=None)
+@once_per_run
 def cached_gpt_run(nproc: int, extra: tuple[str, ...], attempt: int) -> tuple[dict[int, float], list]:
     """Memoized :func:`train_gpt`, so several assertions share one run of each layout."""
     return train_gpt(nproc, extra, tag=f"{nproc}-{attempt}")

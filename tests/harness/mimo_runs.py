@@ -4,14 +4,13 @@
 gloo processes and returns the logged ``lm loss`` per iteration plus, per rank, what the test
 asked to observe (trained parameters of the rank's module, gradient reductions per step, the
 activations it held for backward). Tests declare the launches they compare as
-:class:`MimoLaunch` values; :func:`shared_run` trains each distinct one once per session.
+:class:`MimoLaunch` values; :func:`shared_run` trains each distinct one once per pytest run.
 """
 
 from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ import numpy as np
 from tests.harness.activation_memory import HeldActivations
 from tests.harness.multiprocess import run_in_processes
 from tests.harness.tensorboard_scalars import read_scalars
+from tests.harness.worker_cache import once_per_run
 from tests.models.tiny import TINY_TRANSFORMER
 
 TINY_MIMO = [*TINY_TRANSFORMER, "--train-iters", "10", "--eval-interval", "5"]
@@ -183,9 +183,9 @@ class MimoLaunch:
     timeout: float = field(default=150.0, compare=False)
 
 
-@cache
+@once_per_run
 def shared_run(launch: MimoLaunch) -> tuple[dict[str, dict[int, float]], list[dict[str, Any]]]:
-    """:func:`train_mimo` of ``launch``, once per pytest session, observing everything the tests
+    """:func:`train_mimo` of ``launch``, once per pytest run (across its xdist workers too), observing everything the tests
     read (trained parameters, consumed keys, gradient reductions and row exchanges)."""
     return train_mimo(launch.nproc, launch.flags, observe_params=True, observe_keys=True,
                       count_reductions=True, observe_memory=launch.observe_memory,

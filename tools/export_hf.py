@@ -25,7 +25,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,13 @@ import torch
 
 from megatron_plugins.errors import UsageError, report
 from megatron_plugins.parallel.layout import LANGUAGE
-from megatron_plugins.peft.export import AdapterReader, HFAdapter, merge, write_peft
+from megatron_plugins.peft.export import (
+    AdapterReader,
+    HFAdapter,
+    PeftFormatError,
+    merge,
+    write_peft,
+)
 from megatron_plugins.peft.flags import PROJECTION
 from megatron_plugins.parallel.module_values import module_values
 from megatron_plugins.weights.encoder_view import includes_projection, module_tensors
@@ -126,8 +132,11 @@ class Checkpoint:
     def tensors(self, module: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(global Megatron name, full tensor) of one module, stacked keys unstacked. One load
         for the whole module: the export holds all of it before writing anyway, and one load
-        plans and opens the files once instead of once per tensor."""
-        keys = self.modules[module]
+        plans and opens the files once instead of once per tensor. Nothing for a module a LoRA
+        run left out whole (frozen, its base referenced)."""
+        keys = self.modules.get(module)
+        if not keys:
+            return
         loaded = self._dc.load({key: self.metadata[key] for key in keys.values()},
                                str(self.folder), validate_access_integrity=False)
         yield from join_sections(item for name, key in keys.items()
@@ -254,13 +263,14 @@ def _export(ckpt: Checkpoint, out: Path, max_shard_size: int, language_family: s
         vocab = args.vocab_size or args.padded_vocab_size
         pieces = hf_pieces(reader.tensors(LANGUAGE), family, _heads(args), vocab,
                            str(ckpt.folder))
-        tensors = reader.fill(assemble(pieces), [LANGUAGE], family)
+        held = assemble(pieces)
+        tensors = reader.fill(held, [LANGUAGE], family)
         adapters = reader.hf_adapters(LANGUAGE, family, _heads(args))
         merge(tensors, adapters)
         config = family.hf_config(args, vocab)
         written += write_folder(tensors, out / LANGUAGE, max_shard_size, config, progress)
-        written += write_peft(adapters_out / LANGUAGE, adapters, args.language_hf_weights,
-                              config)
+        written += write_adapters(adapters_out / LANGUAGE, adapters, args.language_hf_weights,
+                                  config, tensors, held)
     for name, family in _encoder_families(args).items():
         if family is None:
             print(f"{PROG}: notice: encoder {name}'s provider has no HF mapping; its network is "
@@ -270,14 +280,16 @@ def _export(ckpt: Checkpoint, out: Path, max_shard_size: int, language_family: s
             heads = _encoder_heads(config)
             pieces = hf_pieces(module_tensors(reader.tensors, name, family), family, heads, None,
                                str(ckpt.folder))
-            tensors = reader.fill({**assemble(pieces), **untrained_tensors(family, args)},
+            held = assemble(pieces)
+            tensors = reader.fill({**held, **untrained_tensors(family, args)},
                                   [name, name + PROJECTION], family)
             adapters = reader.encoder_adapters(name, family, heads)
             merge(tensors, adapters)
             written += write_folder(tensors, out / name, max_shard_size, config, progress)
             written += _processor_files(args, name, out / name)
-            written += write_peft(adapters_out / name, adapters,
-                                  dict(args.encoder_hf_weights or {}).get(name), config)
+            written += write_adapters(adapters_out / name, adapters,
+                                      dict(args.encoder_hf_weights or {}).get(name), config,
+                                      tensors, held)
     # A projection its encoder's family maps (Qwen2.5-VL's merger) is in that encoder's folder.
     exported = {f"{name}:projection" for name, family in _encoder_families(args).items()
                 if family is not None and includes_projection(family)}
@@ -304,6 +316,21 @@ def _export(ckpt: Checkpoint, out: Path, max_shard_size: int, language_family: s
                         for name, t in sorted(projections.items())},
         }))
     return written
+
+
+def write_adapters(folder: Path, adapters: list[HFAdapter], base: str | None,
+                   config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                   trained: Iterable[str]) -> list[Path]:
+    """A LoRA run's adapters in PEFT's format with the tensors it ``trained`` in full beside
+    them (:func:`~megatron_plugins.peft.export.write_peft`): those the checkpoint held beside the
+    adapters, since a LoRA run leaves out the frozen base it references. Where PEFT's format
+    cannot carry them, no folder and one line saying why: the merged folder holds the model."""
+    try:
+        return write_peft(folder, adapters, base, config, tensors, trained)
+    except PeftFormatError as error:
+        print(f"{PROG}: notice: no PEFT-format adapters written to {folder}: {error}; the "
+              "merged folder holds the trained model", file=sys.stderr)
+        return []
 
 
 def _processor_files(args: Any, name: str, folder: Path) -> list[Path]:
@@ -353,8 +380,8 @@ def export_whole(reader: AdapterReader, out: Path, adapters_out: Path, max_shard
     untrained = {hf: checkpoint.read(hf, 0, 0, -1) for hf in sorted(checkpoint.names())
                  if any(re.match(pattern, hf)
                         for pattern in (*parts.tower.untrained, *parts.language.untrained))}
-    tensors = reader.fill({**assemble(pieces), **untrained},
-                          [LANGUAGE, name, name + PROJECTION], None)
+    held = assemble(pieces)
+    tensors = reader.fill({**held, **untrained}, [LANGUAGE, name, name + PROJECTION], None)
     adapters = [*reader.hf_adapters(LANGUAGE, parts.language, _heads(args)),
                 *reader.hf_adapters(name, parts.tower, tower_heads),
                 *reader.hf_adapters(f"{name}:projection", parts.projector, None)]
@@ -365,7 +392,7 @@ def export_whole(reader: AdapterReader, out: Path, adapters_out: Path, max_shard
         if file.is_file() and file.name != "config.json" and not WHOLE_WEIGHTS.match(file.name):
             copied.append(Path(shutil.copyfile(file, out / file.name)))
     return [*copied, *write_folder(tensors, out, max_shard_size, config, progress),
-            *write_peft(adapters_out, adapters, str(source), config)]
+            *write_adapters(adapters_out, adapters, str(source), config, tensors, held)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

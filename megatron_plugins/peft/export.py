@@ -8,7 +8,9 @@ tensors exactly as the weight's rows do (fused QKV into q / k / v, SwiGLU ``line
 gate / up) and ``A`` is every one of them's ``lora_A``, so ``B_hf A`` is each HF tensor's share of
 the update. :func:`merge` adds ``scale * B_hf A`` to the HF weights (the folder a full fine-tune
 exports) and :func:`write_peft` writes ``adapter_config.json`` + ``adapter_model.safetensors`` under
-the HF module names, which ``peft.PeftModel.from_pretrained`` loads onto transformers' model.
+the HF module names, which ``peft.PeftModel.from_pretrained`` loads onto transformers' model, with
+what the run trained in full beside the adapters as PEFT's ``modules_to_save``
+(:func:`modules_to_save`), or nothing and one line why where PEFT cannot carry it.
 :func:`check_reference` checks a frozen base's folder is the one the run trained on before its
 tensors fill what the checkpoint left out.
 """
@@ -32,8 +34,8 @@ from megatron_plugins.weights.local_view import LocalParam
 from megatron_plugins.weights.mapping import Family, Heads, HFWeightsError
 from megatron_plugins.weights.streaming import assemble, pieces_of
 
-__all__ = ["Adapter", "AdapterReader", "HFAdapter", "check_reference", "hf_adapters", "merge",
-           "run_specs", "split_adapters", "write_peft"]
+__all__ = ["Adapter", "AdapterReader", "HFAdapter", "PeftFormatError", "check_reference",
+           "hf_adapters", "merge", "run_specs", "split_adapters", "write_peft"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -106,61 +108,159 @@ def merge(tensors: dict[str, torch.Tensor], adapters: Iterable[HFAdapter]) -> No
         tensors[name] = merged(tensors[name], adapter.a, adapter.b, adapter.spec.scale)
 
 
-def runtime_names(config: Mapping[str, Any], modules: Iterable[str]) -> dict[str, str]:
-    """The name each linear of an HF folder (as its safetensors name it) has in transformers'
-    model of ``config`` (its ``config.json``): transformers renames a saved layout on load
-    (Qwen2.5-VL's ``model.layers`` is ``model.language_model.layers``), and PEFT finds adapters
-    by the model's names. Built on the meta device; names it does not rename stay."""
+class PeftFormatError(HFWeightsError):
+    """Adapters PEFT's format cannot carry with what the run trained in full beside them; the
+    export then writes no PEFT folder and says why in one line (the merged folder holds the
+    trained model)."""
+
+
+def hf_model(config: Mapping[str, Any]) -> torch.nn.Module | None:
+    """transformers' model of an HF folder's ``config`` (its ``config.json``) on the meta device,
+    whose names PEFT finds modules and tensors by; None when the config names no class of
+    transformers."""
     import transformers
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     settings = dict(config)
     architecture = getattr(transformers, (settings.get("architectures") or [""])[0], None)
     if architecture is None:
-        return {module: module for module in modules}
+        return None
     with torch.device("meta"):
-        model = architecture(transformers.AutoConfig.for_model(**settings))
+        return architecture(transformers.AutoConfig.for_model(**settings))
+
+
+def runtime_names(model: torch.nn.Module | None, names: Iterable[str]) -> dict[str, str]:
+    """The name each tensor of an HF folder (as its safetensors name it) has in transformers'
+    ``model`` of it: transformers renames a saved layout on load (Qwen2.5-VL's ``model.layers``
+    is ``model.language_model.layers``), and PEFT finds adapters and saved modules by the
+    model's names. Names it does not rename (or no ``model``) stay."""
+    if model is None:
+        return {name: name for name in names}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
     conversions = get_model_conversion_mapping(model)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     meta = model.state_dict()
-    names = {}
-    for module in modules:
-        renamed, _ = rename_source_key(f"{module}.weight", renamings, converters,
-                                       model.base_model_prefix, meta)
-        names[module] = renamed.removesuffix(".weight") if renamed in meta else module
-    return names
+    renamed = {}
+    for name in names:
+        found, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        renamed[name] = found if found in meta else name
+    return renamed
+
+
+def _ancestors(name: str) -> list[str]:
+    """The names of the modules holding module or tensor ``name`` (the model's, "", first)."""
+    parts = name.split(".")
+    return [".".join(parts[:depth]) for depth in range(len(parts))]
+
+
+def _module_tensors(model: torch.nn.Module) -> dict[str, set[str]]:
+    """Every module's state tensors (its own and its submodules'), full names, by module: what
+    PEFT saves and loads of a module it saves whole."""
+    held: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
+    for key in model.state_dict():
+        for module in _ancestors(key):
+            if module in held:
+                held[module].add(key)
+    return held
+
+
+def _tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
+    """The module names of the input embedding and of the output layer sharing its weight."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None or outputs.weight is not inputs.weight:
+        return None
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    return names[id(inputs)], names[id(outputs)]
+
+
+def modules_to_save(model: torch.nn.Module, trained: set[str], targets: set[str]
+                    ) -> tuple[list[str], dict[str, str]]:
+    """PEFT's ``modules_to_save`` for the tensors a run trained in full (``trained``, the model's
+    names) beside adapters on ``targets``: the largest modules all of whose tensors trained that
+    hold no adapted linear and are called, not indexed (a ``ModuleList`` is not). A tied input
+    embedding stands alone, and PEFT ties the output layer to its copy, loading the output's
+    weight too: the dict names those tensors (output's name: input's). A trained tensor no
+    such module holds cannot travel: :class:`PeftFormatError` says which."""
+    held = _module_tensors(model)
+    blocked = {""} | {name for name, module in model.named_modules()
+                      if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))}
+    blocked |= {name for target in targets for name in (*_ancestors(target), target)}
+    tied = _tied_embedding(model)
+    if tied is not None:
+        blocked |= set(_ancestors(tied[0]))
+    whole = {name for name, keys in held.items()
+             if name not in blocked and keys and keys <= trained}
+    chosen = sorted(name for name in whole if not whole.intersection(_ancestors(name)))
+    missing = sorted(trained.difference(*(held[name] for name in chosen)))
+    if missing:
+        raise PeftFormatError(_uncovered(missing[0], held, trained, targets))
+    if tied is None or tied[0] not in chosen:
+        return chosen, {}
+    embedding, output = tied
+    return chosen, {f"{output}{key[len(embedding):]}": key for key in sorted(held[embedding])}
+
+
+def _uncovered(name: str, held: Mapping[str, set[str]], trained: set[str],
+               targets: set[str]) -> str:
+    """Why the trained tensor ``name`` cannot travel in a module PEFT saves whole."""
+    owner = next((module for module in reversed(_ancestors(name)) if name in held[module]), None)
+    if owner is None:
+        return f"the run trained {name} in full, which transformers' model does not hold"
+    if owner in targets:
+        return (f"the adapted linear {owner}'s {name} is not the base folder's (its frozen "
+                "weights came from init or a Megatron checkpoint), and PEFT adds adapters to the "
+                "base folder's weights")
+    adapted = sorted(target for target in targets if owner in _ancestors(target))
+    other = (f"the adapted linear {adapted[0]}" if adapted else
+             f"{min(held[owner] - trained)}, which the run did not train")
+    return (f"the run trained {name} in full, and PEFT saves such tensors as whole modules "
+            f"(modules_to_save), but its module {owner or '(the model)'} also holds {other}")
 
 
 def write_peft(folder: Path, adapters: list[HFAdapter], base: str | None,
-               config: Mapping[str, Any]) -> list[Path]:
+               config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+               trained: Iterable[str]) -> list[Path]:
     """``adapter_config.json`` and ``adapter_model.safetensors`` of ``adapters`` in ``folder``,
-    under the names of transformers' model of ``config`` (:func:`runtime_names`). The config's
-    rank and alpha are the first part's; modules of other parts get theirs through
-    ``rank_pattern`` / ``alpha_pattern`` (their full names)."""
+    under the names of transformers' model of ``config`` (:func:`runtime_names`), with the
+    ``tensors`` (HF names) the run ``trained`` in full beside them, as PEFT's
+    ``modules_to_save`` (:func:`modules_to_save`), so ``PeftModel.from_pretrained`` on the base
+    folder gives the merged folder's model. The config's rank and alpha are the first part's;
+    modules of other parts get theirs through ``rank_pattern`` / ``alpha_pattern`` (their full
+    names). Nothing is written when PEFT cannot carry it (:class:`PeftFormatError`)."""
     from safetensors.torch import save_file
 
     if not adapters:
         return []
-    folder.mkdir(parents=True, exist_ok=True)
-    names = runtime_names(config, [adapter.module for adapter in adapters])
-    adapters = [HFAdapter(names[a.module], a.a, a.b, a.spec) for a in adapters]
+    trained = sorted(trained)
+    model = hf_model(config)
+    if trained and model is None:
+        raise PeftFormatError(f"the run trained {trained[0]} in full, and the folder's config "
+                              "names no transformers class whose modules PEFT could save it by")
+    names = runtime_names(model, [*(f"{a.module}.weight" for a in adapters), *trained])
+    adapters = [HFAdapter(names[f"{a.module}.weight"].removesuffix(".weight"), a.a, a.b, a.spec)
+                for a in adapters]
+    saved = {names[name]: tensors[name] for name in trained}
+    modules, tied = (modules_to_save(model, set(saved), {a.module for a in adapters})
+                     if saved else ([], {}))
     first = adapters[0].spec
     config = {
         "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base,
         "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": first.dropout,
         "target_modules": sorted({a.module for a in adapters}), "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": modules or None, **({"ensure_weight_tying": True} if tied else {}),
         "rank_pattern": {a.module: a.spec.rank for a in adapters if a.spec.rank != first.rank},
         "alpha_pattern": {a.module: a.spec.alpha for a in adapters
                           if a.spec.alpha != first.alpha},
     }
-    weights = {}
+    saved.update({output: saved[embedding].clone() for output, embedding in tied.items()})
+    weights = {f"{PEFT_PREFIX}{name}": tensor.contiguous() for name, tensor in saved.items()}
     for adapter in adapters:
         weights[f"{PEFT_PREFIX}{adapter.module}.lora_A.weight"] = adapter.a.clone()
         weights[f"{PEFT_PREFIX}{adapter.module}.lora_B.weight"] = adapter.b.contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG]

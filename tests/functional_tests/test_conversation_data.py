@@ -25,7 +25,7 @@ from PIL import Image
 
 from tests.harness.energon_data import energon_flags, synthetic_dataset
 from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, shared_run, train_mimo
-from tests.harness.multiprocess import REPO_ROOT, run_script
+from tests.harness.multiprocess import REPO_ROOT, run_preforked
 from tests.harness.tensorboard_scalars import read_scalars
 
 pytestmark = pytest.mark.multirank
@@ -43,9 +43,9 @@ def _flags() -> tuple[str, ...]:
 
 
 def test_a_converted_llava_folder_trains_through_the_entry_point(tmp_path: Path) -> None:
-    run = run_script(SCRIPT, [*TINY_MIMO, *_flags(), *VISION, "vision:", "--grid", "language:",
-                              "--train-iters", "4", "--eval-interval", "2",
-                              "--tensorboard-dir", str(tmp_path)], nproc=2, timeout=240)
+    run = run_preforked(SCRIPT, [*TINY_MIMO, *_flags(), *VISION, "vision:", "--grid",
+                                 "language:", "--train-iters", "4", "--eval-interval", "2",
+                                 "--tensorboard-dir", str(tmp_path)], nproc=2, timeout=240)
     assert run.returncode == 0, run.output[-4000:]
     losses = read_scalars(tmp_path, "lm loss")
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
@@ -145,8 +145,9 @@ def test_multi_image_and_text_only_conversations_train_by_the_readme_commands(
     root = llava_folder()
     counts = {index % 4 for index in range(200)}
     assert counts == {0, 1, 2, 3}
-    # The README's command, tiny flags and all.
-    run = run_script(SCRIPT, [
+    # The README's command, tiny flags and all (its ranks forked ready: torchrun's own launch is
+    # the README main command's test).
+    run = run_preforked(SCRIPT, [
         "--cpu-simulation", *NATIVE, "--grid", "vision:", "--grid", "language:",
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "4",

@@ -24,7 +24,7 @@ import yaml
 
 from tests.harness.energon_data import energon_flags, stock_prepared_dataset, synthetic_dataset
 from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, module_params, shared_run, train_mimo
-from tests.harness.multiprocess import REPO_ROOT, WorkerFailure, run_script
+from tests.harness.multiprocess import REPO_ROOT, WorkerFailure, run_preforked
 from tests.harness.tensorboard_scalars import read_scalars
 
 pytestmark = pytest.mark.multirank
@@ -105,9 +105,9 @@ def test_a_folder_prepared_by_stock_energon_prepare_trains(tmp_path: Path) -> No
     """The README's `energon prepare --field-map` caption folder: its text parts reach the
     language rank as bytes and train."""
     root = stock_prepared_dataset("caption")
-    run = run_script(SCRIPT, [*TINY_MIMO, *SGD, *VISION, "vision:", "--grid", "language:",
-                              *energon_flags(root), "--train-iters", "4", "--eval-interval", "2",
-                              "--tensorboard-dir", str(tmp_path)], nproc=2, timeout=240)
+    run = run_preforked(SCRIPT, [*TINY_MIMO, *SGD, *VISION, "vision:", "--grid", "language:",
+                                 *energon_flags(root), "--train-iters", "4", "--eval-interval",
+                                 "2", "--tensorboard-dir", str(tmp_path)], nproc=2, timeout=240)
     assert run.returncode == 0, run.output[-4000:]
     losses = read_scalars(tmp_path, "lm loss")
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())

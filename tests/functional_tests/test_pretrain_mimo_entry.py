@@ -127,7 +127,7 @@ def test_a_truncated_safetensors_file_stops_every_rank_before_any_process_group(
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     run = run_script(SCRIPT, [*MIMO_FLAGS, *VIT, "--grid", "language:dp=1",
-                              "--language-hf-weights", str(folder)], nproc=2, timeout=90)
+                              "--language-hf-weights", str(folder)], nproc=2, timeout=150)
     errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
     assert errors and set(errors) == {
         f"--language-hf-weights {weights}: not a readable safetensors file (Error while "
@@ -136,7 +136,9 @@ def test_a_truncated_safetensors_file_stops_every_rank_before_any_process_group(
     assert "[rank" not in run.output and "Connection closed" not in run.output, run.output[-3000:]
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.output)
     assert "2" in codes and set(codes) <= {"2", "-15"}, codes
-    assert run.seconds < 60
+    # Two fresh interpreters' imports, beside the suite's other worker (20-40 s); a rank left
+    # waiting for its peer would hang until the distributed timeout (minutes).
+    assert run.seconds < 100
 
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
 from megatron_plugins.performance.picture import picture_size
 from tests.fixtures.slow_encoder import SLEEP_SECONDS
-from tests.harness.multiprocess import run_script
+from tests.harness.multiprocess import REPO_ROOT, run_preforked
 from tests.harness.tensorboard_scalars import read_scalars
 from tests.harness.throughput_runs import MEASURED, measured_run
 
@@ -172,9 +172,9 @@ def test_a_slow_encoder_lowers_the_language_busy_share_and_the_timeline_shows_th
 
 
 def test_a_bad_timeline_step_range_stops_the_launch_with_one_line():
-    run = run_script("examples/mimo/pretrain_mimo.py",
-                     [*MEASURED, "--encoder", "vision=vit", *GRIDS, "--mimo-timeline", "/tmp/t",
-                      "--mimo-timeline-steps", "5:2"], nproc=2, timeout=300)
+    run = run_preforked(REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py",
+                        [*MEASURED, "--encoder", "vision=vit", *GRIDS, "--mimo-timeline", "/tmp/t",
+                         "--mimo-timeline-steps", "5:2"], nproc=2, timeout=300)
     assert run.returncode != 0
     errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
     assert errors and set(errors) == {"--mimo-timeline-steps 5:2: give the first and last step "

@@ -8,6 +8,7 @@ import argparse
 
 import pytest
 
+from megatron_plugins import cpu_simulation
 from megatron_plugins.errors import FlagError, UsageError
 from megatron_plugins.launch.preflight import check_parser, check_run
 from megatron_plugins.peft.flags import LoraSpec, lora_specs, part_optims
@@ -122,6 +123,9 @@ def test_what_needs_the_runs_other_flags_is_one_line_before_any_process_group(
     lora = [] if "--lora" in flags or "--module-lr" in flags else [
         "--lora", "language:rank=4,alpha=8"]
     monkeypatch.setenv("WORLD_SIZE", "2")
+    # A GPU launch (no --cpu-simulation), even where an earlier test of this process switched
+    # the simulation on.
+    monkeypatch.setattr(cpu_simulation, "is_active", lambda: False)
     with pytest.raises(UsageError, match=message) as error:
         parse_mimo_args([*base, *local, *encoder, "--grid", "vision:", "--grid", "language:",
                          *lora, *flags])

@@ -3,6 +3,10 @@ weights, for the tests of the reference kernels and of the bridge that binds the
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,6 +64,36 @@ def transformers_layer(seed: int = 0) -> torch.nn.Module:
         layer.A_log.copy_(torch.rand(VALUE_HEADS, generator=generator).add(0.5).log())
         layer.norm.weight.add_(1.0)
     return layer
+
+
+@contextlib.contextmanager
+def float64_throughout() -> Iterator[None]:
+    """Within this, a float64 tensor's ``.float()`` and ``.to(torch.float32)`` stay float64, so
+    a float64 transformers model computes in float64 end to end, the exact reference for a
+    float32 path: its Gated DeltaNet casts to float32 inside (the gated norm, the decay, the
+    torch rule's inputs), which would round the reference to float32 there (1-2e-6 of the
+    logits' largest magnitude on the tiny Qwen3.5-VL). Other tensors cast as asked."""
+    to, to_float = torch.Tensor.to, torch.Tensor.float
+
+    def keep_float64(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(tensor, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "to", keep_float64)
+        patch.setattr(torch.Tensor, "float",
+                      lambda t, *a, **k: t if t.dtype == torch.float64 else to_float(t, *a, **k))
+        yield
+
+
+def float64_forward(layer: torch.nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+    """transformers' ``layer`` on ``inputs`` in float64 end to end (:func:`float64_throughout`);
+    ``layer`` itself is left as it was."""
+    with float64_throughout(), torch.no_grad():
+        return copy.deepcopy(layer).double()(*(t.double() for t in inputs))
 
 
 def _shard(weight: torch.Tensor, sections: list[int], rank: int, size: int) -> torch.Tensor:

@@ -29,7 +29,13 @@ from tests.models.hf_vlm import (
 from tests.models.qwen3_5_whole import hf_logits, save_whole
 from tests.models.qwen_vlm import forward_diff, images, sample
 
-TOLERANCE = 1e-5
+TOLERANCE = 5e-5
+"""Our float32 logits against transformers' exact float64 ones, relative to their largest
+magnitude. This tiny hybrid model amplifies float32 rounding (its Gated DeltaNet norm meets
+outputs of mean square 1.5e-8, next to its eps of 1e-6): ours measured 3.3e-6 to 1.3e-5 over the
+layouts under AMD (AVX2) and Intel (AVX-512) kernel dispatches, transformers' own float32 3e-6
+(dense) to 2e-5 (MoE), so 1e-5 held by luck (docs/cross-host-audit.md). Scaling the routers by
+1.001 moves the logits by 2.6e-4, the Gated DeltaNet norm weights by 0.01 by 2e-2 or more."""
 
 LAYOUTS = {
     "dense-one-rank-per-module": (False, ("image:dp=1", "language:dp=1"), 2),

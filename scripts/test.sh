@@ -12,10 +12,10 @@ cd "$root"
 # Every fresh interpreter of the suite (pytest itself, torchrun ranks, entry-point launches) would
 # otherwise compile the package and the tests from source again: keep their bytecode.
 unset PYTHONDONTWRITEBYTECODE
-# Two workers, each taking whole files in the suite's order (a file's module fixtures are made
-# once; each worker runs a subsequence of the serial order): while one worker's ranks wait on
-# each other or on a launch, the other's compute. A later -n in "$@" wins.
-"$root/.venv/bin/python" -m pytest -n 2 --dist loadfile "$@"
+# Two workers: while one worker's ranks wait on each other or on a launch, the other's compute.
+# tests/conftest.py groups the tests (the in-process ones in order on one worker, each file's
+# multi-process ones together). A later -n in "$@" wins.
+"$root/.venv/bin/python" -m pytest -n 2 --dist loadgroup "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; failing" >&2

@@ -18,3 +18,17 @@ def pytest_collection_finish(session) -> None:
 
         remember_field_docstrings()
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``scripts/test.sh``, ``--dist loadgroup``): the in-process tests stay
+    together on one worker, in their order, as ``-m "not multirank"`` runs them (some switch this
+    process to the CPU simulation for the tests after them); each file's multi-process tests are
+    one group, so its module fixtures are made once."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    import pytest
+
+    for item in items:
+        group = (item.nodeid.split("::")[0] if item.get_closest_marker("multirank")
+                 else "in-process")
+        item.add_marker(pytest.mark.xdist_group(group))

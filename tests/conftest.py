@@ -6,6 +6,8 @@ tests the marker's check), and stock's flag help texts read once per class in th
 
 import sys
 
+import pytest
+
 pytest_plugins = ("tests.harness.multirank", "tests.harness.suite_time", "tests.harness.worker_cache",
                   "pytester")
 
@@ -26,8 +28,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     one group, so its module fixtures are made once."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    import pytest
-
     for item in items:
         group = (item.nodeid.split("::")[0] if item.get_closest_marker("multirank")
                  else "in-process")

@@ -200,6 +200,11 @@ GAPS: tuple[Gap, ...] = (
         "planning", "launch.advise.layout_memory, launch.advise.advise_main",
         _canary("planning", "test_gap34_canary_stock_config_checks_ask_this_machine_for_"
                             "transformer_engine")),
+    Gap("35", "every rank's first checkpoint save spawns a results-queue process that re-imports "
+              "the training script, though a synchronous save never leaves the rank",
+        "checkpointing", "launch.pretrain.train",
+        _canary("checkpointing", "test_gap35_canary_stock_save_results_queue_spawns_a_manager_"
+                                 "process")),
 )
 """Every gap in the order the bridges were added."""
 

@@ -1,10 +1,12 @@
 """Checkpoint bridges for MiMo processes (stock callers keep stock checkpoint behaviour): Gaps 5,
-6, 10, 16, 22 and 26 (:func:`install_checkpoint_bridges`) and 27 (:func:`bind_checkpoint_group`)."""
+6, 10, 16, 22 and 26 (:func:`install_checkpoint_bridges`), 27 (:func:`bind_checkpoint_group`) and
+35 (:func:`keep_save_results_in_process`)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import queue
 from typing import Any
 
 import torch
@@ -12,7 +14,8 @@ import torch
 from megatron_plugins.compat import record
 
 __all__ = ["MODULE_RNG_STATES", "bind_checkpoint_group", "carry_module_rng",
-           "install_checkpoint_bridges", "plain_values", "put_plain_values", "restore_module_rng"]
+           "install_checkpoint_bridges", "keep_save_results_in_process", "plain_values",
+           "put_plain_values", "restore_module_rng"]
 
 MODULE_RNG_STATES = "module_rng_states"
 """Key of a colocated rank's RNG object that holds the streams of the encoders it hosts."""
@@ -396,3 +399,25 @@ def bind_checkpoint_group(pg_collection: Any) -> None:
     """
     pg_collection.dp_cp_gtp_remat = pg_collection.dp_cp
     record("27")
+
+
+def keep_save_results_in_process(async_save: bool) -> None:
+    """Gap 35 (a process per rank for a synchronous save): without ``--async-save``, the writer's
+    results stay in this process.
+
+    Stock's ``torch_dist`` writer hands its write results over a queue it makes once per process
+    with ``multiprocessing.get_context('spawn').Manager()``
+    (dist_checkpointing/strategies/filesystem_async.py:53-66), whether or not the save is
+    asynchronous. Spawning re-runs the rank's main script in the new process, so every rank's first
+    save starts a second interpreter importing torch, megatron-core and the training script:
+    seconds of CPU and hundreds of MB per rank. A synchronous save writes and reads that queue in
+    this process only (``execute_sync``), so a plain queue carries the same results. With
+    ``--async-save`` the results cross processes and stock's queue stays. Idempotent; the MiMo
+    launch calls it before stock ``pretrain()``.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if async_save or filesystem_async._results_queue is not None:
+        return
+    filesystem_async._results_queue = queue.Queue()
+    record("35")

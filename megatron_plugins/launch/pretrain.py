@@ -33,7 +33,7 @@ from megatron_plugins import cpu_simulation
 from megatron_plugins.launch import checkpoint_guards
 from megatron_plugins.model.builder import MimoBuildConfig
 from megatron_plugins.step.colocated import ColocatedSchedule
-from megatron_plugins.compat import colocation, model_build, startup
+from megatron_plugins.compat import checkpointing, colocation, model_build, startup
 from megatron_plugins.data.addressing import GuardSet
 from megatron_plugins.data.sources import add_data_args
 from megatron_plugins.data.streams import DataSource, alignment_guard, data_provider
@@ -245,6 +245,7 @@ def train(run: MimoRun, customize: Callable[[MimoSession], None] | None = None) 
     ``customize`` sees the live session before training (tests observe the model)."""
     check_training(run.args, run.layout.language)
     startup.install()
+    checkpointing.keep_save_results_in_process(run.args.async_save)
     measurement.install(run)
     session = start(run)
     # One line on rank 0 once the model is built: megatron-core's version and the gaps bridged.

@@ -9,15 +9,19 @@ import json
 import os
 import re
 import signal
-import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.harness.mimo_runs import TINY_MIMO
-from tests.harness.multiprocess import REPO_ROOT, kill_session, run_script, start_session
-from tools.functional_tests.runner import torchrun_command
+from tests.harness.multiprocess import (
+    REPO_ROOT,
+    launch_preforked,
+    run_preforked,
+    start_simulation_server,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -36,27 +40,30 @@ def _kill_during_save(folder: Path, rank: int, iteration: int, tmp: Path,
                       also_wait_for: Path | None = None) -> str:
     """Launch, wait until ``rank`` is frozen inside the save of ``iteration`` (and, if given,
     the JSON file ``also_wait_for`` is written whole), SIGKILL that rank; returns the launch's
-    output."""
-    command = torchrun_command(SCRIPT, 3, _argv(folder))
+    output. The ranks are preforked (what is tested is the checkpoint left behind, not torchrun's
+    supervision, which the failure-behaviour tests cover); the first rank's death ends the
+    others, as under torchrun."""
     blocked = tmp / "blocked"
     blocked.unlink(missing_ok=True)
+    log = tmp / "launch.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": PYTHONPATH,
            "MIMO_TEST_BLOCK_SAVE": f"{rank}:{iteration}:{tmp}"}
-    log = (tmp / "launch.log").open("w+")
-    process, started = start_session(command, cwd=REPO_ROOT, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT)
+    start_simulation_server()
+    codes: list[int] = []
+    launch = threading.Thread(target=lambda: codes.append(launch_preforked(
+        SCRIPT, _argv(folder), 3, env=env, log=log, timeout=240)), daemon=True)
+    launch.start()
     try:
         deadline = time.monotonic() + 150
         while not (blocked.exists() and (also_wait_for is None or _whole_json(also_wait_for))):
-            assert process.poll() is None, "the run ended before the save was interrupted"
+            assert launch.is_alive(), "the run ended before the save was interrupted"
             assert time.monotonic() < deadline, "the save was not reached in time"
             time.sleep(0.2)
         os.kill(int(blocked.read_text()), signal.SIGKILL)
-        assert process.wait(timeout=60) != 0
-    finally:
-        kill_session(process, started)
-    log.seek(0)
-    return log.read()
+    finally:  # the launch ends its ranks once one dies, or at its timeout
+        launch.join(timeout=300)
+    assert codes and codes[0] != 0, "the launch did not end with the killed rank"
+    return log.read_text()
 
 
 def _whole_json(path: Path) -> bool:
@@ -73,7 +80,7 @@ def _digest(iteration: Path) -> dict[str, str]:
 
 
 def _relaunch(folder: Path):
-    return run_script(SCRIPT, _argv(folder), nproc=3, timeout=150, env={"PYTHONPATH": PYTHONPATH})
+    return run_preforked(SCRIPT, _argv(folder), 3, timeout=150, env={"PYTHONPATH": PYTHONPATH})
 
 
 def test_killed_during_the_first_save_the_relaunch_refuses(tmp_path):

@@ -34,8 +34,9 @@ another CPU, whose low bits drift the same way (tests/functional_tests/data/cros
 
 STARTUP_LINE = re.compile(r"^pretrain_mimo\.py: megatron-core (\S+); gaps bridged on rank 0: "
                           r"(.+) \(index: megatron_plugins\.compat\.GAPS\)$", re.MULTILINE)
-EVERY_LAUNCH_GAPS = {"1", "2", "5", "6", "7", "8", "10", "11", "12", "16", "27"}
-"""Gaps rank 0 bridges in every MiMo launch: start-up, checkpoints, step reductions, broadcasts."""
+EVERY_LAUNCH_GAPS = {"1", "2", "5", "6", "7", "8", "10", "11", "12", "16", "27", "35"}
+"""Gaps rank 0 bridges in every MiMo launch: start-up, checkpoints, step reductions, broadcasts,
+synchronous saves."""
 CP_GAPS = {"18", "22"}
 """Gaps rank 0 bridges only when the language model has context parallelism: a bridge into a CP
 grid, MiMo optimizer replica ids over CP (19-21 are the language ranks' own)."""

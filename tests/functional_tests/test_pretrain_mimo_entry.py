@@ -151,7 +151,7 @@ README_LAUNCH = ["--cpu-simulation", "--encoder", "vision=vit", "--grid", "visio
 """The README's launch example: model, batch, optimizer and tokenizer flags only."""
 
 README_BRIDGED_GAPS = ("pretrain_mimo.py: megatron-core 0.19.2; gaps bridged on rank 0: 1, 2, 3, "
-                       "5, 6, 7, 8, 10, 11, 12, 16, 27 (index: megatron_plugins.compat.GAPS)")
+                       "5, 6, 7, 8, 10, 11, 12, 16, 27, 35 (index: megatron_plugins.compat.GAPS)")
 """The start-up line README shows for that launch (rank 0 runs the vision encoder)."""
 
 

@@ -263,7 +263,9 @@ def _run_script_rank(script: str, argv: Sequence[str], variables: dict[str, str]
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).parent))
+    # As ``python script`` starts: the script's folder first, then PYTHONPATH's entries.
+    sys.path[:0] = [str(Path(script).parent),
+                    *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
@@ -330,14 +332,14 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
 
 
 def run_preforked(script: str | Path, argv: Sequence[str], nproc: int, *,
-                  timeout: float) -> ScriptRun:
-    """:func:`launch_preforked` in this process's environment, answered as :func:`run_script`
-    answers (exit code, every rank's output, seconds); for launches whose point is what the
-    ranks print, not torchrun's own handling."""
+                  timeout: float, env: dict[str, str] | None = None) -> ScriptRun:
+    """:func:`launch_preforked` in this process's environment updated by ``env``, answered as
+    :func:`run_script` answers (exit code, every rank's output, seconds); for launches whose
+    point is what the ranks print or save, not torchrun's own handling."""
     start_simulation_server()
     with tempfile.TemporaryDirectory(prefix="preforked-") as folder:
         log = Path(folder) / "launch.log"
         start = time.monotonic()
-        code = launch_preforked(script, argv, nproc, env=dict(os.environ), log=log,
+        code = launch_preforked(script, argv, nproc, env={**os.environ, **(env or {})}, log=log,
                                 timeout=timeout)
         return ScriptRun(code, log.read_text(), time.monotonic() - start)

@@ -1,4 +1,4 @@
-"""Checkpoint bridges (Gaps 5, 6, 10, 16, 22, 26, 27): canaries that the stock wheel still has
+"""Checkpoint bridges (Gaps 5, 6, 10, 16, 22, 26, 27, 35): canaries that the stock wheel still has
 each gap, and the bridges' tests."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from megatron_plugins.compat.checkpointing import (
     bind_checkpoint_group,
     carry_module_rng,
     install_checkpoint_bridges,
+    keep_save_results_in_process,
     plain_values,
     put_plain_values,
     restore_module_rng,
@@ -463,3 +464,52 @@ def test_gap22_bridge_saves_and_resumes_language_optimizer_state_at_cp2(tmp_path
     assert [rank[case]["saved"] for rank in ranks for case in CP2_CASES] == [True] * 8
     assert [rank[case]["resumed"] for rank in ranks for case in CP2_CASES] == [True] * 8
     assert ranks[0]["bf16"]["digest"] == ranks[1]["bf16"]["digest"]
+
+
+def _sync_save(folder: str, bridged: bool) -> dict:
+    """On a one-rank world: a synchronous ``torch_dist`` save of one tensor, stock or with the
+    Gap 35 bridge; which child processes the rank has after it, and the tensor loaded back."""
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    import multiprocessing
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    keep_save_results_in_process(async_save=not bridged)
+    before = {child.pid for child in multiprocessing.active_children()}
+    weight = torch.arange(6.0).reshape(2, 3)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, folder)
+    started = [type(child).__name__ for child in multiprocessing.active_children()
+               if child.pid not in before]
+    template = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))}
+    loaded = dist_checkpointing.load(template, folder)["w"]
+    return {"started": started, "queue": type(filesystem_async._results_queue).__name__,
+            "round trip": bool(torch.equal(loaded, weight))}
+
+
+@pytest.mark.multirank
+def test_gap35_canary_stock_save_results_queue_spawns_a_manager_process(tmp_path):
+    """Stock's synchronous save starts a spawn-context Manager process on the rank (re-importing
+    its main script there) just to carry the write results back to the same rank."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    assert inspect.signature(filesystem_async.get_write_results_queue).parameters[
+        "mp_mode"].default == "spawn"
+    [stock] = run_in_processes(_sync_save, 1, timeout=120, simulated=True,
+                               args=(str(tmp_path), False))
+    assert stock == {"started": ["SpawnProcess"], "queue": "AutoProxy[Queue]",
+                     "round trip": True}
+
+
+@pytest.mark.multirank
+def test_gap35_bridge_saves_synchronously_without_a_second_process(tmp_path):
+    """With the bridge the same save starts no process, keeps the results in a plain queue and
+    loads back the tensor it wrote; ``--async-save`` keeps stock's queue (the canary's run)."""
+    [bridged] = run_in_processes(_sync_save, 1, timeout=120, simulated=True,
+                                 args=(str(tmp_path), True))
+    assert bridged == {"started": [], "queue": "Queue", "round trip": True}

@@ -408,12 +408,12 @@ def keep_save_results_in_process(async_save: bool) -> None:
     Stock's ``torch_dist`` writer hands its write results over a queue it makes once per process
     with ``multiprocessing.get_context('spawn').Manager()``
     (dist_checkpointing/strategies/filesystem_async.py:53-66), whether or not the save is
-    asynchronous. Spawning re-runs the rank's main script in the new process, so every rank's first
-    save starts a second interpreter importing torch, megatron-core and the training script:
-    seconds of CPU and hundreds of MB per rank. A synchronous save writes and reads that queue in
-    this process only (``execute_sync``), so a plain queue carries the same results. With
-    ``--async-save`` the results cross processes and stock's queue stays. Idempotent; the MiMo
-    launch calls it before stock ``pretrain()``.
+    asynchronous. So every rank's first save starts a second interpreter that lives as long as the
+    run and re-imports the rank's main script: for a script that imports torch and Megatron at
+    module level, 6 s and 750 MiB per rank (docs/architecture.md). A synchronous save writes and
+    reads that queue in this process only (``execute_sync``), so a plain queue carries the same
+    results. With ``--async-save`` the results cross processes and stock's queue stays.
+    Idempotent; the MiMo launch calls it before stock ``pretrain()``.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

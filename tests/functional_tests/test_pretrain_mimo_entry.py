@@ -44,12 +44,14 @@ def test_readme_main_command_trains_evaluates_and_checkpoints(tmp_path: Path) ->
 
 
 def test_custom_encoder_from_its_own_file_trains(tmp_path: Path) -> None:
-    run = run_script(
+    """Preforked ranks: the encoder's file, found on PYTHONPATH, is the point; torchrun's launch
+    is the README commands'."""
+    run = run_preforked(
         SCRIPT,
         [*TINY_MIMO, "--train-iters", "20", "--lr", "3e-3", "--tensorboard-dir", str(tmp_path),
          "--encoder", "sensors=sensor_encoder:SensorEncoder", "--sensor-windows", "3",
          "--grid", "sensors:dp=1", "--grid", "language:dp=2"],
-        nproc=3, timeout=150,
+        3, timeout=150,
         env={"PYTHONPATH": f"{REPO_ROOT / 'examples' / 'mimo' / 'custom_encoder'}"},
     )
     assert run.returncode == 0, run.output[-4000:]

@@ -46,7 +46,7 @@ def _kill_during_save(folder: Path, rank: int, iteration: int, tmp: Path,
     blocked = tmp / "blocked"
     blocked.unlink(missing_ok=True)
     log = tmp / "launch.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": PYTHONPATH,
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH,
            "MIMO_TEST_BLOCK_SAVE": f"{rank}:{iteration}:{tmp}"}
     start_simulation_server()
     codes: list[int] = []

@@ -30,6 +30,7 @@ from megatron_plugins.errors import UsageError
 from megatron_plugins.flops.count import EncoderFlops, Work
 from megatron_plugins.flops.encoder import projection
 from megatron_plugins.media.mock import example_size, mock_media
+from megatron_plugins.ops.fast_attention import REFERENCE_ATTENTION, local_core_attention
 from megatron_plugins.parallel.layout import ModulePlacement
 
 __all__ = [
@@ -96,17 +97,24 @@ def encoder_config(language: TransformerConfig, grid: ModulePlacement,
     boundary (DDP scales by 1/dp unless ``calculate_per_token_loss`` is set on *each* module).
     """
     numerics = {name: getattr(language, name) for name in NUMERICS}
-    return TransformerConfig(**{**numerics, **shape}, tensor_model_parallel_size=grid.tp,
-                             expert_tensor_parallel_size=grid.tp)
+    config = TransformerConfig(**{**numerics, **shape}, tensor_model_parallel_size=grid.tp,
+                               expert_tensor_parallel_size=grid.tp)
+    # Not a field: --reference-attention's choice, for encoder_layer_spec and the towers' specs.
+    setattr(config, REFERENCE_ATTENTION, getattr(language, REFERENCE_ATTENTION, False))
+    return config
 
 
 def encoder_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Megatron's bidirectional (ViT) transformer layer: TE spec when the config uses TE."""
+    """Megatron's bidirectional (ViT) transformer layer: TE spec when the config uses TE, else
+    the local one with the local path's core attention (:func:`local_core_attention`)."""
     from megatron.core.models.vision import vit_layer_specs
 
     if config.transformer_impl == "transformer_engine":
         return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
-    return vit_layer_specs.get_vit_layer_with_local_spec()
+    spec = vit_layer_specs.get_vit_layer_with_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = local_core_attention(
+        config, packed=False)
+    return spec
 
 
 def encoder_norm(config: TransformerConfig) -> type:

@@ -24,7 +24,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.base import MediaPreprocessor, encoder_norm
-from megatron_plugins.ops.packed_attention import packed_layer_spec, packed_seq_params
+from megatron_plugins.ops.fast_attention import packed_layer_spec
+from megatron_plugins.ops.packed_attention import packed_seq_params
 
 __all__ = [
     "MAX_ASPECT_RATIO", "NativeImagePreprocessor", "NativeViT", "native_vit_spec", "nearest_grid",

@@ -32,7 +32,7 @@ from megatron_plugins.encoders.qwen_preprocessing import (
 )
 from megatron_plugins.flops.count import Work
 from megatron_plugins.flops.encoder import projection
-from megatron_plugins.ops.packed_attention import packed_layer_spec
+from megatron_plugins.ops.fast_attention import packed_layer_spec
 
 __all__ = ["QwenTowerEncoder", "merge_block_positions", "packed_decoder", "rotary_angles",
            "vision_norm"]

@@ -29,7 +29,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.base import EncoderPluginError, MediaPreprocessor
 from megatron_plugins.encoders.hf_vision import HALF, HFVisionEncoder
-from megatron_plugins.ops.packed_attention import packed_layer_spec, packed_seq_params
+from megatron_plugins.ops.fast_attention import packed_layer_spec
+from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.weights.vision_families import SIGLIP2_VISION
 
 __all__ = ["Siglip2ImagePreprocessor", "Siglip2Network", "Siglip2VisionEncoder",

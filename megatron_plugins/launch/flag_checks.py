@@ -56,7 +56,7 @@ def check_packing(args: argparse.Namespace) -> None:
     if args.attention_backend == AttnBackend.local:
         raise FlagError("--pack-sequences needs an attention that reads packed (THD) segments, "
                         "which --attention-backend local's DotProductAttention does not; drop "
-                        "--attention-backend local (with --transformer-impl local the reference "
+                        "--attention-backend local (with --transformer-impl local the local path's "
                         "packed attention is used)")
 
 

@@ -96,6 +96,12 @@ def add_mimo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "each microbatch's encoder inputs until the backward and run the "
                             "encoder forward again there: one more encoder forward per step, one "
                             "microbatch's encoder activations held instead of the whole step's.")
+    group.add_argument("--reference-attention", action="store_true",
+                       help="With --transformer-impl local: attention through the reference "
+                            "implementations (Megatron's local DotProductAttention, the packed "
+                            "and context-parallel references), which keep every s x s score "
+                            "matrix, instead of the default fast attention on torch's "
+                            "scaled_dot_product_attention kernels (same results up to rounding).")
     group.add_argument("--dataset-provider", choices=["mock"], default="mock",
                        help="Upstream examples/mimo flag; the mock data is the only provider.")
     return parser

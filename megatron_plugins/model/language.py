@@ -4,10 +4,13 @@ Dense and MoE GPT come from ``gpt_config_from_args``; ``--hybrid-layer-pattern``
 Megatron's hybrid (Mamba) model through ``hybrid_config_from_args``. Building goes through the
 stock model builder of that config, so the language model is what stock
 ``pretrain_gpt``/``pretrain_hybrid`` would build on the same groups, with the MoE and hybrid
-bridges of ``compat.model_build`` (Gaps 4-4c) applied. On the local implementation the layers'
-core attention is :class:`ContextParallelAttention` under context parallelism (Megatron's local
-``DotProductAttention`` refuses cp > 1), else :class:`PackedAttention` with ``--pack-sequences``
-(it refuses THD inputs); Transformer Engine's attention does both itself. With
+bridges of ``compat.model_build`` (Gaps 4-4c) applied. On the local implementation every
+attention layer's core attention is :class:`~megatron_plugins.ops.fast_attention.FastAttention`
+(torch's SDPA kernels, packed rows and context parallelism too), or with
+``--reference-attention`` the references: :class:`ContextParallelAttention` under context
+parallelism (Megatron's local ``DotProductAttention`` refuses cp > 1), :class:`PackedAttention`
+with ``--pack-sequences`` (stock's refuses THD inputs), else stock's; Transformer Engine's
+attention does all of it itself. With
 ``--mrope-interleaved`` (Qwen3-VL) the multimodal RoPE lays its frequency pairs out interleaved
 (``compat.model_build`` Gap 17); under CP it splits as the model's CP group says
 (``compat.context_parallel`` Gaps 20, 21).
@@ -29,9 +32,8 @@ from megatron.training.models.base import ModelConfig
 from megatron.training.models.gpt import default_layer_spec
 
 from megatron_plugins.compat import context_parallel, gated_delta_net, gdn_spec, model_build
-from megatron_plugins.ops.cp_attention import ContextParallelAttention
-from megatron_plugins.ops.packed_attention import PackedAttention
 from megatron_plugins.errors import UsageError
+from megatron_plugins.ops.fast_attention import REFERENCE_ATTENTION, local_core_attention
 
 __all__ = [
     "LanguageModelError", "MROPE_INTERLEAVED", "PACKED_SEQUENCES", "StockLanguageModel",
@@ -68,9 +70,30 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     dropout = getattr(args, "attention_dropout", 0.0)
     if getattr(args, "transformer_impl", None) == "local" and dropout > 0:
         raise LanguageModelError(
-            f"--attention-dropout {dropout}: the reference context parallel attention of "
+            f"--attention-dropout {dropout}: the context parallel attention of "
             f"--transformer-impl local (language cp={cp}) has no dropout; pass "
             "--attention-dropout 0 or use --transformer-impl transformer_engine")
+
+
+def _with_attention_choice(config: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """Record ``--reference-attention`` on the language ``TransformerConfig`` (encoders copy it),
+    refusing it off the local path and, without it, what the fast attention does not compute."""
+    transformer = config.transformer
+    reference = bool(getattr(args, "reference_attention", False))
+    if reference and transformer.transformer_impl != "local":
+        raise LanguageModelError(
+            f"--reference-attention selects the reference attentions of --transformer-impl "
+            f"local; with --transformer-impl {transformer.transformer_impl} the attention is "
+            "Transformer Engine's: drop --reference-attention or pass --transformer-impl local")
+    if (not reference and transformer.transformer_impl == "local"
+            and (transformer.window_size is not None or transformer.softmax_type != "vanilla")):
+        raise LanguageModelError(
+            f"the fast attention of --transformer-impl local computes vanilla full attention; "
+            f"--window-size {transformer.window_size} / --softmax-type "
+            f"{transformer.softmax_type} need --reference-attention (Megatron's local attention) "
+            "or --transformer-impl transformer_engine")
+    setattr(transformer, REFERENCE_ATTENTION, reference)
+    return config
 
 
 def check_gated_delta_net(args: argparse.Namespace) -> None:
@@ -105,7 +128,7 @@ def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
         # names the TransformerConfig lacks there), and copied with it.
         setattr(config, PACKED_SEQUENCES, bool(getattr(args, "pack_sequences", False)))
         setattr(config, MROPE_INTERLEAVED, bool(getattr(args, "mrope_interleaved", False)))
-        return config
+        return _with_attention_choice(config, args)
     if Symbols.MAMBA in pattern and importlib.util.find_spec("mamba_ssm") is None:
         raise LanguageModelError(
             f"--hybrid-layer-pattern {pattern} has Mamba layers ('{Symbols.MAMBA}'), which need "
@@ -116,7 +139,7 @@ def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
         raise LanguageModelError(
             f"--pack-sequences packs GPT language models only; drop it or drop "
             f"--hybrid-layer-pattern {pattern}")
-    return hybrid_config_from_args(args)
+    return _with_attention_choice(hybrid_config_from_args(args), args)
 
 
 class StockLanguageModel:
@@ -149,39 +172,40 @@ class StockLanguageModel:
 
 
 def _swap_core_attention(spec: Any, core_attention: type) -> None:
-    """Put ``core_attention`` into a layer spec, or each layer of a block spec (MoE)."""
+    """Put ``core_attention`` into a layer spec, each layer of a block spec (MoE, Gated
+    DeltaNet) or the attention layer of a hybrid stack spec."""
+    submodules = getattr(spec, "submodules", spec)
+    if getattr(submodules, "attention_layer", None) is not None:
+        _swap_core_attention(submodules.attention_layer, core_attention)
+        return
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = layer.submodules.self_attention.submodules
         if hasattr(attention, "core_attention"):  # not Gated DeltaNet's
             attention.core_attention = core_attention
 
 
-def _local_core_attention(model_config: ModelConfig) -> type | None:
-    """The reference core attention the local implementation needs, or None for stock's."""
+def _with_local_core_attention(model_config: ModelConfig) -> ModelConfig:
+    """``model_config`` itself on Transformer Engine, else a copy whose layer spec (given, or the
+    stock default; a hybrid model's stack spec) has the local path's core attention
+    (:func:`local_core_attention`) in every attention layer."""
     transformer = model_config.transformer
     if transformer.transformer_impl != "local":
-        return None
-    if transformer.context_parallel_size > 1:
-        return ContextParallelAttention
-    return PackedAttention if getattr(model_config, PACKED_SEQUENCES, False) else None
-
-
-def _with_local_core_attention(model_config: ModelConfig) -> ModelConfig:
-    """``model_config`` itself, or on the local implementation under CP or with packed inputs a
-    copy whose layer spec (given, or the stock default) has :class:`ContextParallelAttention`
-    or :class:`PackedAttention` as core attention."""
-    core_attention = _local_core_attention(model_config)
-    if core_attention is None:
         return model_config
-    spec = model_config.transformer_layer_spec
-    if spec is None:
-        spec = default_layer_spec(model_config, None)
-    elif not isinstance(spec, ModuleSpec) and callable(spec):
-        spec = spec(model_config)
+    core_attention = local_core_attention(
+        transformer, packed=getattr(model_config, PACKED_SEQUENCES, False))
+    if hasattr(model_config, "hybrid_stack_spec"):
+        # Set by compat.model_build.with_local_hybrid_spec (Gap 4c) unless given.
+        field, spec = "hybrid_stack_spec", model_config.hybrid_stack_spec
+    else:
+        field, spec = "transformer_layer_spec", model_config.transformer_layer_spec
+        if spec is None:
+            spec = default_layer_spec(model_config, None)
+        elif not isinstance(spec, ModuleSpec) and callable(spec):
+            spec = spec(model_config)
     spec = copy.deepcopy(spec)
     _swap_core_attention(spec, core_attention)
     swapped = copy.copy(model_config)
-    swapped.transformer_layer_spec = spec
+    setattr(swapped, field, spec)
     return swapped
 
 

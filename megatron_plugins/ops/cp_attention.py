@@ -5,9 +5,12 @@ Engine's attention splits a sequence over CP ranks), so without TE no CP path co
 :class:`ContextParallelAttention` is a drop-in ``core_attention`` with TE's "all_gather"
 semantics: each rank all-gathers keys and values over the CP group, attends from its own query
 positions (stock's load-balanced split, :mod:`megatron_plugins.ops.cp_positions`) with the causal
-mask in global positions, per document for packed (THD) rows, using PackedAttention's numerics.
-Only local tensors are saved; the backward re-gathers, recomputes and all-reduces the key and
-value gradients (gloo has no reduce-scatter), then keeps this rank's slice.
+mask in global positions, per document for packed (THD) rows. Only local tensors are saved; the
+backward re-gathers, recomputes and all-reduces the key and value gradients (gloo has no
+reduce-scatter), then keeps this rank's slice. The product of local queries and gathered keys is
+PackedAttention's materializing one (``fast=False``: the reference) or SDPA's
+(:func:`megatron_plugins.ops.sdpa.positioned`, ``fast=True``: what
+:class:`megatron_plugins.ops.fast_attention.FastAttention` runs under CP).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.ops.cp_positions import local_positions
 from megatron_plugins.ops.packed_attention import attend
+from megatron_plugins.ops.sdpa import positioned
 
 __all__ = ["ContextParallelAttention"]
 
@@ -34,12 +38,14 @@ BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
 
 @dataclass(frozen=True)
 class _Numerics:
-    """What :func:`attend` needs besides the tensors."""
+    """What the block product needs besides the tensors; ``fast``: SDPA's product, else
+    :func:`attend`'s."""
 
     softmax_scale: float
     coeff: int | None
     softmax_in_fp32: bool
     causal: bool
+    fast: bool
 
 
 @dataclass(frozen=True)
@@ -64,31 +70,38 @@ def _gather(tensor: torch.Tensor, group: dist.ProcessGroup, layout: _Layout) -> 
     return ordered
 
 
+def _block(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           positions: torch.Tensor, numerics: _Numerics) -> torch.Tensor:
+    """Queries ``[sq, b, heads, dim]`` at ``positions`` (indices into the keys) against keys /
+    values ``[sk, b, groups, dim]`` -> ``[sq, b, heads, dim]``, causal in those positions."""
+    if numerics.fast:
+        return positioned(query, key, value, positions, scale=numerics.softmax_scale,
+                          causal=numerics.causal)
+    allowed = None
+    if numerics.causal:
+        allowed = torch.arange(key.shape[0], device=positions.device)[None, :] <= positions[:, None]
+    return torch.stack([attend(query[:, b], key[:, b], value[:, b], allowed,
+                               softmax_scale=numerics.softmax_scale, coeff=numerics.coeff,
+                               softmax_in_fp32=numerics.softmax_in_fp32)
+                        for b in range(query.shape[1])], dim=1)
+
+
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: _Layout,
                numerics: _Numerics) -> torch.Tensor:
     """Local queries against the whole sequence's keys / values (global order); returns
     ``[s_l, b, heads, dim]`` or THD ``[t_l, heads, dim]``."""
-    options = dict(softmax_scale=numerics.softmax_scale, coeff=numerics.coeff,
-                   softmax_in_fp32=numerics.softmax_in_fp32)
     q_pos = layout.query_positions
     if layout.documents is None:
-        allowed = None
-        if numerics.causal:
-            allowed = torch.arange(key.shape[0], device=q_pos.device)[None, :] <= q_pos[:, None]
-        return torch.stack([attend(query[:, b], key[:, b], value[:, b], allowed, **options)
-                            for b in range(query.shape[1])], dim=1)
+        return _block(query, key, value, q_pos, numerics)
     context = query.new_zeros(query.shape)
     for start, length in layout.documents:
         # Padding tokens of a document (and between documents) attend to nothing: zero out.
         rows = ((q_pos >= start) & (q_pos < start + length)).nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
-        allowed = None
-        if numerics.causal:
-            keys = torch.arange(start, start + length, device=q_pos.device)
-            allowed = keys[None, :] <= q_pos[rows][:, None]
-        context[rows] = attend(query[rows], key[start:start + length],
-                               value[start:start + length], allowed, **options)
+        span = slice(start, start + length)
+        context[rows] = _block(query[rows, None], key[span, None], value[span, None],
+                               q_pos[rows] - start, numerics)[:, 0]
     return context
 
 
@@ -140,30 +153,33 @@ class ContextParallelAttention(MegatronModule):
     -> ``[t_l, heads * dim]`` with ``packed_seq_params`` (padded boundaries a multiple of
     ``2 x cp``); the local rows are stock's split of the sequence (per document for THD).
     Causal or bidirectional, GQA; no dropout, dense mask, bias, windows or softmax variants.
-    ``cp_comm_type`` is accepted and ignored: this is always TE's "all_gather" scheme.
+    ``cp_comm_type`` is accepted and ignored: this is always TE's "all_gather" scheme. ``fast``
+    (keyword only, not a spec parameter): SDPA's block product instead of the materializing one.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 pg_collection: ProcessGroupCollection | None = None) -> None:
+                 pg_collection: ProcessGroupCollection | None = None, *,
+                 fast: bool = False) -> None:
         super().__init__(config=config)
         if config.softmax_type != "vanilla" or config.window_size is not None:
-            raise ValueError("the reference context parallel attention computes vanilla full "
+            raise ValueError("the local context parallel attention computes vanilla full "
                              f"attention: softmax_type {config.softmax_type!r} and window_size "
                              f"{config.window_size} need --transformer-impl transformer_engine")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout > 0:
-            raise ValueError(f"the reference context parallel attention has no dropout; set "
+            raise ValueError(f"the local context parallel attention has no dropout; set "
                              f"--attention-dropout 0 (got {dropout}) or use "
                              "--transformer-impl transformer_engine")
         if pg_collection is None or getattr(pg_collection, "cp", None) is None:
             raise ValueError("ContextParallelAttention needs pg_collection.cp, the context "
                              "parallel group to gather keys and values over")
         if attn_mask_type not in CAUSAL + BIDIRECTIONAL:
-            raise ValueError(f"the reference context parallel attention supports causal or "
+            raise ValueError(f"the local context parallel attention supports causal or "
                              f"bidirectional attention, not {attn_mask_type.name}")
         self.attn_mask_type = attn_mask_type
+        self.fast = fast
         self.cp_group = pg_collection.cp
         self.tp_group = pg_collection.tp
         self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
@@ -178,15 +194,15 @@ class ContextParallelAttention(MegatronModule):
         """Attention of this rank's tokens over the whole sequence; shapes in the class
         docstring."""
         if attention_mask is not None or attention_bias is not None:
-            raise ValueError("the reference context parallel attention masks by position: it "
+            raise ValueError("the local context parallel attention masks by position: it "
                              "takes no attention mask or bias (MimoModel refuses a dense mask "
                              "under CP too)")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in CAUSAL + BIDIRECTIONAL:
-            raise ValueError(f"the reference context parallel attention supports causal or "
+            raise ValueError(f"the local context parallel attention supports causal or "
                              f"bidirectional attention, not {mask_type.name}")
         numerics = _Numerics(self.softmax_scale, self.coeff,
-                             self.config.attention_softmax_in_fp32, mask_type in CAUSAL)
+                             self.config.attention_softmax_in_fp32, mask_type in CAUSAL, self.fast)
         layout = self._layout(query, packed_seq_params)
         context = _GatheredAttention.apply(query, key, value, self.cp_group, layout, numerics)
         return context.reshape(*context.shape[:-2], -1)
@@ -200,7 +216,7 @@ class ContextParallelAttention(MegatronModule):
             if padded is None:
                 padded = params.cu_seqlens_q
             if not torch.equal(params.cu_seqlens_q.cpu(), params.cu_seqlens_kv.cpu()):
-                raise ValueError("the reference context parallel attention is self-attention: "
+                raise ValueError("the local context parallel attention is self-attention: "
                                  "cu_seqlens_q and cu_seqlens_kv must match")
             starts = padded[:-1].tolist()
             documents = tuple(zip(starts, torch.diff(params.cu_seqlens_q).tolist()))

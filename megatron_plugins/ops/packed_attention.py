@@ -4,8 +4,9 @@ Megatron's local ``DotProductAttention`` rejects ``packed_seq_params`` (only TE'
 ``cu_seqlens``), so a ViT on native-resolution images (one segment per image, all images in one
 ``[T, 1, H]`` row) has no local path. :class:`PackedAttention` is a drop-in ``core_attention``
 that attends within each segment only, on CPU and CUDA, with ``DotProductAttention``'s numerics
-(softmax scale, query-key layer scaling, fp32 softmax); :func:`packed_layer_spec` puts it in
-Megatron's local ViT layer and keeps TE's layer (which handles THD itself) on the TE path.
+(softmax scale, query-key layer scaling, fp32 softmax). It is the reference for the fast
+attention (:mod:`megatron_plugins.ops.fast_attention`) and, with ``--reference-attention``, the
+local packed layers' core attention.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["PackedAttention", "attend", "packed_layer_spec", "packed_seq_params"]
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "PackedAttention", "attend", "packed_seq_params", "segments"]
 
 CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+"""Mask types a query sees its own and earlier positions under (self-attention: sq == sk)."""
 BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
+"""Mask types a query sees every key of its sequence or segment under."""
 
 
 def packed_seq_params(lengths: torch.Tensor) -> PackedSeqParams:
@@ -38,7 +40,7 @@ def packed_seq_params(lengths: torch.Tensor) -> PackedSeqParams:
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
-def _segments(params: PackedSeqParams, kind: str) -> list[tuple[int, int]]:
+def segments(params: PackedSeqParams, kind: str) -> list[tuple[int, int]]:
     """(start, length) of each segment of ``kind`` ("q" or "kv"): starts from the padded
     cumulative lengths when given (padding between segments), lengths from the unpadded ones."""
     cu_seqlens = getattr(params, f"cu_seqlens_{kind}")
@@ -94,8 +96,8 @@ class PackedAttention(MegatronModule):
         causal = mask_type in CAUSAL
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return self._unpacked(query, key, value, causal)
-        queries = _segments(packed_seq_params, "q")
-        keys = _segments(packed_seq_params, "kv")
+        queries = segments(packed_seq_params, "q")
+        keys = segments(packed_seq_params, "kv")
         context = query.new_zeros(query.shape)
         for (q_start, q_len), (k_start, k_len) in zip(queries, keys):
             context[q_start:q_start + q_len] = self._attend(
@@ -153,16 +155,3 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dropout is not None:
         probs = dropout(probs)
     return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)
-
-
-def packed_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """The bidirectional (ViT) transformer layer for packed inputs: TE's layer when the config
-    uses TE (its attention reads THD itself), else Megatron's local layer on
-    :class:`PackedAttention`."""
-    from megatron.core.models.vision import vit_layer_specs
-
-    if config.transformer_impl == "transformer_engine":
-        return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
-    spec = vit_layer_specs.get_vit_layer_with_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = PackedAttention
-    return spec

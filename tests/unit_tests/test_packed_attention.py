@@ -10,11 +10,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_plugins.ops.packed_attention import (
-    PackedAttention,
-    packed_layer_spec,
-    packed_seq_params,
-)
+from megatron_plugins.ops.packed_attention import PackedAttention, packed_seq_params
 
 LENGTHS = [5, 1, 9, 3]
 HEADS, GROUPS, DIM = 4, 2, 8
@@ -150,11 +146,3 @@ def test_unpacked_rows_are_whole_sequences() -> None:
             query[:, row], key[:, row], value[:, row], None,
             packed_seq_params=packed_seq_params(torch.tensor([5])))
         torch.testing.assert_close(ours[:, row], alone, rtol=0, atol=0)
-
-
-def test_layer_spec_uses_packed_attention_only_on_the_local_path() -> None:
-    local = packed_layer_spec(config(transformer_impl="local"))
-    assert local.submodules.self_attention.submodules.core_attention is PackedAttention
-    assert local.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.no_mask
-    te = packed_layer_spec(config(transformer_impl="transformer_engine"))
-    assert te.submodules.self_attention.submodules.core_attention is not PackedAttention

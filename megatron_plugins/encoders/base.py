@@ -30,7 +30,8 @@ from megatron_plugins.errors import UsageError
 from megatron_plugins.flops.count import EncoderFlops, Work
 from megatron_plugins.flops.encoder import projection
 from megatron_plugins.media.mock import example_size, mock_media
-from megatron_plugins.ops.fast_attention import REFERENCE_ATTENTION, local_core_attention
+from megatron_plugins.ops import REFERENCE_ATTENTION
+from megatron_plugins.ops.fast_attention import local_core_attention
 from megatron_plugins.parallel.layout import ModulePlacement
 
 __all__ = [

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -33,7 +34,8 @@ from megatron.training.models.gpt import default_layer_spec
 
 from megatron_plugins.compat import context_parallel, gated_delta_net, gdn_spec, model_build
 from megatron_plugins.errors import UsageError
-from megatron_plugins.ops.fast_attention import REFERENCE_ATTENTION, local_core_attention
+from megatron_plugins.ops import REFERENCE_ATTENTION
+from megatron_plugins.ops.fast_attention import local_core_attention
 
 __all__ = [
     "LanguageModelError", "MROPE_INTERLEAVED", "PACKED_SEQUENCES", "StockLanguageModel",
@@ -171,17 +173,28 @@ class StockLanguageModel:
         return model
 
 
-def _swap_core_attention(spec: Any, core_attention: type) -> None:
-    """Put ``core_attention`` into a layer spec, each layer of a block spec (MoE, Gated
-    DeltaNet) or the attention layer of a hybrid stack spec."""
-    submodules = getattr(spec, "submodules", spec)
+def _with_core_attention(spec: Any, core_attention: type) -> Any:
+    """A copy of a layer spec, of each layer of a block spec (MoE, Gated DeltaNet) or of the
+    attention layer of a hybrid stack spec, with ``core_attention`` in its attention; copied
+    along that path only (a hybrid stack's module class does not deep-copy), the rest shared."""
+    submodules = getattr(spec, "submodules", None)
     if getattr(submodules, "attention_layer", None) is not None:
-        _swap_core_attention(submodules.attention_layer, core_attention)
-        return
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
-        attention = layer.submodules.self_attention.submodules
-        if hasattr(attention, "core_attention"):  # not Gated DeltaNet's
-            attention.core_attention = core_attention
+        stack = copy.copy(submodules)
+        stack.attention_layer = _with_core_attention(submodules.attention_layer, core_attention)
+        return dataclasses.replace(spec, submodules=stack)
+    if getattr(spec, "layer_specs", None):
+        block = copy.copy(spec)
+        block.layer_specs = [_with_core_attention(layer, core_attention)
+                             for layer in spec.layer_specs]
+        return block
+    attention = submodules.self_attention
+    if not hasattr(attention.submodules, "core_attention"):  # Gated DeltaNet's
+        return spec
+    inner = copy.copy(attention.submodules)
+    inner.core_attention = core_attention
+    layer = copy.copy(submodules)
+    layer.self_attention = dataclasses.replace(attention, submodules=inner)
+    return dataclasses.replace(spec, submodules=layer)
 
 
 def _with_local_core_attention(model_config: ModelConfig) -> ModelConfig:
@@ -202,10 +215,8 @@ def _with_local_core_attention(model_config: ModelConfig) -> ModelConfig:
             spec = default_layer_spec(model_config, None)
         elif not isinstance(spec, ModuleSpec) and callable(spec):
             spec = spec(model_config)
-    spec = copy.deepcopy(spec)
-    _swap_core_attention(spec, core_attention)
     swapped = copy.copy(model_config)
-    setattr(swapped, field, spec)
+    setattr(swapped, field, _with_core_attention(spec, core_attention))
     return swapped
 
 

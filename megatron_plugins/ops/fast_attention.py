@@ -31,16 +31,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_plugins.ops import REFERENCE_ATTENTION
 from megatron_plugins.ops.cp_attention import ContextParallelAttention
 from megatron_plugins.ops.packed_attention import BIDIRECTIONAL, CAUSAL, PackedAttention, segments
 from megatron_plugins.ops.sdpa import product
 
-__all__ = ["FastAttention", "REFERENCE_ATTENTION", "local_core_attention", "packed_layer_spec"]
-
-REFERENCE_ATTENTION = "mimo_reference_attention"
-"""Attribute of a ``TransformerConfig`` (not a field: set on the object, copied by
-``encoders.base.encoder_config``) asking local layers for the reference attentions
-(``--reference-attention``)."""
+__all__ = ["FastAttention", "local_core_attention", "packed_layer_spec"]
 
 
 def local_core_attention(config: TransformerConfig, *, packed: bool) -> type:

@@ -123,6 +123,7 @@ def _rank() -> dict[str, object]:
 
     from megatron_plugins.compat import model_build
     from megatron_plugins.ops.cp_attention import ContextParallelAttention
+    from megatron_plugins.ops.fast_attention import FastAttention
     from megatron_plugins.parallel.layout import LANGUAGE, ModulePlacement, ParallelLayout
     from megatron_plugins.parallel.topology import build_topology
 
@@ -150,7 +151,10 @@ def _rank() -> dict[str, object]:
         mine["grad_scale"] = max(float(g.abs().max()) for g in grads.values())
         mine["reference"] = whole
         mine["adapter"] = type(model.partition_adapter).__name__
-        mine["attention"] = isinstance(attention, ContextParallelAttention)
+        # The local path's default: the fast attention over the CP attention's exchange.
+        mine["attention"] = (isinstance(attention, FastAttention)
+                             and isinstance(attention.context_parallel, ContextParallelAttention)
+                             and attention.context_parallel.fast)
         results["cases"].append(mine)
     results["te"] = partition._HAVE_TEX
     results["seconds"] = time.perf_counter() - started

@@ -26,9 +26,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.encoders.base import encoder_config, encoder_layer_spec
 from megatron_plugins.encoders.qwen2_5_vision import window_order
+from megatron_plugins.ops import REFERENCE_ATTENTION
 from megatron_plugins.ops.cp_attention import ContextParallelAttention
 from megatron_plugins.ops.fast_attention import (
-    REFERENCE_ATTENTION,
     FastAttention,
     local_core_attention,
     packed_layer_spec,

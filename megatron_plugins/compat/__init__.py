@@ -205,6 +205,11 @@ GAPS: tuple[Gap, ...] = (
         "checkpointing", "launch.pretrain.train",
         _canary("checkpointing", "test_gap35_canary_stock_save_results_queue_spawns_a_manager_"
                                  "process")),
+    Gap("36", "the GPT builder makes multi-token-prediction layers from stock's layer spec, not "
+              "the given one (their core attention stays stock's)",
+        "model_build", "model.language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap36_canary_stock_mtp_layers_take_stocks_decoder_layer_"
+                               "spec")),
 )
 """Every gap in the order the bridges were added."""
 

@@ -1,4 +1,4 @@
-"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17).
+"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36).
 
 Shared context: on disjoint grids (every heterogeneous run, ``skip_model_parallel_init=True``)
 ``parallel_state`` is never initialized, so stock code that falls back to its globals instead of
@@ -22,7 +22,7 @@ from megatron_plugins.compat import MegatronCompatError, record
 __all__ = [
     "bind_tp_group", "direct_single_rank_expert_output", "distinct_cpu_init_experts",
     "ensure_global_memory_buffer", "exact_fp32_router_buffers", "interleave_mrope",
-    "with_explicit_moe_spec", "with_local_hybrid_spec"
+    "mtp_core_attention", "with_explicit_moe_spec", "with_local_hybrid_spec"
 ]
 
 
@@ -83,6 +83,29 @@ def with_explicit_moe_spec(model_config: Any, pp_rank: int) -> Any:
     )
     record("4")
     return resolved
+
+
+def mtp_core_attention(model: torch.nn.Module, core_attention: type) -> None:
+    """Give the attention of a GPT's multi-token-prediction layers ``core_attention`` (Gap 36).
+
+    Gap 36 (MTP layers ignore the given layer spec): the GPT builder's ``mtp_block_spec``
+    (training/models/gpt.py) makes the MTP layers from stock's own decoder layer specs
+    (``get_gpt_decoder_layer_specs``), not from the model config's ``transformer_layer_spec``,
+    so the core attention put there reaches the decoder's layers only. Each MTP attention that
+    has another core attention gets ``core_attention`` instead, built with the arguments
+    ``Attention.__init__`` builds its own with (MTP is refused under context parallelism).
+    """
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return
+    for module in mtp.modules():
+        if hasattr(module, "core_attention") and not isinstance(module.core_attention,
+                                                                core_attention):
+            module.core_attention = core_attention(
+                config=module.config, layer_number=module.layer_number,
+                attn_mask_type=module.attn_mask_type, attention_type=module.attention_type,
+                softmax_scale=module.config.softmax_scale, pg_collection=module.pg_collection)
+            record("36")
 
 
 def direct_single_rank_expert_output(model: torch.nn.Module) -> None:

@@ -163,6 +163,9 @@ class StockLanguageModel:
         model_config = _with_local_core_attention(model_config)
         with model_build.distinct_cpu_init_experts():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
+        if model_config.transformer.transformer_impl == "local":
+            model_build.mtp_core_attention(model, local_core_attention(
+                model_config.transformer, packed=getattr(model_config, PACKED_SEQUENCES, False)))
         model_build.direct_single_rank_expert_output(model)
         gdn_spec.sum_out_norm_grads_over_tp(model)
         if getattr(model_config, MROPE_INTERLEAVED, False):

@@ -340,3 +340,35 @@ def test_gap17_bridge_refuses_a_model_without_stock_multimodal_rope():
     model.rotary_pos_emb = torch.nn.Identity()
     with pytest.raises(MegatronCompatError, match="found Identity"):
         model_build.interleave_mrope(model)
+
+
+def test_gap36_canary_stock_mtp_layers_take_stocks_decoder_layer_spec():
+    from megatron.training.models import gpt
+
+    source = inspect.getsource(gpt.mtp_block_spec)
+    assert "decoder_specs = get_gpt_decoder_layer_specs(" in source
+    assert "spec = decoder_specs[-1]" in source
+
+
+def test_gap36_bridge_gives_mtp_attention_the_given_core_attention():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_plugins.compat import installed
+    from megatron_plugins.ops.fast_attention import FastAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               use_cpu_initialization=True, softmax_scale=0.3)
+    attention = torch.nn.Module()
+    attention.config, attention.layer_number, attention.pg_collection = config, 2, None
+    attention.attn_mask_type, attention.attention_type = AttnMaskType.causal, "self"
+    attention.core_attention = torch.nn.Identity()
+    decoder = torch.nn.Module()
+    decoder.core_attention = torch.nn.Identity()
+    model = torch.nn.Module()
+    model.decoder, model.mtp = decoder, torch.nn.ModuleList([attention])
+    model_build.mtp_core_attention(model, FastAttention)
+    core = attention.core_attention
+    assert isinstance(core, FastAttention) and core.softmax_scale == 0.3
+    assert core.attn_mask_type == AttnMaskType.causal
+    assert isinstance(decoder.core_attention, torch.nn.Identity)  # the decoder's spec has it
+    assert "35" in installed()

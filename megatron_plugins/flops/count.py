@@ -86,11 +86,13 @@ class FirstLayer(_Counts):
     """A module's first layer (a tower's layer 0 per item, a projection's MLP per instance):
     where the gradient of a LoRA'd module whose input needs none starts; ``before``: the input
     gradients of the products on the way to it past the entry (a stem's second convolution, a
-    Gated DeltaNet mixer before its layer's MLP), which that gradient skips."""
+    Gated DeltaNet mixer before its layer's MLP), which that gradient skips; ``scores`` and
+    ``kernel_recompute``: its attention's, skipped with the scores' backward."""
 
     before: int = 0
     scores: int = 0
     linears: Linears = Linears()
+    kernel_recompute: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,8 @@ class Work(_Counts):
 
     def leading(self) -> Work:
         """This work as its module's first layer too (one layer's work)."""
-        return replace(self, first=FirstLayer(self.first.before, self.scores, self.linears))
+        return replace(self, first=FirstLayer(self.first.before, self.scores, self.linears,
+                                              self.kernel_recompute))
 
     def unadaptable(self) -> Work:
         """This work with no linear LoRA adapts (MoE experts)."""
@@ -199,9 +202,20 @@ class Work(_Counts):
         forward = self.forward + adapted
         backward = (self.entry * int(input_grad) + self.inner + 2 * (self.scores + self.gating)
                     + self.recurrence_backward + 2 * adapted)
+        recompute = self.kernel_recompute
         if not input_grad:
             backward -= self._ahead(adapters)
-        return Flops(forward, backward, self.kernel_recompute + (forward if recomputed else 0))
+            if self._skips_first_scores(adapters):
+                recompute -= self.first.kernel_recompute
+        return Flops(forward, backward, recompute + (forward if recomputed else 0))
+
+    def _skips_first_scores(self, adapters: Adapters) -> bool:
+        """Whether the gradient starts past the first layer's attention scores (its first
+        adapter is ``linear_proj`` or later, as :meth:`_ahead` skips them), so a fused kernel
+        there recomputes nothing."""
+        first = next((name for name in TARGETS if name in adapters.targets
+                      and getattr(self.first.linears, name).rows_in), None)
+        return first is not None and TARGETS.index(first) >= TARGETS.index("linear_proj")
 
     def _ahead(self, adapters: Adapters) -> int:
         """The backward the first layer skips when its input needs no gradient: the products

@@ -33,9 +33,9 @@ def tower(config: Any, segments: Iterable[int], layers: int | None = None,
           first: bool = True) -> Work:
     """``layers`` (default ``config.num_layers``) bidirectional layers of ``config`` (a
     ``TransformerConfig``, read by field name), attention within each segment, on the kernel its
-    ``transformer_impl`` runs; ``first``: they include the encoder's first layer."""
+    layers run (:func:`attention_kernel`); ``first``: they include the encoder's first layer."""
     layers = config.num_layers if layers is None else layers
-    work = Layer.of(config, kernel=attention_kernel(config.transformer_impl)).work(segments)
+    work = Layer.of(config, kernel=attention_kernel(config)).work(segments)
     if not (first and layers):
         return work * layers
     return work * (layers - 1) + work.leading()

@@ -178,7 +178,7 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     has; ``rows``: segment lengths per row (see the module docstring); ``trains``: its weights
     get gradients (not ``--freeze-language-model``); ``input_grad``: a trained encoder or
     projection needs the gradient of its inputs (a frozen model then still runs a backward);
-    ``kernel``: the attention kernel (default: the one ``config.transformer_impl`` runs);
+    ``kernel``: the attention kernel (default: the one ``config``'s layers run);
     ``pattern``: the ``--hybrid-layer-pattern`` of a hybrid model; ``chunks``: layers per model
     chunk, for ``--recompute-method block`` where :func:`chunk_layers` cannot tell;
     ``adapters``: LoRA on it (``trains`` then False).
@@ -195,7 +195,7 @@ def language_flops(config: Any, vocab_size: int, rows: Iterable[Sequence[int]], 
     layers = _layers(config, pattern)
     modules = (set(config.recompute_modules or ["core_attn"])
                if config.recompute_granularity == "selective" else set())
-    shape = {"kernel": attention_kernel(config.transformer_impl) if kernel is None else kernel,
+    shape = {"kernel": attention_kernel(config) if kernel is None else kernel,
              "modules": modules}
     grads = {"trains": trains, "adapters": adapters}
     total, flowing = Flops(), input_grad

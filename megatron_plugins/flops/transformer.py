@@ -7,11 +7,12 @@ their sum. Shapes come from a Megatron ``TransformerConfig`` (or anything with i
 no torch needed) through :meth:`Layer.of`.
 
 Attention counts what the kernel computes (:class:`AttentionKernel`): Megatron's local
-``DotProductAttention`` and our reference attentions (``ops.packed_attention``) multiply the
-whole ``L x L`` score matrix of a segment and mask it afterwards, causal or not, which is also
-what ``FlopCounterMode`` counts on them; Transformer Engine's fused / flash attention skips the
-blocks a causal mask removes (``L (L + 1) / 2`` score pairs) and recomputes the scores in its
-backward.
+``DotProductAttention`` and our reference attentions (``ops.packed_attention``,
+``--reference-attention``) multiply the whole ``L x L`` score matrix of a segment and mask it
+afterwards, causal or not, which is also what ``FlopCounterMode`` counts on them; Transformer
+Engine's fused / flash attention and the local path's default, SDPA's fused kernels
+(``ops.fast_attention``), skip the blocks a causal mask removes (``L (L + 1) / 2`` score pairs)
+and recompute the scores in their backward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_plugins.flops.count import Work, linear
+from megatron_plugins.ops import REFERENCE_ATTENTION
 
 __all__ = ["Attention", "AttentionKernel", "Layer", "MLP", "MoE", "attention_kernel", "linear"]
 
@@ -31,17 +33,22 @@ class AttentionKernel(enum.Enum):
 
     MATMUL = "matmul"
     """Two batched products over the whole ``L x L`` scores of each segment, masked afterwards
-    (local ``DotProductAttention``, ``PackedAttention``): backward 2x forward."""
+    (``--reference-attention``: local ``DotProductAttention``, ``PackedAttention``): backward 2x
+    forward."""
     FLASH = "flash"
-    """A fused kernel (Transformer Engine, flash attention): a causal mask's upper triangle is
-    skipped, ``L (L + 1) / 2`` pairs; backward 2x forward plus the scores recomputed (half the
-    forward), counted as recomputation."""
+    """A fused kernel (Transformer Engine, flash attention, SDPA's fused kernels of the local
+    path's ``FastAttention``): a causal mask's upper triangle is skipped, ``L (L + 1) / 2``
+    pairs; backward 2x forward plus the scores recomputed (half the forward), counted as
+    recomputation."""
 
 
-def attention_kernel(transformer_impl: str) -> AttentionKernel:
-    """The kernel a ``--transformer-impl`` runs: TE's fused attention, else the matmul one."""
-    return AttentionKernel.FLASH if transformer_impl == "transformer_engine" else \
-        AttentionKernel.MATMUL
+def attention_kernel(config: Any) -> AttentionKernel:
+    """The kernel the layers of ``config`` (a ``TransformerConfig``, read by name) run: the
+    matmul one for the local path's references (``--reference-attention``), else a fused one
+    (Transformer Engine's, or SDPA's on the local path)."""
+    if config.transformer_impl == "local" and getattr(config, REFERENCE_ATTENTION, False):
+        return AttentionKernel.MATMUL
+    return AttentionKernel.FLASH
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """``torch.utils.flop_counter.FlopCounterMode`` over a forward and backward, a grouped
-convolution's weight gradient counted as it runs: the counted side of the FLOPs checks
+convolution's weight gradient counted as it runs and SDPA's CPU flash kernel counted as torch
+counts its CUDA kernels: the counted side of the FLOPs checks
 (:mod:`tests.harness.flops_cases`, :mod:`tests.harness.lora_flops_cases`)."""
 
 from __future__ import annotations
@@ -28,14 +29,47 @@ def _convolution_backward(grad_out_shape, x_shape, w_shape, bias, stride, paddin
             + count([False, output_mask[1], False]) // groups)
 
 
+def _score_pairs(query_shape: tuple[int, ...], key_shape: tuple[int, ...],
+                 is_causal: bool) -> int:
+    """Query-key pairs per batch row and head the kernel computes: a causal mask's upper
+    triangle (top-left aligned, as SDPA's) is skipped, ``L (L + 1) / 2`` pairs for ``L x L``."""
+    sq, sk = query_shape[2], key_shape[2]
+    if not is_causal:
+        return sq * sk
+    return sum(min(i + 1, sk) for i in range(sq))
+
+
+def _sdpa_cpu(query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *,
+              out_shape=None, **kwargs) -> int:
+    """SDPA's CPU flash forward, which FlopCounterMode does not count: QK^T and PV over the
+    pairs it computes (torch counts its CUDA kernels' pairs the same, but not causal skipping,
+    which the CPU and CUDA flash kernels do)."""
+    batch, heads, _, dim = query_shape
+    return 2 * batch * heads * _score_pairs(query_shape, key_shape, is_causal) * (
+        dim + value_shape[-1])
+
+
+def _sdpa_cpu_backward(grad_out_shape, query_shape, key_shape, value_shape, out_shape_,
+                       logsumexp_shape, dropout_p=0.0, is_causal=False, *, out_shape=None,
+                       **kwargs) -> int:
+    """Its backward: the scores recomputed, the probabilities' and the value gradient, the
+    query and key gradients (five products, as torch counts its CUDA kernels' backward)."""
+    batch, heads, _, dim = query_shape
+    return 2 * batch * heads * _score_pairs(query_shape, key_shape, is_causal) * (
+        3 * dim + 2 * value_shape[-1])
+
+
 def counted(run: Callable[[], torch.Tensor]) -> int:
     """FlopCounterMode's total over ``run()``'s forward and, when its output needs one, the
     backward of the output's sum (a grouped convolution's weight gradient as it runs:
-    :func:`_convolution_backward`)."""
+    :func:`_convolution_backward`; SDPA's CPU kernel: :func:`_sdpa_cpu`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    grouped = {torch.ops.aten.convolution_backward: _convolution_backward}
-    with FlopCounterMode(display=False, custom_mapping=grouped) as counter:
+    mapping = {torch.ops.aten.convolution_backward: _convolution_backward,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                   _sdpa_cpu_backward}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         output = run()
         if output.requires_grad:
             output.sum().backward()

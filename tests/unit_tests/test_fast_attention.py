@@ -196,6 +196,15 @@ def test_the_local_path_gets_the_fast_attention_unless_the_references_are_asked_
     assert core(packed_layer_spec(te)) not in (FastAttention, PackedAttention)
 
 
+def test_reference_attention_is_a_mimo_flag_left_out_of_stocks_arguments() -> None:
+    from megatron_plugins.launch.preflight import read_command_line
+
+    line = read_command_line(["--reference-attention", "--num-layers", "2"])
+    assert line.flags.reference_attention is True
+    assert line.stock_argv == ("--num-layers", "2")
+    assert read_command_line([]).flags.reference_attention is False
+
+
 def test_what_the_fast_attention_cannot_compute_is_refused_in_one_line() -> None:
     from megatron_plugins.model.language import LanguageModelError, _with_attention_choice
 
@@ -327,3 +336,29 @@ def test_context_parallel_equals_the_reference_cp_attention(tp: int) -> None:
             # Both keep only this rank's query, key and value for the backward.
             assert outcome["fast saved"] == outcome["reference saved"] == outcome["local"], \
                 (layout, mask)
+
+
+def test_the_language_specs_get_it_in_every_attention_layer_without_changing_the_given_spec():
+    """A layer spec, each layer of a block spec, a hybrid stack's attention layer; the spec
+    given is shared, not changed (stock's default specs are module-level objects)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_plugins.compat.model_build import with_local_hybrid_spec
+    from megatron_plugins.model.language import _with_core_attention
+
+    def core(layer):
+        return layer.submodules.self_attention.submodules.core_attention
+
+    layer = get_gpt_layer_local_spec()
+    stock = core(layer)
+    assert core(_with_core_attention(layer, FastAttention)) is FastAttention
+    block = TransformerBlockSubmodules(layer_specs=[layer, layer])
+    assert [core(each) for each in _with_core_attention(block, FastAttention).layer_specs] == \
+        [FastAttention, FastAttention]
+    hybrid = with_local_hybrid_spec(SimpleNamespace(
+        hybrid_stack_spec=None, transformer=config(transformer_impl="local"))).hybrid_stack_spec
+    swapped = _with_core_attention(hybrid, FastAttention)
+    assert core(swapped.submodules.attention_layer) is FastAttention
+    assert swapped.module is hybrid.module
+    assert core(layer) is stock and core(hybrid.submodules.attention_layer) is stock

@@ -185,7 +185,7 @@ def _with_core_attention(spec: Any, core_attention: type) -> Any:
         stack = copy.copy(submodules)
         stack.attention_layer = _with_core_attention(submodules.attention_layer, core_attention)
         return dataclasses.replace(spec, submodules=stack)
-    if getattr(spec, "layer_specs", None):
+    if hasattr(spec, "layer_specs"):  # a block spec, no layers on some pipeline stages
         block = copy.copy(spec)
         block.layer_specs = [_with_core_attention(layer, core_attention)
                              for layer in spec.layer_specs]

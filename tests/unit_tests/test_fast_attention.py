@@ -356,6 +356,8 @@ def test_the_language_specs_get_it_in_every_attention_layer_without_changing_the
     block = TransformerBlockSubmodules(layer_specs=[layer, layer])
     assert [core(each) for each in _with_core_attention(block, FastAttention).layer_specs] == \
         [FastAttention, FastAttention]
+    empty = TransformerBlockSubmodules(layer_specs=[])  # a stage without decoder layers
+    assert _with_core_attention(empty, FastAttention).layer_specs == []
     hybrid = with_local_hybrid_spec(SimpleNamespace(
         hybrid_stack_spec=None, transformer=config(transformer_impl="local"))).hybrid_stack_spec
     swapped = _with_core_attention(hybrid, FastAttention)

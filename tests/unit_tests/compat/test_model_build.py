@@ -371,4 +371,4 @@ def test_gap36_bridge_gives_mtp_attention_the_given_core_attention():
     assert isinstance(core, FastAttention) and core.softmax_scale == 0.3
     assert core.attn_mask_type == AttnMaskType.causal
     assert isinstance(decoder.core_attention, torch.nn.Identity)  # the decoder's spec has it
-    assert "35" in installed()
+    assert "36" in installed()

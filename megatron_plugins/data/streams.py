@@ -95,13 +95,12 @@ class DataSource(Protocol):
 
 def collate_text(samples: list[dict[str, torch.Tensor]],
                  item_tokens: list[dict[str, tuple[int, ...]]]) -> dict[str, Any]:
-    """Language ranks: the samples' fields stacked (their :data:`LENGTH` too), a causal mask, and
-    every encoder's item token counts per sample (``item_tokens``, one dict per sample)."""
+    """Language ranks: the samples' fields stacked (their :data:`LENGTH` too) and every encoder's
+    item token counts per sample (``item_tokens``, one dict per sample). No dense mask: the
+    language layers' causal mask type needs none, and an ``s x s`` one would cost ``s^2`` bytes
+    per row and a host-to-device copy every step (1 GiB at 32k tokens)."""
     batch: dict[str, Any] = {key: torch.stack([sample[key] for sample in samples])
                              for key in samples[0]}
-    length = batch["tokens"].shape[1]
-    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
-    batch["attention_mask"] = causal.expand(len(samples), 1, length, length)
     batch[ITEM_TOKENS] = {name: [counts[name] for counts in item_tokens]
                           for name in item_tokens[0]}
     return batch
@@ -167,21 +166,18 @@ class _PaddingTally:
 class MicrobatchStream(Iterator[dict[str, Any]]):
     """One split's batches on this rank, as stock ``pretrain()`` iterates them; with
     ``packing`` a language microbatch's samples become one row (:func:`.packing.pack_row`);
-    ``balanced`` (language ranks) names each balanced encoder's fan-in replicas; without
-    ``dense_mask`` the collated causal mask is dropped (language cp > 1: MimoModel refuses a
-    dense mask under CP, and the causal mask type needs none)."""
+    ``balanced`` (language ranks) names each balanced encoder's fan-in replicas."""
 
     def __init__(self, source: Iterator[Microbatch], rank_slice: RankSlice,
                  guard: AlignmentGuard | None, writes_state: bool,
                  packing: Packing | None = None, tally: _PaddingTally | None = None,
-                 balanced: Mapping[str, int] | None = None, dense_mask: bool = True) -> None:
+                 balanced: Mapping[str, int] | None = None) -> None:
         self._source = source
         self._slice = rank_slice
         self._guard = guard
         self._balanced = dict(balanced or {})
         self._writes_state = writes_state
         self._packing = packing
-        self._dense_mask = dense_mask
         self._tally = tally
         self._noticed_truncation = False
         self._noticed_cut = False
@@ -189,8 +185,6 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
     def __next__(self) -> dict[str, Any]:
         keys, batch = next(self._source)
         positions = batch.pop(POSITIONS)
-        if not self._dense_mask:
-            batch.pop("attention_mask", None)
         if self._guard is not None:
             self._guard.record(keys, positions, batch[ITEM_TOKENS])
         if self._balanced:
@@ -214,8 +208,7 @@ class MicrobatchStream(Iterator[dict[str, Any]]):
         if self._packing is not None:
             row = pack_row(batch, lengths, keys, self._packing.placeholder_ids,
                            self._packing.multiple)
-            batch = {**{key: value for key, value in batch.items() if key != "attention_mask"},
-                     **row.fields, "packing_kwargs": row.packing_kwargs()}
+            batch = {**batch, **row.fields, "packing_kwargs": row.packing_kwargs()}
             packed = batch[REAL_TOKENS] = sum(row.kept)
             if row.cut and self._writes_state and not self._noticed_cut:
                 self._noticed_cut = True
@@ -320,7 +313,7 @@ def data_provider(source: DataSource, topology: HeteroTopology, guard: GuardSet 
             writes_state=witness, packing=packing,
             tally=_training_tally(args, this) if train and language
             and this.dp_rank == 0 and witness else None,
-            balanced=balanced, dense_mask=not (language and topology.layout.language.cp > 1))
+            balanced=balanced)
 
     def provider(train_valid_test_num_samples: Any, vp_stage: int | None = None) -> tuple:
         args = get_args()

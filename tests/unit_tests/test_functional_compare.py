@@ -9,7 +9,15 @@ import pytest
 import yaml
 
 from tools.functional_tests.comparison import compare, golden_values, resume_failures
-from tools.functional_tests.runner import CASES_ROOT, CaseError, all_cases, flags, load_case
+from tools.functional_tests.runner import (
+    CASES_ROOT,
+    CaseError,
+    all_cases,
+    flags,
+    load_case,
+    main,
+    resolve_case,
+)
 from tools.functional_tests.signature import signature_differences
 
 STEPS = range(1, 21)
@@ -119,6 +127,17 @@ def test_upstream_only_keys_are_accepted_and_others_refused(tmp_path, monkeypatc
     (tmp_path / "bad" / "model_config.yaml").write_text(yaml.safe_dump({**base, "metrics": []}))
     with pytest.raises(CaseError, match="not upstream case keys"):
         load_case("bad")
+
+
+def test_a_case_is_named_whole_or_by_its_last_part_and_an_unknown_one_refused_before_any_run(
+        capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["run", "mimo_hetero/language_tp2", "langauge_tp2"])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no case 'langauge_tp2' under tests/functional_tests/test_cases" in error
+    assert "mimo_hetero/language_tp2," in error  # the cases it could have meant
+    assert resolve_case("language_tp2") == resolve_case("mimo_hetero/language_tp2")
 
 
 def test_cases_are_in_upstreams_format_and_cover_the_required_layouts():

@@ -123,6 +123,19 @@ def flags(model_args: dict[str, Any], paths: dict[str, str], case: str = "case")
     return argv
 
 
+def resolve_case(name: str) -> str:
+    """A case's name under ``test_cases`` from itself or its last part (``language_tp2`` for
+    ``mimo_hetero/language_tp2``), checked before anything runs."""
+    cases = all_cases()
+    matches = [name] if name in cases else [case for case in cases
+                                           if case.rsplit("/", 1)[-1] == name]
+    if len(matches) != 1:
+        raise CaseError(f"no case {name!r} under {CASES_ROOT.relative_to(REPO_ROOT)}"
+                        f"{' (several match: ' + ', '.join(matches) + ')' if matches else ''}; "
+                        f"cases: {', '.join(cases)}")
+    return matches[0]
+
+
 def load_case(name: str) -> Case:
     """Read ``test_cases/<name>/model_config.yaml``."""
     path = CASES_ROOT / name
@@ -302,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="write new goldens and their platform signature")
     run.add_argument("--platform", default=DEFAULT_PLATFORM)
     args = parser.parse_args(argv)
-    names = all_cases() if args.all else args.cases
-    if not names:
+    if not args.all and not args.cases:
         parser.error("name cases or pass --all")
+    try:
+        names = all_cases() if args.all else [resolve_case(name) for name in args.cases]
+    except CaseError as error:
+        parser.error(str(error))
     failed = 0
     for name in names:
         report: list[str] = []

@@ -1,5 +1,6 @@
 """FastAttention (SDPA) equals the reference attentions, forward and the query, key and value
-gradients, fp32 at 1e-5: causal and bidirectional rows, the data's dense causal mask and another
+gradients, fp32 at 1e-5 (bf16: within bf16 tolerance of fp32, no further than the reference in
+bf16): causal and bidirectional rows, the data's dense causal mask and another
 mask, packed documents, packed images of different sizes, Qwen2.5-VL's windows, GQA, Megatron's
 softmax scale with query-key layer scaling, dropout, CP 2 and CP 2 x TP 2; it keeps no score
 matrix for the backward; and it is what the local path's specs get unless
@@ -126,6 +127,28 @@ def test_equals_the_reference_forward_and_gradients(name: str) -> None:
     if packing is not None and packing.cu_seqlens_q_padded is not None:
         # Padding tokens attend to nothing, as in the reference.
         assert want[0][5:8].abs().max() == 0 and got[0][5:8].abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["causal", "packed-documents", "packed-images"])
+def test_bf16_is_as_close_to_fp32_as_the_reference_in_bf16(name: str) -> None:
+    """bf16 inputs, config and compute: both attentions against the fp32 reference, within
+    bf16's usual tolerance, and the fast one no further off than twice the reference's error."""
+    cfg, mask, inputs, kwargs = case_inputs(name)
+    packing = kwargs["packed_seq_params"]
+    exact = forward_backward(PackedAttention(cfg, 1, mask, "self"), inputs,
+                             packed_seq_params=packing)
+    half = [t.to(torch.bfloat16) for t in inputs]
+    cfg16 = config(bf16=True, params_dtype=torch.bfloat16)
+    errors = {}
+    for kind in (PackedAttention, FastAttention):
+        got = forward_backward(kind(cfg16, 1, mask, "self"), half, packed_seq_params=packing)
+        for which, mine, want in zip(("output", "dq", "dk", "dv"), got, exact):
+            assert mine.dtype == torch.bfloat16, which
+            torch.testing.assert_close(mine.float(), want, rtol=1.6e-2, atol=2e-2,
+                                       msg=lambda text: f"{kind.__name__} {which}: {text}")
+        errors[kind] = max(float((mine.float() - want).abs().max())
+                           for mine, want in zip(got, exact))
+    assert errors[FastAttention] <= 2 * errors[PackedAttention] + 1e-3, errors
 
 
 def test_the_datas_dense_causal_mask_and_another_mask_are_honoured() -> None:

@@ -11,7 +11,6 @@ modality's input projection, loaded from the same folder.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -243,16 +242,17 @@ class QwenTowerEncoder(HFVisionEncoder):
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         self._check_language(language.hidden_size)
         hf = self.hf_config
-        config = encoder_config(
+        return encoder_config(
             language, self.grid, num_layers=hf.depth, hidden_size=hf.hidden_size,
             num_attention_heads=hf.num_heads, ffn_hidden_size=hf.intermediate_size,
             activation_func=self.activations[hf.hidden_act], gated_linear_unit=self.gated,
             add_bias_linear=True, add_qkv_bias=True, normalization=self.normalization,
             # Megatron's fused bias-activation is not HF's function (and refuses a tanh GELU
             # where the language model's flags leave the fusion on, as on a GPU).
-            bias_activation_fusion=False)
-        # HF's norm eps; torch's norms do not persist.
-        return dataclasses.replace(config, layernorm_epsilon=1e-6, persist_layer_norm=False)
+            bias_activation_fusion=False,
+            # HF's norm eps; torch's norms do not persist. Given here, not by
+            # dataclasses.replace, which would drop the --reference-attention choice.
+            layernorm_epsilon=1e-6, persist_layer_norm=False)
 
     @abc.abstractmethod
     def encoder_spec(self, config: TransformerConfig,

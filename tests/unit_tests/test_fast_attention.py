@@ -219,6 +219,31 @@ def test_the_local_path_gets_the_fast_attention_unless_the_references_are_asked_
     assert core(packed_layer_spec(te)) not in (FastAttention, PackedAttention)
 
 
+def test_the_hf_towers_configs_carry_the_choice_too(tmp_path) -> None:
+    """The HF towers set their own norm eps and fusions on top of ``encoder_config``: the choice,
+    an attribute and not a field, survives that (``dataclasses.replace`` would drop it, and the
+    tower would run the fast attention under ``--reference-attention``)."""
+    from tests.models.hf_vision import language_config, plugin, save_tiny
+    from tests.models.hf_whisper import plugin as whisper_plugin
+    from tests.models.hf_whisper import save_tiny as save_whisper
+    from tests.harness.multiprocess import REPO_ROOT
+
+    qwen = plugin("qwen2_5_vl",  # Qwen2.5-VL-7B's config.json alone: no weights needed
+                  REPO_ROOT / "examples/mimo/recipes/qwen2_5_vl/qwen2_5_vl_7b_config")
+    towers = {"qwen2_5_vl": qwen, "clip": plugin("clip", save_tiny("clip", tmp_path / "clip")),
+              "whisper": whisper_plugin(save_whisper(tmp_path / "whisper"))}
+    for reference in (True, False):
+        language = language_config()
+        language.hidden_size = qwen.hf_config.out_hidden_size  # what the merger checks
+        setattr(language, REFERENCE_ATTENTION, reference)
+        for name, tower in towers.items():
+            assert getattr(tower.transformer_config(language), REFERENCE_ATTENTION) is reference, \
+                name
+        core = packed_layer_spec(qwen.transformer_config(language)).submodules.self_attention \
+            .submodules.core_attention
+        assert core is (PackedAttention if reference else FastAttention)
+
+
 def test_reference_attention_is_a_mimo_flag_left_out_of_stocks_arguments() -> None:
     from megatron_plugins.launch.preflight import read_command_line
 

@@ -202,7 +202,7 @@ def defaults(run: Settling) -> list[Adjustment]:
     if (run.checked.layout.language.cp > 1 and impl == "local" and args.attention_dropout > 0
             and given("attention_dropout") is None):
         chosen.append(Adjustment("attention_dropout", 0.0, "--attention-dropout 0",
-                                 "the reference context-parallel attention has no dropout",
+                                 "the local path's context-parallel attention has no dropout",
                                  tell=True))
     told = [adjustment.flag for adjustment in chosen if adjustment.tell]
     run.notice(DEFAULTS_NOTICE + ", ".join(told) if told else None)

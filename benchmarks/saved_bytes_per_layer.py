@@ -8,8 +8,9 @@ by its forward hook), each storage once (deduplicated by ``untyped_storage().dat
 as the storage's ``nbytes``: a view saved twice, or a tensor two ops save, counts once), the
 model's parameters excluded (weights are not activations). That is the layer's input as its first
 norm keeps it, the norms' outputs and statistics, Q / K / V, what the attention kernel keeps, the
-MLP's intermediates, the rotary tables the layer builds and any mask it keeps (the data's causal
-mask: ``s^2`` bytes, one storage every layer of a model shares). Not counted: what is saved
+MLP's intermediates, the rotary tables the layer builds and any mask it keeps (the reference's
+causal mask, Megatron's cached ``get_default_causal_mask``: ``s^2`` bytes, one storage every layer
+of a model shares). Not counted: what is saved
 outside the layer (embedding, loss, patch embedding), gradients, and transient buffers the forward
 frees (the reference's score buffer before the softmax, for one). Only forwards run: autograd
 saves there.
@@ -21,8 +22,8 @@ own forward:
 - ``language``: the launch's language model (``language_config_from_args`` on stock flags, then
   ``StockLanguageModel``, which gives the local spec its core attention) with one decoder layer:
   hidden 256, 8 query heads in 2 groups (GQA), head dim 32, SwiGLU MLP 704, RMSNorm, RoPE, no
-  biases; a causal row of ``s`` tokens with the data's dense causal mask
-  (``data.streams.collate_text``).
+  biases; a causal row of ``s`` tokens as the data gives it (``data.streams.collate_text``: no
+  dense mask, the causal mask type).
 - ``language, dropout 0.1``: the same with stock's default attention and hidden dropout (0.1).
 - ``vit``: the built-in ``vit`` encoder (``ViTEncoder``: Megatron's ``CLIPViTModel`` on
   ``encoder_layer_spec``): hidden 256, 8 heads, GELU MLP 1024, LayerNorm, biases; one square image
@@ -184,10 +185,10 @@ def _language(reference: bool, lengths: list[int], listing: list | None = None,
     for tokens in lengths:
         ids = torch.randint(0, args.vocab_size, (tokens,),
                             generator=torch.Generator().manual_seed(tokens))
-        batch = collate_text([{"tokens": ids}], [{}])  # what the data gives: a dense causal mask
+        batch = collate_text([{"tokens": ids}], [{}])  # what the data gives: no dense mask
         positions = torch.arange(tokens)[None]
         points[tokens] = saved_bytes(model, layer, lambda: model(
-            batch["tokens"], positions, attention_mask=batch["attention_mask"],
+            batch["tokens"], positions, attention_mask=batch.get("attention_mask"),
             labels=batch["tokens"]), listing)
     return points, config
 

@@ -27,22 +27,25 @@ def product(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scal
     ``causal``: query ``i`` sees keys ``j <= i + sk - sq`` (its own position and before when the
     queries are the last ``sq`` positions of the keys); ``masked``: Megatron's boolean mask
     broadcastable to ``[n, heads, sq, sk]``, True where a key is masked out (it then decides, as
-    in ``DotProductAttention``). Keys and values are repeated to the query heads as the reference
-    does, so every SDPA kernel takes them (not all take ``enable_gqa``).
+    in ``DotProductAttention``). Without a mask the kernel reads the key and value groups itself
+    (``enable_gqa``: the flash kernels on CPU and CUDA, cuDNN's and the memory-efficient one on
+    CUDA), so no copy repeated to every query head is made or kept; with one they are repeated as
+    the reference does, for the kernels that take a mask but not groups.
     """
-    repeats = query.shape[2] // key.shape[2]
-    if repeats > 1:
-        key = key.repeat_interleave(repeats, dim=2)
-        value = value.repeat_interleave(repeats, dim=2)
     sq, sk = query.shape[1], key.shape[1]
     keep = None if masked is None else ~masked
     if causal and masked is None and sq != sk:
         # SDPA's is_causal aligns top-left; these queries end where the keys end.
         positions = torch.arange(sq, device=query.device) + (sk - sq)
         keep = torch.arange(sk, device=query.device)[None, :] <= positions[:, None]
+    repeats = query.shape[2] // key.shape[2]
+    if repeats > 1 and keep is not None:
+        key = key.repeat_interleave(repeats, dim=2)
+        value = value.repeat_interleave(repeats, dim=2)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=keep,
-        dropout_p=dropout_p, is_causal=causal and keep is None, scale=scale)
+        dropout_p=dropout_p, is_causal=causal and keep is None, scale=scale,
+        enable_gqa=repeats > 1 and keep is None)
     return out.transpose(1, 2)
 
 

@@ -191,6 +191,13 @@ def test_keeps_no_score_matrix_for_the_backward(packed: bool) -> None:
         >= HEADS * seq * seq
     assert largest_saved(FastAttention(config(), 1, AttnMaskType.causal, "self")) \
         <= HEADS * seq * DIM
+    # GQA: the kernel reads the key and value groups, no copy repeated to the query heads is
+    # kept: query, output (heads), key, value (groups), log-sum-exp per head and row (packed:
+    # and the segments' token indices).
+    kept = []
+    forward_backward(FastAttention(config(), 1, AttnMaskType.causal, "self"), inputs, kept,
+                     packed_seq_params=params)
+    assert sum(kept) <= (2 * HEADS + 2 * GROUPS) * seq * DIM + (HEADS + 4) * seq, kept
 
 
 def test_the_local_path_gets_the_fast_attention_unless_the_references_are_asked_for() -> None:

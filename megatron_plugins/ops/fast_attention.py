@@ -127,7 +127,7 @@ class FastAttention(MegatronModule):
             else attention_mask
         causal = causal if attention_mask is None else masked is None
         context = self._product(query.transpose(0, 1), key.transpose(0, 1),
-                                value.transpose(0, 1), causal, masked)
+                                _alone(value, query, key).transpose(0, 1), causal, masked)
         return context.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
@@ -170,6 +170,17 @@ class FastAttention(MegatronModule):
             return product(query, key, value, **options)
         with tensor_parallel.get_cuda_rng_tracker().fork():
             return product(query, key, value, **options)
+
+
+def _alone(value: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``value`` copied out of the fused QKV output when the query and key no longer view it
+    (the rotary embedding made them new tensors): SDPA keeping the slice would keep the whole
+    QKV output alive for the backward, the copy only the value's bytes."""
+    storage = value.untyped_storage().data_ptr()
+    if value.is_contiguous() or storage in (query.untyped_storage().data_ptr(),
+                                            key.untyped_storage().data_ptr()):
+        return value
+    return value.contiguous()
 
 
 def _rows(starts: list[int], length: int, device: torch.device) -> torch.Tensor:

@@ -58,8 +58,8 @@ def test_language_cp_on_the_simulation_defaults_attention_dropout_to_zero(monkey
     assert "--attention-dropout 0" in capsys.readouterr().err.split("defaults set")[1]
     at_cp1 = parse_mimo_args([*stock_dropout, *LAYOUT]).args
     assert at_cp1.attention_dropout == 0.1
-    with pytest.raises(UsageError, match=r"^--attention-dropout 0.1: the reference context "
-                                         r"parallel attention .* pass --attention-dropout 0"):
+    with pytest.raises(UsageError, match=r"^--attention-dropout 0.1: the context parallel "
+                                         r"attention of .* pass --attention-dropout 0"):
         parse_mimo_args([*stock_dropout, *cp2, "--attention-dropout", "0.1"])
 
 

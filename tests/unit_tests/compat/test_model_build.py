@@ -1,5 +1,5 @@
-"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14): canaries that the stock wheel still has
-each gap, and the bridges' tests."""
+"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36, 37): canaries that the
+stock wheel still has each gap, and the bridges' tests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import inspect
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -16,7 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.compat import model_build
-from tests.harness.multiprocess import run_python
+from tests.harness.multiprocess import run_in_processes, run_python
 
 
 STOCK_LOCAL_ATTENTION = """
@@ -372,3 +373,105 @@ def test_gap36_bridge_gives_mtp_attention_the_given_core_attention():
     assert core.attn_mask_type == AttnMaskType.causal
     assert isinstance(decoder.core_attention, torch.nn.Identity)  # the decoder's spec has it
     assert "36" in installed()
+
+
+def _sequence_parallel_config(**fields) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                             tensor_model_parallel_size=2, sequence_parallel=True, **fields)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_gap37_canary_stock_local_norm_refuses_sequence_parallelism(normalization):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    with pytest.raises(AssertionError, match="sequence parallel not supported by torch"):
+        WrappedTorchNorm(config=_sequence_parallel_config(normalization=normalization),
+                         hidden_size=8)
+
+
+@pytest.mark.parametrize("normalization, norm_class", [("LayerNorm", torch.nn.LayerNorm),
+                                                       ("RMSNorm", torch.nn.RMSNorm)])
+def test_gap37_bridge_builds_stocks_torch_norm_with_its_parameters_marked(normalization,
+                                                                         norm_class):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_plugins.compat import installed
+
+    stock = WrappedTorchNorm.__dict__["__new__"]
+    with model_build.sequence_parallel_local_norms():
+        norm = WrappedTorchNorm(config=_sequence_parallel_config(normalization=normalization),
+                                hidden_size=8, eps=1e-6)
+        plain = WrappedTorchNorm(config=TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, normalization=normalization),
+            hidden_size=8)
+        with pytest.raises(AssertionError, match="zero_centered_gamma not supported"):
+            WrappedTorchNorm(config=_sequence_parallel_config(
+                normalization=normalization, layernorm_zero_centered_gamma=True), hidden_size=8)
+    assert WrappedTorchNorm.__dict__["__new__"] is stock
+    assert type(norm) is norm_class and norm.eps == 1e-6
+    assert [name for name, _ in norm.named_parameters()] == (
+        ["weight", "bias"] if normalization == "LayerNorm" else ["weight"])
+    assert all(parameter.sequence_parallel is True for parameter in norm.parameters())
+    assert type(plain) is norm_class
+    assert not any(hasattr(parameter, "sequence_parallel") for parameter in plain.parameters())
+    assert "37" in installed()
+
+
+def _sequence_parallel_norm_rank(normalization: str) -> dict:
+    """Rank ``r`` of TP 2: the bridged local norm on rows ``r`` of a sequence split in two, its
+    gradients before and after stock's TP reduction; and the whole sequence on one rank."""
+    import importlib
+
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    x, upstream = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    values = {"weight": 1 + 0.1 * torch.randn(8), "bias": 0.1 * torch.randn(8)}
+    sequence_parallel = _sequence_parallel_config(normalization=normalization)
+
+    def norm(config):
+        with model_build.sequence_parallel_local_norms():
+            built = WrappedTorchNorm(config=config, hidden_size=8)
+        with torch.no_grad():
+            for name, parameter in built.named_parameters():
+                parameter.copy_(values[name])
+        return built
+
+    whole = norm(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                   normalization=normalization))
+    (whole(x) * upstream).sum().backward()
+    chunk = torch.nn.Module()
+    chunk.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+    chunk.norm = norm(sequence_parallel)
+    rows = slice(3 * rank, 3 * rank + 3)
+    (chunk.norm(x[rows]) * upstream[rows]).sum().backward()
+    partial = {name: p.grad.numpy().copy() for name, p in chunk.norm.named_parameters()}
+    finalize._allreduce_non_tensor_model_parallel_grads([chunk], sequence_parallel,
+                                                         torch.distributed.group.WORLD)
+    # numpy, not tensors: torch's shared-memory pickling does not outlive the worker.
+    return {"whole": {name: p.grad.numpy().copy() for name, p in whole.named_parameters()},
+            "partial": partial,
+            "reduced": {name: p.grad.numpy().copy() for name, p in chunk.norm.named_parameters()}}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_gap37_bridged_norms_gradients_are_summed_over_tp_by_stocks_finalize(normalization):
+    """Each TP rank's norm gradient covers its half of the sequence; stock's finalize reduction,
+    reading the bridge's mark, sums them into the whole sequence's gradient on both ranks."""
+    ranks = run_in_processes(_sequence_parallel_norm_rank, 2, args=(normalization,),
+                             timeout=120, simulated=True)
+    whole = ranks[0]["whole"]
+    for rank in ranks:
+        assert rank["reduced"].keys() == whole.keys()
+        for name, gradient in whole.items():
+            np.testing.assert_allclose(rank["reduced"][name], gradient, rtol=1e-6, atol=1e-6)
+            assert not np.allclose(rank["partial"][name], gradient)
+    for name, gradient in whole.items():
+        np.testing.assert_allclose(ranks[0]["partial"][name] + ranks[1]["partial"][name],
+                                   gradient, rtol=1e-6, atol=1e-6)

@@ -171,6 +171,8 @@ class StockLanguageModel:
             model_build.mtp_core_attention(model, local_core_attention(
                 model_config.transformer, packed=getattr(model_config, PACKED_SEQUENCES, False)))
         model_build.direct_single_rank_expert_output(model)
+        model_build.expert_biases_stay_per_expert(model)
+        model_build.unscattered_hybrid_embedding(model)
         gdn_spec.sum_out_norm_grads_over_tp(model)
         if getattr(model_config, MROPE_INTERLEAVED, False):
             model_build.interleave_mrope(model)

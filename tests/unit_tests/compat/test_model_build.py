@@ -1,4 +1,4 @@
-"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36, 37): canaries that the
+"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36, 37, 38, 40): canaries that the
 stock wheel still has each gap, and the bridges' tests."""
 
 from __future__ import annotations
@@ -475,3 +475,89 @@ def test_gap37_bridged_norms_gradients_are_summed_over_tp_by_stocks_finalize(nor
     for name, gradient in whole.items():
         np.testing.assert_allclose(ranks[0]["partial"][name] + ranks[1]["partial"][name],
                                    gradient, rtol=1e-6, atol=1e-6)
+
+
+def _expert_and_router(group) -> torch.nn.Module:
+    """A chunk holding an expert ``RowParallelLinear`` with its bias and a router-like weight,
+    built for sequence parallelism, every gradient set, ready for stock's TP reduction."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    config = _sequence_parallel_config(num_moe_experts=4, add_bias_linear=True,
+                                       expert_tensor_parallel_size=1, use_cpu_initialization=True,
+                                       gradient_accumulation_fusion=False)
+    chunk = torch.nn.Module()
+    chunk.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+    chunk.expert = RowParallelLinear(
+        6, 5, config=config, init_method=torch.nn.init.zeros_, bias=True,
+        input_is_parallel=True, skip_bias_add=True, is_expert=True, tp_group=group)
+    chunk.router = torch.nn.Parameter(torch.zeros(7))
+    chunk.router.sequence_parallel = True  # as stock's Router marks its weight
+    for parameter in chunk.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    return chunk
+
+
+def _reduced_sizes(monkeypatch, chunk) -> list[int]:
+    """The sizes of the gradients stock's finalize sums over a TP group of 2."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda tensor, **kwargs: reduced.append(tensor.numel()))
+    finalize._allreduce_non_tensor_model_parallel_grads(
+        [chunk], _sequence_parallel_config(), SimpleNamespace(size=lambda: 2))
+    return reduced
+
+
+def test_gap38_canary_stock_sums_expert_bias_grads_over_tensor_parallel_ranks(monkeypatch,
+                                                                            one_rank_world):
+    """Gap 38: an expert's bias is marked sequence-parallel like a dense layer's, so the TP
+    reduction of norm gradients takes it too (7 router values + 5 expert bias values)."""
+    chunk = _expert_and_router(torch.distributed.group.WORLD)
+    bias = chunk.expert.bias
+    assert bias.sequence_parallel is True and bias.allreduce is False
+    assert _reduced_sizes(monkeypatch, chunk) == [12]
+
+
+def test_gap38_bridge_unmarks_expert_parameters_only(monkeypatch, one_rank_world):
+    from megatron_plugins.compat import installed
+
+    chunk = _expert_and_router(torch.distributed.group.WORLD)
+    model_build.expert_biases_stay_per_expert(chunk)
+    assert chunk.expert.bias.sequence_parallel is False and chunk.router.sequence_parallel
+    assert _reduced_sizes(monkeypatch, chunk) == [7]  # the router's alone
+    assert "38" in installed()
+
+
+def test_gap40_canary_hybrid_builder_scatters_the_embedding_under_sequence_parallelism():
+    """Gap 40: the GPT builder passes ``scatter_embedding_sequence_parallel`` from its config; the
+    hybrid one has no such field and passes nothing, so HybridModel's default (True) stands."""
+    import dataclasses as dc
+
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.training.models import gpt, hybrid
+
+    assert "scatter_embedding_sequence_parallel" in inspect.getsource(gpt.GPTModelBuilder)
+    assert "scatter_embedding_sequence_parallel" not in inspect.getsource(
+        hybrid.HybridModelBuilder)
+    assert "scatter_embedding_sequence_parallel" not in {
+        field.name for field in dc.fields(hybrid.HybridModelConfig)}
+    default = inspect.signature(HybridModel).parameters["scatter_embedding_sequence_parallel"]
+    assert default.default is True
+
+
+def test_gap40_bridge_leaves_the_sequence_to_mimo_under_sequence_parallelism_only():
+    from megatron_plugins.compat import installed
+
+    def model(sequence_parallel):
+        return SimpleNamespace(config=SimpleNamespace(sequence_parallel=sequence_parallel),
+                               embedding=SimpleNamespace(scatter_to_sequence_parallel=True))
+
+    split, whole, later_stage = model(True), model(False), model(True)
+    later_stage.embedding = None  # a later pipeline stage has no embedding
+    for each in (split, whole, later_stage):
+        model_build.unscattered_hybrid_embedding(each)
+    assert split.embedding.scatter_to_sequence_parallel is False
+    assert whole.embedding.scatter_to_sequence_parallel is True
+    assert "40" in installed()

@@ -210,6 +210,26 @@ GAPS: tuple[Gap, ...] = (
         "model_build", "model.language.StockLanguageModel.__new__",
         _canary("model_build", "test_gap36_canary_stock_mtp_layers_take_stocks_decoder_layer_"
                                "spec")),
+    Gap("37", "the local spec's norm refuses sequence parallelism, though a torch norm needs only "
+              "its weight's gradient summed over TP, as stock sums TE's",
+        "model_build", "model.language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap37_canary_stock_local_norm_refuses_sequence_"
+                               "parallelism")),
+    Gap("38", "expert biases are marked sequence-parallel, so the TP all-reduce of norm "
+              "gradients sums each expert's bias gradient with another expert's",
+        "model_build", "model.language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap38_canary_stock_sums_expert_bias_grads_over_tensor_"
+                               "parallel_ranks")),
+    Gap("39", "the MiMo optimizer's groups lack the expert TP group, so the gradient norm drops "
+              "the expert biases of expert ranks off TP rank 0",
+        "optimizer", "model.builder.MimoModelBuilder.build_distributed_models",
+        _canary("optimizer", "test_gap39_canary_mimo_optimizer_groups_have_no_expert_tensor_"
+                             "parallel_group")),
+    Gap("40", "the hybrid model builder cannot turn off the embedding's sequence-parallel "
+              "scatter, which MiMo refuses",
+        "model_build", "model.language.StockLanguageModel.__new__",
+        _canary("model_build", "test_gap40_canary_hybrid_builder_scatters_the_embedding_under_"
+                               "sequence_parallelism")),
 )
 """Every gap in the order the bridges were added."""
 

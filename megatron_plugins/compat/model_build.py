@@ -1,4 +1,5 @@
-"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36).
+"""Bridges applied while our code builds and wraps a module (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36,
+37, 38, 40).
 
 Shared context: on disjoint grids (every heterogeneous run, ``skip_model_parallel_init=True``)
 ``parallel_state`` is never initialized, so stock code that falls back to its globals instead of
@@ -21,8 +22,10 @@ from megatron_plugins.compat import MegatronCompatError, record
 
 __all__ = [
     "bind_tp_group", "direct_single_rank_expert_output", "distinct_cpu_init_experts",
-    "ensure_global_memory_buffer", "exact_fp32_router_buffers", "interleave_mrope",
-    "mtp_core_attention", "with_explicit_moe_spec", "with_local_hybrid_spec"
+    "ensure_global_memory_buffer", "exact_fp32_router_buffers", "expert_biases_stay_per_expert",
+    "interleave_mrope",
+    "mtp_core_attention", "sequence_parallel_local_norms", "unscattered_hybrid_embedding", "with_explicit_moe_spec",
+    "with_local_hybrid_spec"
 ]
 
 
@@ -209,6 +212,89 @@ def distinct_cpu_init_experts() -> Iterator[None]:
         yield
     finally:
         experts.SequentialMLP.__init__ = stock_init
+
+
+@contextlib.contextmanager
+def sequence_parallel_local_norms() -> Iterator[None]:
+    """While open, stock's local norm builds under sequence parallelism as TE's norm does (Gap 37).
+
+    Gap 37 (sequence parallelism without Transformer Engine): the local spec's norm,
+    ``WrappedTorchNorm`` (transformer/torch_norm.py:49), asserts ``not config.sequence_parallel``,
+    so no local-spec model (the layers' norms, a block's final norm, hybrid and MTP norms) builds
+    under ``--sequence-parallel``. A LayerNorm or RMSNorm normalises each token on its own, so it
+    computes the same on a rank's share of the sequence; only its weight's (and bias's) gradient
+    is then a partial sum over this rank's tokens. TE's ``TENorm`` and Apex's ``FusedLayerNorm``
+    mark those parameters ``sequence_parallel`` and stock ``finalize_model_grads``
+    (distributed/finalize_model_grads.py:452, ``_allreduce_non_tensor_model_parallel_grads``)
+    sums such gradients over the tensor-parallel group. While this is open, a
+    ``WrappedTorchNorm`` built for a sequence-parallel config is stock's torch norm (built on a
+    copy of the config without sequence parallelism, so stock's other checks still hold) whose
+    parameters carry ``sequence_parallel = True``, the mark stock's reduction reads.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    stock_new = WrappedTorchNorm.__dict__["__new__"]
+    build = stock_new.__func__ if isinstance(stock_new, staticmethod) else stock_new
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, eps, *args, **kwargs)
+        whole = copy.copy(config)
+        whole.sequence_parallel = False
+        norm = build(cls, whole, hidden_size, eps, *args, **kwargs)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = True
+        record("37")
+        return norm
+
+    WrappedTorchNorm.__new__ = __new__
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = stock_new
+
+
+def expert_biases_stay_per_expert(model: torch.nn.Module) -> None:
+    """Take the ``sequence_parallel`` mark off expert parameters, whose gradients the TP
+    all-reduce must not sum (Gap 38).
+
+    Gap 38 (expert biases under sequence parallelism): an expert's ``RowParallelLinear`` marks
+    its bias ``sequence_parallel`` from the config like a dense layer's
+    (tensor_parallel/layers.py:1413), though experts take the explicit expert communication path
+    (no sequence-parallel reduce-scatter in the layer; the token dispatcher gathers every token
+    routed to an expert over the TP x EP group first). Stock ``finalize_model_grads`` then sums
+    every marked gradient over the dense TP group (distributed/finalize_model_grads.py:452),
+    so each expert's already complete bias gradient is added to the bias gradient of whichever
+    expert the other TP ranks hold (with ``ep`` over the TP ranks: another expert) or doubled.
+    Expert parameters (``allreduce = False``, which DDP reduces over the expert data-parallel
+    group) lose the mark; a router, dense and replicated over TP, keeps it.
+    """
+    for parameter in model.parameters():
+        if (not getattr(parameter, "allreduce", True)
+                and getattr(parameter, "sequence_parallel", False)):
+            parameter.sequence_parallel = False
+            record("38")
+
+
+def unscattered_hybrid_embedding(model: torch.nn.Module) -> None:
+    """Have a sequence-parallel hybrid model's embedding leave the sequence whole, as MiMo
+    needs (Gap 40).
+
+    Gap 40 (hybrid language models under sequence parallelism in MiMo): ``MimoModel`` scatters
+    the combined text and encoder embeddings over the TP ranks itself and refuses a language
+    embedding that would scatter the text first (core/models/mimo/model/base.py:379-390: "pass
+    scatter_embedding_sequence_parallel=False"). The GPT builder takes that argument from its
+    config; ``HybridModelBuilder.build_model`` (training/models/hybrid.py:174-192) passes none
+    and ``HybridModelConfig`` has no such field, so every hybrid model under
+    ``--sequence-parallel`` fails its first forward. The flag is read only in forward
+    (models/common/embeddings/language_model_embedding.py:139-141), so this sets it on the built
+    embedding, which is what building with the argument does.
+    """
+    embedding = getattr(model, "embedding", None)
+    if (embedding is not None and model.config.sequence_parallel
+            and getattr(embedding, "scatter_to_sequence_parallel", False)):
+        embedding.scatter_to_sequence_parallel = False
+        record("40")
 
 
 def _local_norm(config: Any) -> type:

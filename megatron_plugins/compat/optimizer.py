@@ -1,4 +1,5 @@
-"""The MiMo optimizer's parameter groups (Gap 29).
+"""The MiMo optimizer's parameter groups (Gap 29) and the expert groups of its gradient norm
+(Gap 39).
 
 Stock ``get_megatron_optimizer`` hands a ``MimoModel`` to ``get_mimo_optimizer``, which builds one
 optimizer per module by calling ``get_megatron_optimizer`` again without ``config_overrides``: the
@@ -15,12 +16,13 @@ from typing import Any
 
 from megatron_plugins.compat import record
 
-__all__ = ["RESTORED", "module_overrides"]
+__all__ = ["RESTORED", "expert_tp_in_grad_norms", "module_overrides"]
 
 RESTORED = ("max_lr", "min_lr", "start_wd", "end_wd")
 """Scheduler values a resumed optimizer takes from the run, not from the checkpoint's groups."""
 
 _stock_get_megatron_optimizer: Any = None
+_stock_pg_collection_for_optimizer: Any = None
 _overrides: dict[int, tuple[Any, Mapping[Any, Mapping[str, Any]]]] = {}
 """id(module chunk) -> (the chunk, its overrides), for the modules of this process's model."""
 
@@ -72,3 +74,40 @@ def module_overrides(overrides: Mapping[Any, Mapping[Any, Mapping[str, Any]]]) -
     _overrides.update({id(chunk): (chunk, values) for chunk, values in overrides.items()})
     optimizer_module.get_megatron_optimizer = _with_overrides
     record("29")
+
+
+def expert_tp_in_grad_norms() -> None:
+    """Give each module optimizer ``get_mimo_optimizer`` builds its grid's expert
+    tensor-parallel group (Gap 39).
+
+    Gap 39 (expert parameters in the MiMo gradient norm): ``get_mimo_optimizer`` builds each
+    module's optimizer on a group collection that leaves ``expt_tp`` unset
+    (core/models/mimo/optimizer.py:345-362; the collection reads an unset group as None), so the
+    optimizer's ``expert_tp_group`` is None (core/optimizer/__init__.py:690) and the gradient
+    norm filters expert parameters over the dense TP group: one that is not tensor-parallel
+    counts only on TP rank 0 (``param_is_not_tensor_parallel_duplicate``,
+    core/tensor_parallel/layers.py:95-110). With the expert-parallel ranks over the TP ranks
+    (``tp=2,ep=2,etp=1``, MoE with biases) the biases of every expert off TP rank 0 drop out of
+    the norm, and gradient clipping scales the step by a wrong norm. With this, the collection
+    carries the grid's ``expt_tp`` group, as stock's own collections do; recorded where it
+    differs from the TP group.
+    """
+    import megatron.core.models.mimo.optimizer as mimo_optimizer
+
+    global _stock_pg_collection_for_optimizer
+    if _stock_pg_collection_for_optimizer is None:
+        _stock_pg_collection_for_optimizer = mimo_optimizer._get_pg_collection_for_optimizer
+    stock = _stock_pg_collection_for_optimizer
+
+    def _get_pg_collection_for_optimizer(grid: Any) -> Any:
+        import torch.distributed as dist
+
+        collection = stock(grid)
+        expert_tp = grid.get_pg("expt_tp", view=mimo_optimizer._EXPERT_VIEW)
+        collection.expt_tp = expert_tp
+        if dist.get_process_group_ranks(expert_tp) != dist.get_process_group_ranks(
+                collection.tp):
+            record("39")
+        return collection
+
+    mimo_optimizer._get_pg_collection_for_optimizer = _get_pg_collection_for_optimizer

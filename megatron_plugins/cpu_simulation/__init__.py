@@ -35,9 +35,6 @@ CPU_SIMULATION_VALUES = (
     ("moe_permute_fusion", False, "drop the flag",
      "it needs Transformer Engine on a GPU"),
     ("moe_router_fusion", False, "drop the flag", "it needs Transformer Engine on a GPU"),
-    ("sequence_parallel", False, "drop the flag",
-     "the local spec's torch norms cannot split the sequence; MoE at TP > 1, which stock allows "
-     "only with it, needs a GPU too"),
 )
 """(args attribute, CPU-capable value, the flag that sets it, why the stock value cannot run)."""
 

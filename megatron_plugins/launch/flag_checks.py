@@ -10,7 +10,6 @@ import argparse
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.transformer.enums import AttnBackend
 
-from megatron_plugins import cpu_simulation
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.data.text import check_tokenizer_folder
 from megatron_plugins.errors import FlagError
@@ -91,8 +90,4 @@ def check_training(args: argparse.Namespace, language: ModulePlacement) -> None:
     what = (f"the MoE language model ({args.num_experts} experts) at {language.source}: "
             f"tp={language.tp} needs --sequence-parallel to train (stock's MoE layers refuse "
             "tensor parallelism without it)")
-    if cpu_simulation.is_active():
-        raise FlagError(f"{what}, which the CPU simulation cannot run yet (the local spec's torch "
-                        "norms cannot split the sequence); give the language tp=1 there (its "
-                        "ranks as dp) and split the experts with ep")
     raise FlagError(f"{what}; add --sequence-parallel")

@@ -31,6 +31,7 @@ from megatron.training.models.base import ModelBuilder, ModelConfig, compose_hoo
 from megatron_plugins.model import deepstack
 from megatron_plugins.step.colocated import ColocatedEncoders, HostedEncoder
 from megatron_plugins.compat import checkpointing, colocation, context_parallel, step_reductions
+from megatron_plugins.compat import optimizer as compat_optimizer
 from megatron_plugins.peft import optimizer as part_optimizer
 from megatron_plugins.peft.checkpoint import omit_frozen_base
 from megatron_plugins.peft.flags import lora_specs
@@ -219,6 +220,8 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
                                  for part, piece in module_parts(model, name).items()
                                  if part in cfg.peft_base})
         part_optimizer.install(cfg.part_settings, model, module_pgs)
+        if language.num_moe_experts:
+            compat_optimizer.expert_tp_in_grad_norms()
         if topology.layout.hosted:
             colocation.even_optimizer_gathers(topology.layout.most_modules_per_rank)
         if topology.hosted:

@@ -130,6 +130,10 @@ def language_config_from_args(args: argparse.Namespace) -> ModelConfig:
         # names the TransformerConfig lacks there), and copied with it.
         setattr(config, PACKED_SEQUENCES, bool(getattr(args, "pack_sequences", False)))
         setattr(config, MROPE_INTERLEAVED, bool(getattr(args, "mrope_interleaved", False)))
+        if config.transformer.sequence_parallel:
+            # MimoModel scatters the combined text and encoder embeddings over the sequence
+            # itself (its PartitionAdapter) and refuses an embedding that scatters the text.
+            config.scatter_embedding_sequence_parallel = False
         return _with_attention_choice(config, args)
     if Symbols.MAMBA in pattern and importlib.util.find_spec("mamba_ssm") is None:
         raise LanguageModelError(
@@ -161,12 +165,14 @@ class StockLanguageModel:
         model_config = model_build.with_explicit_moe_spec(model_config, pg_collection.pp.rank())
         model_config = model_build.with_local_hybrid_spec(model_config)
         model_config = _with_local_core_attention(model_config)
-        with model_build.distinct_cpu_init_experts():
+        with model_build.distinct_cpu_init_experts(), model_build.sequence_parallel_local_norms():
             model = model_config.get_builder_cls()(model_config).build_model(pg_collection)
         if model_config.transformer.transformer_impl == "local":
             model_build.mtp_core_attention(model, local_core_attention(
                 model_config.transformer, packed=getattr(model_config, PACKED_SEQUENCES, False)))
         model_build.direct_single_rank_expert_output(model)
+        model_build.expert_biases_stay_per_expert(model)
+        model_build.unscattered_hybrid_embedding(model)
         gdn_spec.sum_out_norm_grads_over_tp(model)
         if getattr(model_config, MROPE_INTERLEAVED, False):
             model_build.interleave_mrope(model)

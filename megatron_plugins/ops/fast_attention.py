@@ -161,8 +161,9 @@ class FastAttention(MegatronModule):
 
     def _product(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
                  masked: torch.Tensor | None) -> torch.Tensor:
-        """``[n, s, heads, dim]`` products; dropout drawn as ``DotProductAttention`` draws it
-        (the TP rank's tracker stream, unless sequence parallel)."""
+        """``[n, s, heads, dim]`` products; dropout drawn as ``DotProductAttention`` draws it:
+        in the TP rank's tracker stream, forked here unless sequence parallel (the GPT block
+        then runs all its layers in that stream)."""
         dropout_p = self._dropout()
         options = dict(scale=self.softmax_scale, causal=causal, dropout_p=dropout_p,
                        masked=masked)

@@ -77,24 +77,31 @@ def _check_language_model(layout: ParallelLayout, args: Any) -> None:
 
 def check_context_parallel(language: ModulePlacement, seq_length: int | None, *,
                            sequence_parallel: bool = False, packed: bool = False) -> None:
-    """Refuse a ``--seq-length`` the language grid's context parallelism cannot cut evenly.
+    """Refuse a ``--seq-length`` the language grid's context and sequence parallelism cannot cut
+    evenly.
 
     CP cuts every row (with ``packed``: every packed sample, padded to fit) into ``2 x cp``
-    chunks, and ``--sequence-parallel`` then scatters each CP rank's share over ``tp``; stock
-    asserts the first deep in argument validation, MimoModel the second in the first forward.
+    chunks, and ``--sequence-parallel`` then scatters each CP rank's share (at cp=1 the whole
+    row, a packed one too) over ``tp``; stock asserts the first deep in argument validation,
+    MimoModel the second in the first forward.
     """
-    if language.cp == 1 or seq_length is None:
+    split_over_tp = sequence_parallel and language.tp > 1
+    if seq_length is None or (language.cp == 1 and not split_over_tp):
         return
-    chunks = language.cp_chunks
-    divisor = chunks * (language.tp if sequence_parallel else 1)
+    chunks = language.cp_chunks if language.cp > 1 else 1
+    divisor = chunks * (language.tp if split_over_tp else 1)
     if seq_length % divisor == 0:
         return
-    why = (f"{language.source}: cp={language.cp} cuts every row into 2 x cp = {chunks} equal "
-           "context-parallel chunks")
-    if packed:
-        why += f" (--pack-sequences pads each packed sample to a multiple of {chunks} too)"
-    if sequence_parallel:
-        why += f" and --sequence-parallel splits each CP rank's share over tp={language.tp}"
+    if language.cp > 1:
+        why = (f"{language.source}: cp={language.cp} cuts every row into 2 x cp = {chunks} equal "
+               "context-parallel chunks")
+        if packed:
+            why += f" (--pack-sequences pads each packed sample to a multiple of {chunks} too)"
+        if split_over_tp:
+            why += f" and --sequence-parallel splits each CP rank's share over tp={language.tp}"
+    else:
+        why = (f"--sequence-parallel splits every row over the {language.tp} tensor-parallel "
+               f"ranks of {language.source}: tp={language.tp}")
     lower = seq_length // divisor * divisor
     nearest = f"{lower} or {lower + divisor}" if lower else str(divisor)
     raise LayoutError(f"--seq-length {seq_length} is not a multiple of {divisor}: {why}; choose "
@@ -103,16 +110,15 @@ def check_context_parallel(language: ModulePlacement, seq_length: int | None, *,
 
 def _check_context_parallel_flags(language: ModulePlacement, args: Any) -> None:
     """Stock CP flags that need process groups only Megatron's global ``parallel_state``
-    creates, and the row length CP cuts (:func:`check_context_parallel`)."""
-    if language.cp == 1:
-        return
-    if "a2a+p2p" in (getattr(args, "cp_comm_type", None) or []):
+    creates, and the row length CP and sequence parallelism cut
+    (:func:`check_context_parallel`)."""
+    if "a2a+p2p" in (getattr(args, "cp_comm_type", None) or []) and language.cp > 1:
         raise LayoutError(
             f"--cp-comm-type a2a+p2p with {language.source}: cp={language.cp} needs Megatron's "
             "global hierarchical CP groups, which disjoint grids do not create; use p2p, "
             "all_gather or a2a"
         )
-    if getattr(args, "hybrid_context_parallel", False):
+    if getattr(args, "hybrid_context_parallel", False) and language.cp > 1:
         raise LayoutError(
             f"--hybrid-context-parallel with {language.source}: cp={language.cp} needs "
             "Megatron's global hybrid DP x CP groups and schedule, which disjoint grids do not "
@@ -168,7 +174,8 @@ def check_layout(
     ``num_query_groups`` with ``group_query_attention``, ``num_experts``,
     ``tensor_parallel_num_weight_shards``, ``expert_tensor_parallel_num_weight_shards``; with a
     language ``cp > 1`` also ``seq_length``, ``sequence_parallel``, ``pack_sequences``,
-    ``cp_comm_type`` and ``hybrid_context_parallel``; with a hosted encoder
+    ``cp_comm_type`` and ``hybrid_context_parallel``; at language ``tp > 1`` with
+    ``sequence_parallel`` also ``seq_length``; with a hosted encoder
     ``balance_encoder_work``; ``colocated_encoder_recompute``).
     ``encoder_heads`` maps encoder names to attention-head counts known from the encoder plugins.
     """

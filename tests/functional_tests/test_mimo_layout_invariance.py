@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from tests.harness.mimo_runs import (
+    LOCAL_EXPERT,
     MimoLaunch,
     consumed_keys,
+    expert_parallel_params,
     module_params,
     shared_run,
     train_mimo,
@@ -287,3 +289,81 @@ def test_a_frozen_colocated_encoder_trains_as_on_its_own_ranks() -> None:
         for name, value in module_params(colocated, module).items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7,
                                        err_msg=f"{module}: {name}")
+
+
+PACKED = ("--train-iters", "4", "--eval-iters", "0", *SGD, "--seq-length", "64",
+          "--max-position-embeddings", "64", "--encoder", "vision=vit", "--grid")
+"""Packed rows for sequence parallelism: a mock sample fills at most half a row, so unpacked the
+second TP rank's share of every row is padding, outside the loss, and a norm gradient it failed
+to contribute would go unseen; packed, two samples fill both shares. The dense reference is
+test_sequence_packing's packed one-rank-per-module launch (shared_run trains it once)."""
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+HYBRID = ("--train-iters", "4", "--eval-iters", "0", *SGD, "--hybrid-layer-pattern", "*-*E", *MOE,
+          "--encoder", "vision=vit", "--grid")
+"""Megatron's hybrid stack (attention, MLP, MoE layers), unpacked (--pack-sequences packs GPT
+only): the second TP rank's share is padding, so :func:`_replicas_agree` holds its norms to the
+first rank's."""
+SEQUENCE_PARALLEL = {  # name: (one rank per module, the sequence-parallel layout)
+    "language-tp2": (
+        MimoLaunch(2, (*PACKED, "vision:", "--grid", "language:", "--pack-sequences")),
+        MimoLaunch(3, (*PACKED, "vision:", "--grid", "language:tp=2", "--pack-sequences",
+                       "--sequence-parallel"))),
+    # The experts split over the TP ranks (etp=1: stock's expert biases need it).
+    "moe-language-tp2-ep2": (
+        MimoLaunch(2, (*PACKED, "vision:", "--grid", "language:", "--pack-sequences", *MOE)),
+        MimoLaunch(3, (*PACKED, "vision:", "--grid", "language:tp=2,ep=2,etp=1",
+                       "--pack-sequences", "--sequence-parallel", *MOE))),
+    "moe-language-tp2-ep2-colocated-encoder": (
+        MimoLaunch(2, (*PACKED, "vision:", "--grid", "language:", "--pack-sequences", *MOE)),
+        MimoLaunch(2, (*PACKED, "vision:dp=2@language", "--grid", "language:tp=2,ep=2,etp=1",
+                       "--pack-sequences", "--sequence-parallel", *MOE))),
+    "hybrid-moe-language-tp2-ep2": (
+        MimoLaunch(2, (*HYBRID, "vision:", "--grid", "language:")),
+        MimoLaunch(3, (*HYBRID, "vision:", "--grid", "language:tp=2,ep=2,etp=1",
+                       "--sequence-parallel"))),
+}
+
+
+def _replicas_agree(results: list[dict], module: str) -> None:
+    """Every parameter a module keeps whole on each TP rank (norms, biases after a row-parallel
+    layer, routers) is identical on all of them: a rank whose norm gradient missed the others'
+    tokens would drift."""
+    ranks = [r for r in results if r["module"] == module and r["dp_rank"] == 0]
+    assert len(ranks) > 1
+    for name, value in ranks[0]["params"].items():
+        if ranks[0]["partition_dims"][name] is None and not LOCAL_EXPERT.search(name):
+            for other in ranks[1:]:
+                np.testing.assert_array_equal(other["params"][name], value,
+                                              err_msg=f"{module}: {name}")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(SEQUENCE_PARALLEL))
+def test_sequence_parallel_language_layouts_train_identically(name: str) -> None:
+    """--sequence-parallel on the local path (its torch norms marked as TE's are, compat Gap 37;
+    experts' biases and the MiMo gradient norm's expert groups, Gaps 38 and 39; the hybrid
+    model's embedding, Gap 40): every loss and gradient norm (1e-5 relative) and every trained
+    tensor of both modules, experts by their global index, as one rank per module trains them;
+    the parameters each TP rank keeps whole, equal on both."""
+    reference, launch = SEQUENCE_PARALLEL[name]
+    ref_scalars, ref_results = shared_run(reference)
+    scalars, results = shared_run(launch)
+    assert sorted(scalars["lm loss"]) == [1, 2, 3, 4]
+    assert consumed_keys(results, "language") == consumed_keys(ref_results, "language")
+    worst = {}
+    for tag, values in ref_scalars.items():
+        for iteration, value in values.items():
+            assert scalars[tag][iteration] == pytest.approx(value, rel=1e-5), (tag, iteration)
+        worst[tag] = max(abs(scalars[tag][i] - v) / abs(v) for i, v in values.items())
+    for module, trained in (("language", expert_parallel_params), ("vision", module_params)):
+        expected, got = trained(ref_results, module), trained(results, module)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{module}: {key}")
+        worst[module] = max(float(np.abs(got[key] - value).max())
+                            for key, value in expected.items())
+    _replicas_agree(results, "language")
+    print(f"{name}: max relative lm loss / grad-norm difference {worst['lm loss']:.1e} / "
+          f"{worst['grad-norm']:.1e}; max absolute trained-tensor difference language "
+          f"{worst['language']:.1e}, vision {worst['vision']:.1e}")

@@ -201,8 +201,6 @@ CPU_DEFAULT_CASES = [
      "--transformer-impl cannot run on the CPU simulation (Transformer Engine needs a GPU); use "
      "--transformer-impl local"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm cannot run on the CPU simulation"),
-    (["--sequence-parallel"], "--sequence-parallel cannot run on the CPU simulation (the local "
-     "spec's torch norms cannot split the sequence; MoE at TP > 1"),
     (["--fp4-param-gather"], "stock Megatron argument check failed: --fp4-param-gather must be "
      "used together with --fp4-format."),  # stock raises ValueError, not only AssertionError
     (["--lrr", "1"], "unknown flag --lrr (did you mean --lr?); see --help"),

@@ -9,6 +9,7 @@ activations it held for backward). Tests declare the launches they compare as
 
 from __future__ import annotations
 
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,7 +99,9 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
             pgc = session.topology.module_pgs[module]
             results[module] = {"module": module, "tp_rank": pgc.tp.rank(),
                                "cp_rank": pgc.cp.rank(), "dp_rank": pgc.dp.rank(),
-                               "pp_rank": pgc.pp.rank()}
+                               "pp_rank": pgc.pp.rank(),
+                               "ep_rank": _group_rank(pgc, "ep"),
+                               "etp_rank": _group_rank(pgc, "expt_tp")}
         session.config.model.post_wrap_hooks.append(lambda chunks: models.extend(chunks) or chunks)
         if observe_memory:
             session.config.model.post_wrap_hooks.append(
@@ -133,6 +136,12 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
         if routings is not None and hosted is not None and module in hosted.encoders:
             result.update(routings=dict(routings), traffic=hosted.traffic[module])
     return list(results.values())
+
+
+def _group_rank(pgc: Any, name: str) -> int:
+    """This rank's rank in ``pgc``'s group ``name`` (0 where the collection has none)."""
+    group = getattr(pgc, name, None)
+    return 0 if group is None else group.rank()
 
 
 def _record_keys(guard: Any, result: dict[str, Any]) -> None:
@@ -214,3 +223,41 @@ def module_params(results: list[dict[str, Any]], module: str) -> dict[str, np.nd
             np.concatenate([s["params"][name] for s in shards],
                            axis=shards[0]["partition_dims"][name])
             for name, value in shards[0]["params"].items()}
+
+
+LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _joined(shards: list[dict[str, Any]], name: str) -> np.ndarray:
+    """``name`` from ``shards`` (ordered by their tensor-parallel rank), joined on its partition
+    dimension (one shard: as it is)."""
+    dim = shards[0]["partition_dims"][name]
+    if dim is None or len(shards) == 1:
+        return shards[0]["params"][name]
+    return np.concatenate([s["params"][name] for s in shards], axis=dim)
+
+
+def expert_parallel_params(results: list[dict[str, Any]], module: str = "language"
+                           ) -> dict[str, np.ndarray]:
+    """The trained, unsharded parameters of a MoE ``module`` at any TP x EP x expert-TP layout:
+    :func:`module_params` for the dense ones; each expert's from its expert-parallel rank (of
+    context-parallel rank 0), its expert-TP shards joined, under its global index (``ep_rank x
+    local experts + local index``), so layouts of any expert split compare by name."""
+    mine = [r for r in results if r["module"] == module and r["cp_rank"] == 0]
+    dense = [r for r in mine if r["dp_rank"] == 0]
+    dense.sort(key=lambda r: r["tp_rank"])
+    names = list(dense[0]["params"])
+    joined = {name: _joined(dense, name) for name in names if not LOCAL_EXPERT.search(name)}
+    by_ep: dict[int, dict[int, dict[str, Any]]] = {}
+    for result in mine:
+        by_ep.setdefault(result["ep_rank"], {}).setdefault(result["etp_rank"], result)
+    for ep_rank, shards_by_rank in sorted(by_ep.items()):
+        shards = [shards_by_rank[r] for r in sorted(shards_by_rank)]
+        experts = [name for name in shards[0]["params"] if LOCAL_EXPERT.search(name)]
+        if not experts:
+            continue
+        local = 1 + max(int(LOCAL_EXPERT.search(name).group(1)) for name in experts)
+        for name in experts:
+            index = ep_rank * local + int(LOCAL_EXPERT.search(name).group(1))
+            joined[LOCAL_EXPERT.sub(f".local_experts.{index}.", name)] = _joined(shards, name)
+    return joined

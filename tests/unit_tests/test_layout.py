@@ -90,6 +90,14 @@ BAD_LAYOUTS = [
      "--seq-length 36 is not a multiple of 8: --grid language: cp=2 cuts every row into 2 x cp "
      "= 4 equal context-parallel chunks and --sequence-parallel splits each CP rank's share "
      "over tp=2; choose --seq-length 32 or 40"),
+    ("sequence-parallel", "--grid language:tp=2,dp=2", 4,
+     {"seq_length": 33, "sequence_parallel": True}, None,
+     "--seq-length 33 is not a multiple of 2: --sequence-parallel splits every row over the 2 "
+     "tensor-parallel ranks of --grid language: tp=2; choose --seq-length 32 or 34"),
+    ("sequence-parallel-packed", "--grid language:tp=4", 4,
+     {"seq_length": 66, "sequence_parallel": True, "pack_sequences": True}, None,
+     "--seq-length 66 is not a multiple of 4: --sequence-parallel splits every row over the 4 "
+     "tensor-parallel ranks of --grid language: tp=4; choose --seq-length 64 or 68"),
     ("cp-packed", "--grid language:cp=2", 2, {"seq_length": 66, "pack_sequences": True}, None,
      "--seq-length 66 is not a multiple of 4: --grid language: cp=2 cuts every row into 2 x cp "
      "= 4 equal context-parallel chunks (--pack-sequences pads each packed sample to a multiple "
@@ -201,10 +209,14 @@ def test_bad_layout_names_the_flag(flags, world_size, model, encoder_heads, expe
      {"seq_length": 64, "pack_sequences": True, "cp_comm_type": ["p2p"]}, 2),
     ("--grid language:tp=2,cp=2,pp=2", 8, {"seq_length": 24, "sequence_parallel": True}, 2),
     ("--grid language:cp=4", 4, {"cp_comm_type": ["a2a", "all_gather", "p2p"]}, 4),
-    # Without CP the CP flags and row lengths are stock's business.
+    # Without CP the CP flags are stock's business, and without sequence parallelism the row's
+    # length (stock turns --sequence-parallel off at tp=1).
     ("--grid language:tp=2", 2, {"seq_length": 31, "cp_comm_type": ["a2a+p2p"],
                                  "hybrid_context_parallel": True}, 1),
-], ids=["cp2", "cp2-packed-dp2", "cp2-tp2-sp-pp2", "cp4-comm-types", "cp1"])
+    ("--grid language:dp=2", 2, {"seq_length": 31, "sequence_parallel": True}, 1),
+    ("--grid language:tp=2", 2, {"seq_length": 32, "sequence_parallel": True}, 1),
+], ids=["cp2", "cp2-packed-dp2", "cp2-tp2-sp-pp2", "cp4-comm-types", "cp1", "cp1-tp1-sp",
+        "cp1-tp2-sp"])
 def test_language_context_parallelism_is_accepted(flags, world_size, model, cp):
     layout = layout_from_args(parse(flags, **model), world_size)
     assert layout.language.cp == cp and layout.world_size == world_size

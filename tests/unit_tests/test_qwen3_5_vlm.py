@@ -4,7 +4,7 @@ without DeepStack on the encoder grid, its merger as the projection, the hybrid 
 interleaved multimodal RoPE, routed and gated shared experts) on the language grid give
 transformers' logits on several images of different sizes at one rank per module and at encoder
 TP 2 + language PP 2 (+ TP 2 and EP 2 for MoE: the experts split over the TP ranks), every tensor streaming back unchanged; training is the
-same at language TP 2, PP 2, packed and colocated; a trained run exports the same bytes from two
+same at language TP 2 (with sequence parallelism too), PP 2, packed and colocated; a trained run exports the same bytes from two
 layouts, which transformers loads as the same class, a zero-learning-rate run the folder's own
 bytes (its MTP tensors carried); what Megatron would compute differently is one line."""
 
@@ -220,10 +220,13 @@ def test_gated_delta_net_trains_identically_at_language_tp2_pp2_packed_and_coloc
     """Gated DeltaNet's heads split over TP as Megatron shards them, its layers over pipeline
     stages, its state and convolution restarting at every document of a packed row, and the
     tower on the language ranks train as one rank per module does: the same losses, the same
-    trained weights."""
+    trained weights; at TP 2 under sequence parallelism too (packed rows, so that both TP ranks'
+    shares hold tokens in the loss), each rank's 1-centred norms on its share of the sequence."""
     folder = folders[False][0]
     assert_trains_identically(folder, tmp_path, (
             ("tp2", 3, ("image:dp=1", "language:tp=2"), ()),
+            ("tp2-sequence-parallel", 3, ("image:dp=1", "language:tp=2"),
+             ("--sequence-parallel", "--pack-sequences")),
             ("pp2", 3, ("image:dp=1", "language:pp=2"), ()),
             ("packed", 2, ("image:dp=1", "language:dp=1"), ("--pack-sequences",)),
             ("colocated", 2, ("image:tp=2@language", "language:dp=2"), ())))

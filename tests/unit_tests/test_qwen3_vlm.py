@@ -4,9 +4,9 @@ interleaved multimodal RoPE and DeepStack on the language grid give transformers
 sample of several images of different sizes at one rank per module and at encoder TP 2 +
 language PP 2; every tensor streams back unchanged; a trained run exports one folder
 transformers loads as Qwen3-VL, the same bytes from two saving layouts; DeepStack trains
-identically at language TP 2 and in packed rows as at one rank per module; a config Megatron would
-compute differently, or a pipeline split putting DeepStack layers off the first stage, is one
-line."""
+identically at language TP 2 (with sequence parallelism too) and in packed rows as at one rank
+per module; a config Megatron would compute differently, or a pipeline split putting DeepStack
+layers off the first stage, is one line."""
 
 from __future__ import annotations
 
@@ -164,12 +164,14 @@ def test_tied_word_embeddings_at_the_top_level_tie_the_language_model(qwen3, tmp
 @pytest.mark.multirank
 def test_deepstack_trains_identically_at_language_tp2_packed_and_colocated(tmp_path):
     """DeepStack's levels, scattered to several images of varied sizes per sample, shard as
-    MiMo shards the text embeddings: language TP 2, packed rows, and the tower on the language
-    ranks (its rows and levels routed to the replica that merges them) train as one rank per
-    module does (the same losses, the same trained weights). (--sequence-parallel needs a
-    GPU.)"""
+    MiMo shards the text embeddings: language TP 2 (with sequence parallelism too, on packed
+    rows so that both TP ranks' shares hold tokens in the loss), packed rows, and the tower on
+    the language ranks (its rows and levels routed to the replica that merges them) train as
+    one rank per module does (the same losses, the same trained weights)."""
     folder = save_whole(tmp_path / "two_kv_heads", num_key_value_heads=2)  # TP 2 splits them
     assert_trains_identically(folder, tmp_path, (
             ("tp2", 3, ("image:dp=1", "language:tp=2"), ()),
+            ("tp2-sequence-parallel", 3, ("image:dp=1", "language:tp=2"),
+             ("--sequence-parallel", "--pack-sequences")),
             ("packed", 2, ("image:dp=1", "language:dp=1"), ("--pack-sequences",)),
             ("colocated", 2, ("image:tp=2@language", "language:dp=2"), ())))

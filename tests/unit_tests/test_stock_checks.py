@@ -264,6 +264,12 @@ CASES = {
     "memory-log-interval": ("dp=2", [*TINY_MIMO, "--log-memory-interval", "3", "--log-interval",
                                      "2"],
                             "--log-memory-interval 3 must be a multiple of --log-interval 2"),
+    # Sequence parallelism (the CPU simulation runs it).
+    "distribute-and-sequence-parallel": (
+        "tp=2", [*TINY_MIMO, "--distribute-saved-activations", "--sequence-parallel",
+                 "--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"],
+        "--distribute-saved-activations and --sequence-parallel exclude each other; keep one"),
 }
 """Flag combinations a MiMo launch can give, by id: (language grid, command line, the one line)."""
 
@@ -290,11 +296,6 @@ GPU_CASES = {
                            "variable CUDA_DEVICE_MAX_CONNECTIONS=1 (stock orders tensor- and "
                            "context-parallel communication by launch); export "
                            "CUDA_DEVICE_MAX_CONNECTIONS=1 before torchrun"),
-    "distribute-and-sequence-parallel": (
-        "tp=2", [*TINY_MIMO, "--distribute-saved-activations", "--sequence-parallel",
-                 "--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"],
-        "--distribute-saved-activations and --sequence-parallel exclude each other; keep one"),
 }
 """What only a GPU launch reaches (its flags the CPU simulation refuses or replaces first), on a
 machine without Transformer Engine; by id: (language grid, command line, the one line)."""
@@ -316,17 +317,9 @@ def test_a_gpu_launchs_stock_check_is_one_line_naming_the_flags(monkeypatch, cas
 MOE_TP2 = [*TINY_MIMO, "--num-experts", "4"]
 
 
-@pytest.mark.parametrize("simulated_run, line", [
-    (True, "the MoE language model (4 experts) at --grid language: tp=2 needs --sequence-parallel "
-           "to train (stock's MoE layers refuse tensor parallelism without it), which the CPU "
-           "simulation cannot run yet (the local spec's torch norms cannot split the sequence); "
-           "give the language tp=1 there (its ranks as dp) and split the experts with ep"),
-    (False, "the MoE language model (4 experts) at --grid language: tp=2 needs "
-            "--sequence-parallel to train (stock's MoE layers refuse tensor parallelism without "
-            "it); add --sequence-parallel"),
-])
+@pytest.mark.parametrize("simulated_run", [True, False], ids=["cpu-simulation", "gpu"])
 def test_moe_at_language_tp_without_sequence_parallel_stops_before_any_process_group(
-        monkeypatch, simulated_run, line):
+        monkeypatch, simulated_run):
     """Parsing builds it (weights in and out need no sequence parallelism); training refuses it
     in one line before ``start`` brings up torch.distributed."""
     from megatron_plugins import cpu_simulation
@@ -343,4 +336,6 @@ def test_moe_at_language_tp_without_sequence_parallel_stops_before_any_process_g
     monkeypatch.setattr(pretrain, "start", start)
     with pytest.raises(UsageError) as error:
         pretrain.train(run)
-    assert str(error.value) == line
+    assert str(error.value) == (
+        "the MoE language model (4 experts) at --grid language: tp=2 needs --sequence-parallel to "
+        "train (stock's MoE layers refuse tensor parallelism without it); add --sequence-parallel")

@@ -1,5 +1,5 @@
-"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14): canaries that the stock wheel still has
-each gap, and the bridges' tests."""
+"""Model-build bridges (Gaps 2, 3, 4, 4a, 4b, 4c, 14, 17, 36, 37, 38, 40): canaries that the
+stock wheel still has each gap, and the bridges' tests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import inspect
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -16,7 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_plugins.compat import model_build
-from tests.harness.multiprocess import run_python
+from tests.harness.multiprocess import run_in_processes, run_python
 
 
 STOCK_LOCAL_ATTENTION = """
@@ -372,3 +373,191 @@ def test_gap36_bridge_gives_mtp_attention_the_given_core_attention():
     assert core.attn_mask_type == AttnMaskType.causal
     assert isinstance(decoder.core_attention, torch.nn.Identity)  # the decoder's spec has it
     assert "36" in installed()
+
+
+def _sequence_parallel_config(**fields) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                             tensor_model_parallel_size=2, sequence_parallel=True, **fields)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_gap37_canary_stock_local_norm_refuses_sequence_parallelism(normalization):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    with pytest.raises(AssertionError, match="sequence parallel not supported by torch"):
+        WrappedTorchNorm(config=_sequence_parallel_config(normalization=normalization),
+                         hidden_size=8)
+
+
+@pytest.mark.parametrize("normalization, norm_class", [("LayerNorm", torch.nn.LayerNorm),
+                                                       ("RMSNorm", torch.nn.RMSNorm)])
+def test_gap37_bridge_builds_stocks_torch_norm_with_its_parameters_marked(normalization,
+                                                                         norm_class):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_plugins.compat import installed
+
+    stock = WrappedTorchNorm.__dict__["__new__"]
+    with model_build.sequence_parallel_local_norms():
+        norm = WrappedTorchNorm(config=_sequence_parallel_config(normalization=normalization),
+                                hidden_size=8, eps=1e-6)
+        plain = WrappedTorchNorm(config=TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, normalization=normalization),
+            hidden_size=8)
+        with pytest.raises(AssertionError, match="zero_centered_gamma not supported"):
+            WrappedTorchNorm(config=_sequence_parallel_config(
+                normalization=normalization, layernorm_zero_centered_gamma=True), hidden_size=8)
+    assert WrappedTorchNorm.__dict__["__new__"] is stock
+    assert type(norm) is norm_class and norm.eps == 1e-6
+    assert [name for name, _ in norm.named_parameters()] == (
+        ["weight", "bias"] if normalization == "LayerNorm" else ["weight"])
+    assert all(parameter.sequence_parallel is True for parameter in norm.parameters())
+    assert type(plain) is norm_class
+    assert not any(hasattr(parameter, "sequence_parallel") for parameter in plain.parameters())
+    assert "37" in installed()
+
+
+def _sequence_parallel_norm_rank(normalization: str) -> dict:
+    """Rank ``r`` of TP 2: the bridged local norm on rows ``r`` of a sequence split in two, its
+    gradients before and after stock's TP reduction; and the whole sequence on one rank."""
+    import importlib
+
+    from megatron_plugins.cpu_simulation import patches
+
+    patches.activate()
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    x, upstream = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    values = {"weight": 1 + 0.1 * torch.randn(8), "bias": 0.1 * torch.randn(8)}
+    sequence_parallel = _sequence_parallel_config(normalization=normalization)
+
+    def norm(config):
+        with model_build.sequence_parallel_local_norms():
+            built = WrappedTorchNorm(config=config, hidden_size=8)
+        with torch.no_grad():
+            for name, parameter in built.named_parameters():
+                parameter.copy_(values[name])
+        return built
+
+    whole = norm(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                   normalization=normalization))
+    (whole(x) * upstream).sum().backward()
+    chunk = torch.nn.Module()
+    chunk.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+    chunk.norm = norm(sequence_parallel)
+    rows = slice(3 * rank, 3 * rank + 3)
+    (chunk.norm(x[rows]) * upstream[rows]).sum().backward()
+    partial = {name: p.grad.numpy().copy() for name, p in chunk.norm.named_parameters()}
+    finalize._allreduce_non_tensor_model_parallel_grads([chunk], sequence_parallel,
+                                                         torch.distributed.group.WORLD)
+    # numpy, not tensors: torch's shared-memory pickling does not outlive the worker.
+    return {"whole": {name: p.grad.numpy().copy() for name, p in whole.named_parameters()},
+            "partial": partial,
+            "reduced": {name: p.grad.numpy().copy() for name, p in chunk.norm.named_parameters()}}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_gap37_bridged_norms_gradients_are_summed_over_tp_by_stocks_finalize(normalization):
+    """Each TP rank's norm gradient covers its half of the sequence; stock's finalize reduction,
+    reading the bridge's mark, sums them into the whole sequence's gradient on both ranks."""
+    ranks = run_in_processes(_sequence_parallel_norm_rank, 2, args=(normalization,),
+                             timeout=120, simulated=True)
+    whole = ranks[0]["whole"]
+    for rank in ranks:
+        assert rank["reduced"].keys() == whole.keys()
+        for name, gradient in whole.items():
+            np.testing.assert_allclose(rank["reduced"][name], gradient, rtol=1e-6, atol=1e-6)
+            assert not np.allclose(rank["partial"][name], gradient)
+    for name, gradient in whole.items():
+        np.testing.assert_allclose(ranks[0]["partial"][name] + ranks[1]["partial"][name],
+                                   gradient, rtol=1e-6, atol=1e-6)
+
+
+def _expert_and_router(group) -> torch.nn.Module:
+    """A chunk holding an expert ``RowParallelLinear`` with its bias and a router-like weight,
+    built for sequence parallelism, every gradient set, ready for stock's TP reduction."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    config = _sequence_parallel_config(num_moe_experts=4, add_bias_linear=True,
+                                       expert_tensor_parallel_size=1, use_cpu_initialization=True,
+                                       gradient_accumulation_fusion=False)
+    chunk = torch.nn.Module()
+    chunk.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+    chunk.expert = RowParallelLinear(
+        6, 5, config=config, init_method=torch.nn.init.zeros_, bias=True,
+        input_is_parallel=True, skip_bias_add=True, is_expert=True, tp_group=group)
+    chunk.router = torch.nn.Parameter(torch.zeros(7))
+    chunk.router.sequence_parallel = True  # as stock's Router marks its weight
+    for parameter in chunk.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    return chunk
+
+
+def _reduced_sizes(monkeypatch, chunk) -> list[int]:
+    """The sizes of the gradients stock's finalize sums over a TP group of 2."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda tensor, **kwargs: reduced.append(tensor.numel()))
+    finalize._allreduce_non_tensor_model_parallel_grads(
+        [chunk], _sequence_parallel_config(), SimpleNamespace(size=lambda: 2))
+    return reduced
+
+
+def test_gap38_canary_stock_sums_expert_bias_grads_over_tensor_parallel_ranks(monkeypatch,
+                                                                            one_rank_world):
+    """Gap 38: an expert's bias is marked sequence-parallel like a dense layer's, so the TP
+    reduction of norm gradients takes it too (7 router values + 5 expert bias values)."""
+    chunk = _expert_and_router(torch.distributed.group.WORLD)
+    bias = chunk.expert.bias
+    assert bias.sequence_parallel is True and bias.allreduce is False
+    assert _reduced_sizes(monkeypatch, chunk) == [12]
+
+
+def test_gap38_bridge_unmarks_expert_parameters_only(monkeypatch, one_rank_world):
+    from megatron_plugins.compat import installed
+
+    chunk = _expert_and_router(torch.distributed.group.WORLD)
+    model_build.expert_biases_stay_per_expert(chunk)
+    assert chunk.expert.bias.sequence_parallel is False and chunk.router.sequence_parallel
+    assert _reduced_sizes(monkeypatch, chunk) == [7]  # the router's alone
+    assert "38" in installed()
+
+
+def test_gap40_canary_hybrid_builder_scatters_the_embedding_under_sequence_parallelism():
+    """Gap 40: the GPT builder passes ``scatter_embedding_sequence_parallel`` from its config; the
+    hybrid one has no such field and passes nothing, so HybridModel's default (True) stands."""
+    import dataclasses as dc
+
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.training.models import gpt, hybrid
+
+    assert "scatter_embedding_sequence_parallel" in inspect.getsource(gpt.GPTModelBuilder)
+    assert "scatter_embedding_sequence_parallel" not in inspect.getsource(
+        hybrid.HybridModelBuilder)
+    assert "scatter_embedding_sequence_parallel" not in {
+        field.name for field in dc.fields(hybrid.HybridModelConfig)}
+    default = inspect.signature(HybridModel).parameters["scatter_embedding_sequence_parallel"]
+    assert default.default is True
+
+
+def test_gap40_bridge_leaves_the_sequence_to_mimo_under_sequence_parallelism_only():
+    from megatron_plugins.compat import installed
+
+    def model(sequence_parallel):
+        return SimpleNamespace(config=SimpleNamespace(sequence_parallel=sequence_parallel),
+                               embedding=SimpleNamespace(scatter_to_sequence_parallel=True))
+
+    split, whole, later_stage = model(True), model(False), model(True)
+    later_stage.embedding = None  # a later pipeline stage has no embedding
+    for each in (split, whole, later_stage):
+        model_build.unscattered_hybrid_embedding(each)
+    assert split.embedding.scatter_to_sequence_parallel is False
+    assert whole.embedding.scatter_to_sequence_parallel is True
+    assert "40" in installed()

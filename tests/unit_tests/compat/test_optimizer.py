@@ -1,9 +1,11 @@
 """The MiMo optimizer's parameter groups (Gap 29): the canary that stock builds every module's
 optimizer without parameter-group overrides, and the bridge's test, in this process (a one-rank
-gloo world; the per-group optimizer, CUDA-only here, is stubbed to return its groups)."""
+gloo world; the per-group optimizer, CUDA-only here, is stubbed to return its groups). The expert
+TP group of its gradient norm (Gap 39): canary and bridge on stand-in grids."""
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -113,3 +115,69 @@ def test_the_bridge_leaves_modules_without_overrides_as_stock_builds_them(built_
     mimo_optimizer.get_mimo_optimizer(_mimo(language, vision), config)
     assert [[(g["max_lr"], g["wd_mult"], len(g["params"])) for g in groups]
             for groups in built_groups] == stock
+
+
+class _Group:
+    """A stand-in process group: its rank and size (and its members, for the bridge)."""
+
+    def __init__(self, rank: int, size: int, members: tuple[int, ...] = (0,)) -> None:
+        self._rank, self._size, self.members = rank, size, members
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _grid(groups: dict) -> SimpleNamespace:
+    """A stand-in module grid whose ``get_pg`` hands out ``groups`` by dimension (a fresh
+    one-rank group for any other)."""
+    def get_pg(dims, view=None):
+        key = dims if isinstance(dims, str) else "-".join(dims)
+        return groups.get(key) or _Group(0, 1)
+    return SimpleNamespace(get_pg=get_pg)
+
+
+def _expert_bias() -> torch.nn.Parameter:
+    """What an expert's ``RowParallelLinear`` bias is to the gradient norm: not tensor-parallel,
+    reduced over the expert data-parallel group (``allreduce = False``)."""
+    bias = torch.nn.Parameter(torch.zeros(3))
+    bias.allreduce = False
+    return bias
+
+
+def test_gap39_canary_mimo_optimizer_groups_have_no_expert_tensor_parallel_group():
+    """Gap 39: the collection ``get_mimo_optimizer`` builds each optimizer on leaves ``expt_tp``
+    unset (read as None), so the gradient norm filters an expert's bias over the TP group: on TP
+    rank 1 (experts split over the TP ranks, etp=1) it counts as another rank's duplicate."""
+    from megatron.core.models.mimo.optimizer import _get_pg_collection_for_optimizer
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    tp = _Group(1, 2)
+    collection = _get_pg_collection_for_optimizer(_grid({"tp": tp, "expt_tp": _Group(0, 1)}))
+    assert collection.tp is tp and collection.expt_tp is None
+    assert not param_is_not_tensor_parallel_duplicate(_expert_bias(), tp_group=tp,
+                                                      expert_tp_group=collection.expt_tp)
+
+
+def test_gap39_bridge_gives_the_collection_the_grids_expert_tp_group(monkeypatch):
+    import megatron.core.models.mimo.optimizer as mimo_optimizer
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    from megatron_plugins.compat import installed
+
+    monkeypatch.setattr(mimo_optimizer, "_get_pg_collection_for_optimizer",
+                        mimo_optimizer._get_pg_collection_for_optimizer)
+    monkeypatch.setattr(optimizer_bridge, "_stock_pg_collection_for_optimizer", None)
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks",
+                        lambda group: list(group.members))
+    optimizer_bridge.expert_tp_in_grad_norms()
+    optimizer_bridge.expert_tp_in_grad_norms()  # once installed, installing again changes nothing
+    tp, expert_tp = _Group(1, 2, (1, 2)), _Group(0, 1, (2,))
+    collection = mimo_optimizer._get_pg_collection_for_optimizer(
+        _grid({"tp": tp, "expt_tp": expert_tp}))
+    assert collection.tp is tp and collection.expt_tp is expert_tp
+    assert param_is_not_tensor_parallel_duplicate(_expert_bias(), tp_group=tp,
+                                                  expert_tp_group=collection.expt_tp)
+    assert "39" in installed()

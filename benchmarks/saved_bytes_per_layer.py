@@ -140,8 +140,9 @@ def _caller() -> str:
     return "?"
 
 
-def _groups() -> Any:
-    """This rank's model-parallel groups (one rank), under the CPU simulation."""
+def _groups(tp: int = 1) -> Any:
+    """This rank's model-parallel groups (``tp`` ranks of tensor parallelism), under the CPU
+    simulation."""
     from megatron_plugins.cpu_simulation import patches
 
     patches.activate()
@@ -149,7 +150,7 @@ def _groups() -> Any:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1)
+        parallel_state.initialize_model_parallel(tp)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return ProcessGroupCollection.use_mpu_process_groups()
 
@@ -169,7 +170,9 @@ def _language_model(reference: bool, longest: int, extra: list[str] = ()) -> tup
     args.reference_attention = reference  # the MiMo flag
     set_global_variables(args, build_tokenizer=False)
     config = language_config_from_args(args)
-    model = StockLanguageModel(config.transformer, config, _groups(), args.seq_length)
+    model = StockLanguageModel(config.transformer, config,
+                               _groups(config.transformer.tensor_model_parallel_size),
+                               args.seq_length)
     return model.train(), config.transformer, args
 
 
@@ -298,6 +301,27 @@ def measure(cases: list[tuple[str, bool, list[int]]]) -> list[Measured]:
         points, config = LAYERS[layer](reference, list(lengths))
         results.append(Measured(points, TransformerShape.of(config)))
     return results
+
+
+TP_FLAGS = {"tp2": ["--tensor-model-parallel-size", "2"],
+            "tp2 + SP": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+"""The language layer's tensor-parallel settings :func:`run_measure_tp` compares."""
+
+
+def measure_tp(lengths: list[int]) -> dict[str, dict[int, int]]:
+    """On one of two CPU-simulation ranks: the fast language layer's saved bytes per length at
+    each of :data:`TP_FLAGS` (this rank's share)."""
+    found = {}
+    for name, flags in TP_FLAGS.items():
+        found[name], _ = _language(False, lengths, extra=flags)
+    return found
+
+
+def run_measure_tp(lengths: list[int], timeout: float = 1800) -> list[dict[str, dict[int, int]]]:
+    """:func:`measure_tp` on two fresh simulated ranks; each rank's figures."""
+    from tests.harness.multiprocess import run_in_processes
+
+    return run_in_processes(measure_tp, 2, args=(lengths,), timeout=timeout, simulated=True)
 
 
 def listing(layer: str, tokens: int = 256) -> dict[str, list]:
@@ -435,6 +459,9 @@ def main() -> None:
                         help="only list what LAYER saves at s = 256, fast and reference")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of the measuring rank (default: 1)")
+    parser.add_argument("--tp", action="store_true",
+                        help="only the fast language layer at tp 2, with and without "
+                             "--sequence-parallel, on two ranks")
     options = parser.parse_args()
     # By module name, so that the simulated rank imports this file as a module, not __main__.
     from benchmarks import saved_bytes_per_layer as this
@@ -449,6 +476,17 @@ def main() -> None:
                   "bytes per token")
             for nbytes, shape, dtype, where in lines:
                 print(f"  {nbytes / 256:10,.1f}  {str(shape):22} {dtype:14} {where}")
+        return
+    if options.tp:
+        lengths = list(FAST_LENGTHS)
+        ranks = this.run_measure_tp(lengths)
+        print("| language layer, fast, rank 0 of 2 | "
+              + " | ".join(f"s = {n:,} (MiB)" for n in lengths) + " | bytes per token |")
+        print("| --- |" + " ---: |" * (len(lengths) + 1))
+        for name, points in ranks[0].items():
+            print(f"| {name} | " + " | ".join(f"{points[n] / 2 ** 20:,.1f}" for n in lengths)
+                  + f" | {fit(points).per_token:,.1f} |")
+        print("ranks agree:", ranks[0] == ranks[1])
         return
     todo = this.cases()
     results = this.run_measure(todo, threads=options.threads)

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.saved_bytes_per_layer import ELEMENT_BYTES, fit, run_measure, second_difference
+from benchmarks.saved_bytes_per_layer import (
+    ELEMENT_BYTES,
+    TP_FLAGS,
+    fit,
+    run_measure,
+    run_measure_tp,
+    second_difference,
+)
 
 LANGUAGE_LENGTHS = (256, 512, 768)
 IMAGE_LENGTHS = (196, 676, 1156)
@@ -56,3 +63,21 @@ def test_the_fast_attention_keeps_bytes_linear_in_s_and_fewer_than_the_reference
                                                      reference.points)
         assert abs(fit(fast.points).per_token2) * max(fast.points) < LINEAR * \
             fit(fast.points).per_token, (layer, fast.points)
+
+
+@pytest.mark.multirank
+def test_sequence_parallelism_halves_what_the_norms_and_linear_inputs_keep_per_tp_rank() -> None:
+    """The fast language layer at tp 2, on two ranks: with ``--sequence-parallel`` each rank's
+    norms keep their input, statistics and output, and the column-parallel linears their input,
+    for its half of the sequence: per token, half of tp 2's ``2 x (3 H + 1)`` elements kept
+    whole (6,152 -> 3,076 bytes), less the other half of the ``s x H`` embedding output, which the
+    first layer's input still views (stock's scatter slices it without a copy). Attention and MLP
+    inner activations are split by heads either way. Both ranks keep the same bytes."""
+    rank0, rank1 = run_measure_tp([256, 512], timeout=600)
+    assert rank0 == rank1
+    hidden = 256  # LANGUAGE_FLAGS' --hidden-size
+    whole, split = (fit(rank0[name]).per_token for name in TP_FLAGS)
+    for points in rank0.values():
+        assert points[512] == 2 * points[256], points  # linear in s
+    halved = 2 * (3 * hidden + 1) * ELEMENT_BYTES / 2
+    assert whole - split == pytest.approx(halved - hidden * ELEMENT_BYTES / 2), (whole, split)

@@ -31,7 +31,7 @@ from megatron_plugins.flops.count import EncoderFlops, Work
 from megatron_plugins.flops.encoder import projection
 from megatron_plugins.media.mock import example_size, mock_media
 from megatron_plugins.ops import REFERENCE_ATTENTION
-from megatron_plugins.ops.fast_attention import local_core_attention
+from megatron_plugins.ops.fast_attention import bidirectional_layer_spec
 from megatron_plugins.parallel.layout import ModulePlacement
 
 __all__ = [
@@ -107,15 +107,8 @@ def encoder_config(language: TransformerConfig, grid: ModulePlacement,
 
 def encoder_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """Megatron's bidirectional (ViT) transformer layer: TE spec when the config uses TE, else
-    the local one with the local path's core attention (:func:`local_core_attention`)."""
-    from megatron.core.models.vision import vit_layer_specs
-
-    if config.transformer_impl == "transformer_engine":
-        return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
-    spec = vit_layer_specs.get_vit_layer_with_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = local_core_attention(
-        config, packed=False)
-    return spec
+    the local one with the local path's core attention, for unpacked items."""
+    return bidirectional_layer_spec(config, packed=False)
 
 
 def encoder_norm(config: TransformerConfig) -> type:

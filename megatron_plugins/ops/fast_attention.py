@@ -36,7 +36,7 @@ from megatron_plugins.ops.cp_attention import ContextParallelAttention
 from megatron_plugins.ops.packed_attention import BIDIRECTIONAL, CAUSAL, PackedAttention, segments
 from megatron_plugins.ops.sdpa import product
 
-__all__ = ["FastAttention", "local_core_attention", "packed_layer_spec"]
+__all__ = ["FastAttention", "bidirectional_layer_spec", "local_core_attention", "packed_layer_spec"]
 
 
 def local_core_attention(config: TransformerConfig, *, packed: bool) -> type:
@@ -55,13 +55,19 @@ def packed_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """The bidirectional (ViT) transformer layer for packed inputs: TE's layer when the config
     uses TE (its attention reads THD itself), else Megatron's local layer on the local path's
     packed core attention."""
+    return bidirectional_layer_spec(config, packed=True)
+
+
+def bidirectional_layer_spec(config: TransformerConfig, *, packed: bool) -> ModuleSpec:
+    """Megatron's ViT layer: TE's when the config uses TE, else the local one with
+    :func:`local_core_attention` for inputs that come ``packed`` or not."""
     from megatron.core.models.vision import vit_layer_specs
 
     if config.transformer_impl == "transformer_engine":
         return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
     spec = vit_layer_specs.get_vit_layer_with_local_spec()
     spec.submodules.self_attention.submodules.core_attention = local_core_attention(
-        config, packed=True)
+        config, packed=packed)
     return spec
 
 

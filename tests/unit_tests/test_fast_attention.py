@@ -36,6 +36,7 @@ from megatron_plugins.ops.fast_attention import (
 )
 from megatron_plugins.ops.packed_attention import PackedAttention, attend, packed_seq_params
 from tests.harness.multiprocess import run_in_processes
+from tests.unit_tests.test_cp_attention import PACKED
 
 HEADS, GROUPS, DIM = 4, 2, 8
 SEQ, BATCH = 12, 2
@@ -81,14 +82,7 @@ def qwen_windows() -> list[int]:
     return lengths.tolist()
 
 
-# Real document lengths 5, 1, 9, 3 at padded starts 0, 8, 12, 24, then trailing padding.
-DOCUMENTS = PackedSeqParams(
-    qkv_format="thd",
-    cu_seqlens_q=torch.tensor([0, 5, 6, 15, 18, 18], dtype=torch.int32),
-    cu_seqlens_kv=torch.tensor([0, 5, 6, 15, 18, 18], dtype=torch.int32),
-    cu_seqlens_q_padded=torch.tensor([0, 8, 12, 24, 28, 32], dtype=torch.int32),
-    cu_seqlens_kv_padded=torch.tensor([0, 8, 12, 24, 28, 32], dtype=torch.int32),
-    max_seqlen_q=12, max_seqlen_kv=12)
+DOCUMENTS = PACKED  # real lengths 5, 1, 9, 3 at padded starts 0, 8, 12, 24, then padding
 IMAGES = packed_seq_params(torch.tensor([16, 4, 9, 16, 25, 4]))  # repeated sizes: one product
 WINDOWS = packed_seq_params(torch.tensor(qwen_windows()))
 CAUSAL_MASK = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(BATCH, 1, SEQ, SEQ)

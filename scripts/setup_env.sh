@@ -31,6 +31,8 @@ echo "setup_env: creating $venv with $py"
 rm -rf "$venv"
 "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip setuptools wheel
-"$venv/bin/python" -m pip install --quiet -e "$root[test]"
+# No bytecode at install: pip would compile every module of torch and transformers (most never
+# imported); the suite's interpreters write bytecode for what they import (scripts/test.sh).
+"$venv/bin/python" -m pip install --quiet --no-compile -e "$root[test]"
 echo "$want" > "$stamp"
 echo "setup_env: ready ($("$venv/bin/python" -c 'import megatron.core, torch; print("megatron-core", megatron.core.__version__, "torch", torch.__version__)'))"

@@ -16,6 +16,7 @@ import argparse
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.mimo.submodules.base import ModalitySubmodules
 from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -52,6 +53,17 @@ NUMERICS = (
 """TransformerConfig fields an encoder copies from the language model: numerics, not shape."""
 
 
+def _exact_activation(fields: dict[str, object]) -> dict[str, object]:
+    """``fields`` with stock's bias-activation fusion kept only where it computes the activation
+    exactly (SwiGLU). Its GELU forms are the tanh approximation: a GELU encoder or projector that
+    inherited the fusion from a SwiGLU language model (stock's default on a GPU) would compute
+    another function on a GPU than on the CPU simulation and than its checkpoint's."""
+    swiglu = fields.get("activation_func", F.gelu) is F.silu and fields.get("gated_linear_unit")
+    if fields.get("bias_activation_fusion") and not swiglu:
+        return {**fields, "bias_activation_fusion": False}
+    return fields
+
+
 def mlp_projection_spec(config: TransformerConfig, input_size: int, ffn_hidden_size: int,
                         output_size: int, pg_collection: ProcessGroupCollection | None,
                         **fields: object) -> ModuleSpec:
@@ -59,7 +71,7 @@ def mlp_projection_spec(config: TransformerConfig, input_size: int, ffn_hidden_s
     ``linear_fc2`` ffn -> output, biases), column / row parallel on the encoder's TP, with the
     encoder's numerics; ``fields`` override projection config fields (its activation)."""
     projection = TransformerConfig(
-        **{**{name: getattr(config, name) for name in NUMERICS}, **fields},
+        **_exact_activation({**{name: getattr(config, name) for name in NUMERICS}, **fields}),
         # The projector is an MLP: one layer and one head per TP rank only satisfy the checks.
         num_layers=1, hidden_size=output_size, ffn_hidden_size=ffn_hidden_size,
         num_attention_heads=config.tensor_model_parallel_size,
@@ -98,7 +110,8 @@ def encoder_config(language: TransformerConfig, grid: ModulePlacement,
     boundary (DDP scales by 1/dp unless ``calculate_per_token_loss`` is set on *each* module).
     """
     numerics = {name: getattr(language, name) for name in NUMERICS}
-    config = TransformerConfig(**{**numerics, **shape}, tensor_model_parallel_size=grid.tp,
+    config = TransformerConfig(**_exact_activation({**numerics, **shape}),
+                               tensor_model_parallel_size=grid.tp,
                                expert_tensor_parallel_size=grid.tp)
     # Not a field: --reference-attention's choice, for encoder_layer_spec and the towers' specs.
     setattr(config, REFERENCE_ATTENTION, getattr(language, REFERENCE_ATTENTION, False))

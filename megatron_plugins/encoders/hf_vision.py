@@ -279,13 +279,13 @@ class HFVisionEncoder(EncoderPlugin):
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         hf = self.hf_config
-        # The HF model's own eps; Megatron fuses only gelu/swiglu with the bias, so no fusion
-        # (given here: dataclasses.replace would drop the --reference-attention choice).
+        # The HF model's own eps (given here: dataclasses.replace would drop the
+        # --reference-attention choice); encoder_config keeps its GELU forms unfused.
         return encoder_config(
             language, self.grid, num_layers=self.layers, hidden_size=hf.hidden_size,
             num_attention_heads=hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
             activation_func=ACTIVATIONS[hf.hidden_act], add_bias_linear=True, add_qkv_bias=True,
-            layernorm_epsilon=hf.layer_norm_eps, bias_activation_fusion=False)
+            layernorm_epsilon=hf.layer_norm_eps)
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

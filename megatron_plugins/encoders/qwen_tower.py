@@ -247,9 +247,7 @@ class QwenTowerEncoder(HFVisionEncoder):
             num_attention_heads=hf.num_heads, ffn_hidden_size=hf.intermediate_size,
             activation_func=self.activations[hf.hidden_act], gated_linear_unit=self.gated,
             add_bias_linear=True, add_qkv_bias=True, normalization=self.normalization,
-            # Megatron's fused bias-activation is not HF's function (and refuses a tanh GELU
-            # where the language model's flags leave the fusion on, as on a GPU).
-            bias_activation_fusion=False,
+            # encoder_config keeps stock's bias-activation fusion for SwiGLU only (exact).
             # HF's norm eps; torch's norms do not persist. Given here, not by
             # dataclasses.replace, which would drop the --reference-attention choice.
             layernorm_epsilon=1e-6, persist_layer_norm=False)
@@ -272,5 +270,5 @@ class QwenTowerEncoder(HFVisionEncoder):
         self._check_language(language_hidden_size)
         merged = config.hidden_size * self.hf_config.spatial_merge_size ** 2
         return mlp_projection_spec(config, merged, merged, language_hidden_size, pg_collection,
-                                   activation_func=F.gelu, bias_activation_fusion=False,
+                                   activation_func=F.gelu,
                                    add_bias_linear=True)

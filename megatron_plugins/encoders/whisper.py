@@ -244,14 +244,13 @@ class WhisperEncoder(EncoderPlugin):
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
         hf = self.hf_config
-        # HF's nn.LayerNorm default eps; the exact GELU, which Megatron fuses with its bias only
-        # in the tanh form, so no fusion (given here: dataclasses.replace would drop the
-        # --reference-attention choice).
+        # HF's nn.LayerNorm default eps (given here: dataclasses.replace would drop the
+        # --reference-attention choice); encoder_config keeps the exact GELU unfused.
         return encoder_config(
             language, self.grid, num_layers=hf.encoder_layers, hidden_size=hf.d_model,
             num_attention_heads=hf.encoder_attention_heads, ffn_hidden_size=hf.encoder_ffn_dim,
             activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True,
-            layernorm_epsilon=1e-5, bias_activation_fusion=False)
+            layernorm_epsilon=1e-5)
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

@@ -72,12 +72,12 @@ def language_config(**overrides: Any) -> Any:
     """The numerics an encoder copies from the language model, as the CPU simulation sets them."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=1, transformer_impl="local",
-        use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-        **overrides)
+    return TransformerConfig(**{
+        "num_layers": 1, "hidden_size": 8, "num_attention_heads": 1, "transformer_impl": "local",
+        "use_cpu_initialization": True, "attention_dropout": 0.0, "hidden_dropout": 0.0,
+        "gradient_accumulation_fusion": False, "masked_softmax_fusion": False,
+        "bias_activation_fusion": False, "bias_dropout_fusion": False,
+        "persist_layer_norm": False, **overrides})
 
 
 def plugin(provider: str, folder: str | Path | None, tp: int = 1) -> Any:

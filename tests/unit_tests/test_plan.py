@@ -13,6 +13,7 @@ import pytest
 
 from megatron_plugins.launch.plan import main
 from tests.harness.multiprocess import REPO_ROOT, run_python
+from tests.harness.worker_cache import once_per_run
 
 GOOD = ["--encoder", "vision=vit", "--grid", "vision:tp=2", "--grid", "language:pp=2,dp=2,ep=2",
         "--num-experts", "4", "--nproc-per-node", "6"]
@@ -158,6 +159,7 @@ LAUNCHERS = sorted([*(REPO_ROOT / "examples" / "mimo" / "scripts").glob("*.sh"),
                     *(REPO_ROOT / "examples" / "mimo" / "recipes").glob("*/train_*.sh"),
                     *(REPO_ROOT / "examples" / "mimo" / "recipes").glob("*/train_*.sbatch")])
 """The GPU launch scripts and the recipes' (a recipe plans with its shipped config.json)."""
+@once_per_run  # the Qwen3.5-VL recipe's launchers are checked by two tests
 def _plan_only(script: Path) -> subprocess.CompletedProcess:
     """``script`` run with MIMO_PLAN_ONLY=1 (this interpreter first on PATH), succeeded."""
     env = {**os.environ, "MIMO_PLAN_ONLY": "1",

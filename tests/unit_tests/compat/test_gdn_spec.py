@@ -82,6 +82,22 @@ def test_rms_norm_computes_transformers_qwen3_5_norms():
     assert torch.equal(centred(x), hf(x))
     gated = plain(x) * torch.nn.functional.silu(gate)  # Megatron's _apply_gated_norm
     torch.testing.assert_close(gated, hf_gated(x, gate), rtol=0, atol=1e-6)
+    for dtype in (torch.float32, torch.bfloat16):  # outputs and every gradient, bf16 inputs too
+        silu = torch.nn.functional.silu(gate.to(dtype))
+        pairs = ((lambda t: centred(t), lambda t: hf(t), centred, hf, 0.0),
+                 (lambda t: plain(t) * silu, lambda t: hf_gated(t, gate.to(dtype)), plain,
+                  hf_gated, 1e-6 if dtype == torch.float32 else 1e-2))
+        for ours, theirs, our_norm, their_norm, atol in pairs:
+            results = []
+            for call, norm in ((ours, our_norm), (theirs, their_norm)):
+                inputs = x.to(dtype).detach().requires_grad_()
+                norm.zero_grad()
+                out = call(inputs)
+                out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+                results.append((out, inputs.grad, norm.weight.grad))
+            for mine, reference in zip(*results):
+                assert mine.dtype == reference.dtype
+                torch.testing.assert_close(mine, reference, rtol=0, atol=atol)
     assert torch.equal(RMSNorm(_config(layernorm_zero_centered_gamma=False), 16)(x),
                        PlainRMSNorm(_config(), 16)(x))
 

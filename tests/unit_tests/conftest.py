@@ -1,4 +1,4 @@
-"""Fixtures shared by the compat tests."""
+"""Fixtures shared by the unit tests."""
 
 from __future__ import annotations
 

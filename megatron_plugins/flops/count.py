@@ -89,10 +89,10 @@ class FirstLayer(_Counts):
     """A module's first layer (a tower's layer 0 per item, a projection's MLP per instance):
     where the gradient of a LoRA'd module whose input needs none starts; ``before``: the input
     gradients of the products on the way to it past the entry (a stem's second convolution),
-    which that gradient skips; ``scores`` and
-    ``kernel_recompute``: its attention's, skipped with the scores' backward; ``mixing``: the
-    backward between a Gated DeltaNet's ``in_proj`` and ``out_proj`` (the convolution's input
-    gradient, the delta rule's), skipped by a gradient starting at ``out_proj`` or later."""
+    which that gradient skips; ``scores`` and ``kernel_recompute``: its attention's, skipped with
+    the scores' backward; ``mixing``: the backward between a Gated DeltaNet's ``in_proj`` and
+    ``out_proj`` (the convolution's input gradient, the delta rule's), skipped by a gradient
+    starting at ``out_proj`` or later."""
 
     before: int = 0
     scores: int = 0

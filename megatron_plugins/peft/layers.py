@@ -219,7 +219,7 @@ def adapt(module: torch.nn.Module, spec: LoraSpec, seed: int) -> int:
         _supported(layer, where)
         gated = path.endswith("linear_fc1") and bool(
             getattr(getattr(parent, "config", None), "gated_linear_unit", False))
-        sections = (_in_proj_sections(parent) if path.endswith(".in_proj") else None)
+        sections = _in_proj_sections(parent) if path.endswith(".in_proj") else None
         _adapt_layer(layer, spec, seed, f"{spec.part}/{names[path + '.weight']}", gated,
                      sections)
         adapted += 1

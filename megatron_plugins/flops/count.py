@@ -17,9 +17,10 @@ from typing import Any
 __all__ = ["TARGETS", "Adapters", "EncoderFlops", "FirstLayer", "Flops", "Linear", "Linears",
            "Work", "linear"]
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""Megatron's linears LoRA adapts, in the order a layer runs them (attention's scores between
-the first two)."""
+TARGETS = ("linear_qkv", "in_proj", "linear_proj", "out_proj", "linear_fc1", "linear_fc2")
+"""Megatron's linears LoRA adapts, in the order a layer runs them: attention's (its scores
+between the two) or Gated DeltaNet's (its convolution and delta rule between them), then the
+MLP's."""
 
 
 def linear(tokens: int, fan_in: int, fan_out: int) -> int:
@@ -76,7 +77,9 @@ class Linears(_Counts):
     """A module's LoRA-adaptable linears by name (:data:`TARGETS`)."""
 
     linear_qkv: Linear = Linear()
+    in_proj: Linear = Linear()
     linear_proj: Linear = Linear()
+    out_proj: Linear = Linear()
     linear_fc1: Linear = Linear()
     linear_fc2: Linear = Linear()
 
@@ -85,14 +88,17 @@ class Linears(_Counts):
 class FirstLayer(_Counts):
     """A module's first layer (a tower's layer 0 per item, a projection's MLP per instance):
     where the gradient of a LoRA'd module whose input needs none starts; ``before``: the input
-    gradients of the products on the way to it past the entry (a stem's second convolution, a
-    Gated DeltaNet mixer before its layer's MLP), which that gradient skips; ``scores`` and
-    ``kernel_recompute``: its attention's, skipped with the scores' backward."""
+    gradients of the products on the way to it past the entry (a stem's second convolution),
+    which that gradient skips; ``scores`` and ``kernel_recompute``: its attention's, skipped with
+    the scores' backward; ``mixing``: the backward between a Gated DeltaNet's ``in_proj`` and
+    ``out_proj`` (the convolution's input gradient, the delta rule's), skipped by a gradient
+    starting at ``out_proj`` or later."""
 
     before: int = 0
     scores: int = 0
     linears: Linears = Linears()
     kernel_recompute: int = 0
+    mixing: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,7 @@ class Work(_Counts):
     def leading(self) -> Work:
         """This work as its module's first layer too (one layer's work)."""
         return replace(self, first=FirstLayer(self.first.before, self.scores, self.linears,
-                                              self.kernel_recompute))
+                                              self.kernel_recompute, self.first.mixing))
 
     def unadaptable(self) -> Work:
         """This work with no linear LoRA adapts (MoE experts)."""
@@ -223,8 +229,8 @@ class Work(_Counts):
         none), and the input gradient through that first adapter's ``A``."""
         skipped = self.first.before
         for name in TARGETS:
-            if name == "linear_proj":
-                skipped += 2 * self.first.scores
+            if name == "linear_proj":  # past attention's scores or Gated DeltaNet's mixing
+                skipped += 2 * self.first.scores + self.first.mixing
             shape = getattr(self.first.linears, name)
             skipped += shape.forward
             if name in adapters.targets and shape.rows_in:

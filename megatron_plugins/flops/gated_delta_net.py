@@ -18,8 +18,9 @@ backward, counted exactly: both operands' gradients of each product, except the 
 products with the zero initial state (one gradient) and the last chunk's state update, which
 feeds no output (none); plus the two triangular solves' matrix gradients (``C x V x C`` and
 ``C x K x C``), products the forward does not run. Elementwise work (the convolution's SiLU,
-l2norm, the decays, the gated output norm) is not counted, as elsewhere. LoRA adapts none of
-these linears (its targets are the attention and MLP linears by name).
+l2norm, the decays, the gated output norm) is not counted, as elsewhere. LoRA adapts
+``in_proj`` and ``out_proj`` (targets of those names); a gradient starting at ``out_proj`` skips
+the mixing between them (:class:`~.count.FirstLayer`).
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ class GatedDeltaNet:
                 + 2 * self.value_heads + self.value_dim + values * self.hidden)
 
     def projections(self, tokens: int) -> Work:
-        """``in_proj`` and ``out_proj``: weight x activations, not adaptable."""
-        return Work(inner=linear(tokens, self.hidden, self.in_proj_width)
-                    + linear(tokens, self.value_heads * self.value_dim, self.hidden))
+        """``in_proj`` and ``out_proj``: weight x activations, both adaptable."""
+        return (Work.linear("in_proj", tokens, self.hidden, self.in_proj_width)
+                + Work.linear("out_proj", tokens, self.value_heads * self.value_dim, self.hidden))
 
     def mixing(self, rows: Iterable[Sequence[int]]) -> Work:
         """The convolution (a weight: ``inner``) and the delta rule (``recurrence``) over each
@@ -110,7 +111,9 @@ class GatedDeltaNet:
         return Work(inner=conv, recurrence=forward, recurrence_backward=backward)
 
     def work(self, rows: Sequence[Sequence[int]]) -> Work:
-        """The whole mixer; as a layer's first part under LoRA, the input gradients a gradient
-        starting at the layer's MLP skips (:class:`~.count.FirstLayer`)."""
-        work = self.projections(sum(sum(row) for row in rows)) + self.mixing(rows)
-        return replace(work, first=FirstLayer(before=work.inner + work.recurrence_backward))
+        """The whole mixer; as a layer's first part under LoRA, the backward between its two
+        linears that a gradient starting at ``out_proj`` or later skips
+        (:class:`~.count.FirstLayer`)."""
+        mixing = self.mixing(rows)
+        return replace(self.projections(sum(sum(row) for row in rows)) + mixing,
+                       first=FirstLayer(mixing=mixing.inner + mixing.recurrence_backward))

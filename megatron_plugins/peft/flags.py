@@ -23,7 +23,8 @@ from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
 from megatron_plugins.parallel.module_values import ModuleValues, module_values
 
 __all__ = [
-    "ATTENTION", "LORA_EXAMPLE", "LORA_FLAG", "MLP", "OPTIM_FLAGS", "PROJECTION", "LoraSpec",
+    "ATTENTION", "GATED_DELTA_NET", "LORA_EXAMPLE", "LORA_FLAG", "MLP", "OPTIM_FLAGS",
+    "PROJECTION", "LoraSpec",
     "PartOptim", "add_peft_args", "check_peft", "describe", "encoder_of", "lora_specs",
     "part_optims", "parts_of"
 ]
@@ -36,6 +37,9 @@ ATTENTION = ("linear_qkv", "linear_proj")
 """Megatron's attention linears: fused QKV (column parallel) and the output (row parallel)."""
 MLP = ("linear_fc1", "linear_fc2")
 """Megatron's MLP linears (gated or plain ``linear_fc1``, column parallel; ``linear_fc2``, row)."""
+GATED_DELTA_NET = ("in_proj", "out_proj")
+"""Megatron's Gated DeltaNet linears (Qwen3.5's linear attention, language model only): ``in_proj``
+(q, k, v, the output gate z, beta, alpha; column parallel) and ``out_proj`` (row parallel)."""
 OPTIM_FLAGS = {"lr": "--module-lr", "min_lr": "--module-min-lr",
                "weight_decay": "--module-weight-decay"}
 """PartOptim field -> its flag."""
@@ -77,7 +81,8 @@ def add_peft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(LORA_FLAG, action="append", default=[], metavar="PART:rank=R,alpha=A",
                        help="LoRA on PART (language, an encoder NAME, or NAME.projection): "
                             "adapters of rank R scaled by A/R on its Megatron linear layers "
-                            "(targets=linear_qkv+linear_proj+linear_fc1+linear_fc2, default all "
+                            "(targets=linear_qkv+linear_proj+linear_fc1+linear_fc2, on the "
+                            "language model also Gated DeltaNet's in_proj+out_proj; default all "
                             "the part has; dropout=P on the adapters' input); the part's own "
                             "weights are frozen. Repeatable, once per part.")
     values = dict(action=ModuleValues, each="part")
@@ -114,12 +119,16 @@ def _known_part(part: str, layout: ParallelLayout | None, flag: str, text: str) 
                         f"{', '.join(parts)}")
 
 
-def _valid_targets(part: str, num_experts: int | None) -> tuple[str, ...]:
+def _valid_targets(part: str, num_experts: int | None, linear_attention: bool | None
+                   ) -> tuple[str, ...]:
+    """The part's targets; the language model's Gated DeltaNet ones unless ``linear_attention``
+    says it has none (None: not known yet, before its config is built)."""
     if part.endswith(PROJECTION):
         return MLP
-    if part == LANGUAGE and num_experts:
-        return ATTENTION
-    return ATTENTION + MLP
+    if part != LANGUAGE:
+        return ATTENTION + MLP
+    return (ATTENTION + (GATED_DELTA_NET if linear_attention is not False else ())
+            + (() if num_experts else MLP))
 
 
 def _number(text: str, flag: str, value: str, kind: type) -> float:
@@ -133,7 +142,8 @@ def _number(text: str, flag: str, value: str, kind: type) -> float:
     return number
 
 
-def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None) -> LoraSpec:
+def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None,
+          linear_attention: bool | None) -> LoraSpec:
     part, sep, options = text.partition(":")
     usage = f"expected PART:rank=R,alpha=A[,dropout=P][,targets=T+T] (e.g. {LORA_EXAMPLE})"
     if not sep or not part:
@@ -162,13 +172,18 @@ def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None) -> 
     dropout = _number(text, LORA_FLAG, values.get("dropout", "0"), float)
     if not 0 <= dropout < 1:
         raise FlagError(f"{LORA_FLAG} {text}: dropout {values['dropout']} must be in [0, 1)")
-    valid = _valid_targets(part, num_experts)
+    valid = _valid_targets(part, num_experts, linear_attention)
     targets = tuple(values["targets"].split("+")) if "targets" in values else valid
     for target in targets:
         if target in MLP and target not in valid:
             raise FlagError(f"{LORA_FLAG} {text}: the language model has MoE experts "
                             f"(--num-experts {num_experts}), which LoRA does not adapt; give "
-                            f"targets={'+'.join(valid)} (attention only)")
+                            f"targets={'+'.join(ATTENTION)} (attention only; on Qwen3.5 also "
+                            f"{'+'.join(GATED_DELTA_NET)})")
+        if target in GATED_DELTA_NET and target not in valid:
+            raise FlagError(f"{LORA_FLAG} {text}: {target} is a Gated DeltaNet linear (Qwen3.5's "
+                            "linear attention), and this language model has no Gated DeltaNet "
+                            f"layers; its targets are {', '.join(valid)}")
         if target not in valid:
             raise FlagError(f"{LORA_FLAG} {text}: unknown target {target!r}; {part}'s targets "
                             f"are {', '.join(valid)}")
@@ -178,12 +193,14 @@ def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None) -> 
 
 
 def lora_specs(values: Sequence[str], layout: ParallelLayout | None,
-               num_experts: int | None = None) -> dict[str, LoraSpec]:
+               num_experts: int | None = None, linear_attention: bool | None = None
+               ) -> dict[str, LoraSpec]:
     """Each ``--lora`` value checked against the layout (its parts are not checked without
-    one: a saved run's values), by part."""
+    one: a saved run's values), by part. ``linear_attention``: whether the language model has
+    Gated DeltaNet layers (None: not known, their targets accepted)."""
     specs: dict[str, LoraSpec] = {}
     for text in values:
-        spec = _lora(text, layout, num_experts)
+        spec = _lora(text, layout, num_experts, linear_attention)
         if spec.part in specs:
             raise FlagError(f"{LORA_FLAG} {spec.part} is given twice; give each part once")
         specs[spec.part] = spec

@@ -6,15 +6,18 @@ subclass adding them to the forward and the checkpoint, so every other name, the
 Megatron checkpoints of the base stay as they were. Under tensor parallelism the adapter is split
 the way its base is:
 
-* column parallel (``linear_qkv``, ``linear_fc1``; output split over TP): ``A`` is whole on every
-  TP rank, ``B`` holds this rank's output rows. ``A x`` is one full-rank activation; its gradient
-  is summed over TP (every rank's ``B`` rows contribute), so each rank computes the same ``A``
-  gradient and the copies stay equal without a reduction. Under sequence parallelism the
-  sequence-split input is gathered first (the gradient coming back is already whole: split).
-* row parallel (``linear_proj``, ``linear_fc2``; input split over TP): ``A`` holds this rank's
-  input columns, ``A x`` is summed over TP, ``B`` is whole on every TP rank and sees the same
-  input and output gradient everywhere. Under sequence parallelism the output is split over the
-  sequence as the base's is.
+* column parallel (``linear_qkv``, ``linear_fc1``, Gated DeltaNet's ``in_proj``; output split
+  over TP): ``A`` is whole on every TP rank, ``B`` holds this rank's output rows. ``A x`` is one
+  full-rank activation; its gradient is summed over TP (every rank's ``B`` rows contribute), so
+  each rank computes the same ``A`` gradient and the copies stay equal without a reduction. Under
+  sequence parallelism the sequence-split input is gathered first (the gradient coming back is
+  already whole: split). A rank's rows of a fused output are that rank's share of each section
+  (gate and up; q, k, v, z, beta, alpha), as the weight's are, and ``B`` is checkpointed by
+  section as the weight is, so the checkpoint holds it in its TP 1 layout.
+* row parallel (``linear_proj``, ``linear_fc2``, ``out_proj``; input split over TP): ``A`` holds
+  this rank's input columns, ``A x`` is summed over TP, ``B`` is whole on every TP rank and sees
+  the same input and output gradient everywhere. Under sequence parallelism the output is split
+  over the sequence as the base's is.
 
 ``A`` starts uniform in ``+-1/sqrt(in)`` (PEFT's default), drawn from a generator seeded by the
 run's seed and the layer's global name, whole, then sliced: the same adapters at any layout, and
@@ -31,6 +34,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.utils import _split_tensor_factory
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -75,6 +80,10 @@ class _Adapted:
     lora_gated: bool
     """A gated MLP's ``linear_fc1``: its output rows are [gate; up] per TP rank, and ``lora_b``'s
     checkpoint is resharded as the weight's (stock's SwiGLU factory)."""
+    lora_sections: tuple[tuple[int, ...], tuple[str, ...]] | None
+    """Gated DeltaNet's ``in_proj``: its output rows are [q; k; v; z; beta; alpha] per TP rank
+    (sizes, names), and ``lora_b`` is saved one key per section as the weight is, so the
+    checkpoint holds it in its TP 1 layout at any TP."""
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
@@ -122,6 +131,9 @@ class _Adapted:
             sharded = apply_swiglu_sharded_factory(
                 sharded, sharded_offsets, metadata.get("singleton_local_shards", False),
                 tp_group=self.tp_group, dp_group=metadata["dp_cp_group"])
+        if self.lora_sections is not None:
+            sizes, names = self.lora_sections
+            sharded = _split_tensor_factory(sharded, list(sizes), list(names), 0)
         state[key] = sharded
         return state
 
@@ -153,8 +165,8 @@ def _initial_a(rank: int, in_features: int, seed: int, name: str) -> torch.Tenso
     return (torch.rand(rank, in_features, generator=generator, dtype=torch.float64) * 2 - 1) * bound
 
 
-def _adapt_layer(layer: torch.nn.Module, spec: LoraSpec, seed: int, name: str,
-                 gated: bool) -> None:
+def _adapt_layer(layer: torch.nn.Module, spec: LoraSpec, seed: int, name: str, gated: bool,
+                 sections: tuple[tuple[int, ...], tuple[str, ...]] | None) -> None:
     weight = layer.weight
     column = isinstance(layer, ColumnParallelLinear)
     tp, tp_rank = layer.tp_group.size(), layer.tp_group.rank()
@@ -175,6 +187,16 @@ def _adapt_layer(layer: torch.nn.Module, spec: LoraSpec, seed: int, name: str,
     layer.lora_scale = spec.scale
     layer.lora_dropout = spec.dropout
     layer.lora_gated = gated
+    layer.lora_sections = sections
+
+
+def _in_proj_sections(mixer: torch.nn.Module) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """A Gated DeltaNet's ``in_proj`` sections on this TP rank (sizes, names), as its
+    ``sharded_state_dict`` splits the weight."""
+    if not isinstance(mixer, GatedDeltaNet):
+        raise ValueError(f"LoRA adapts in_proj of Gated DeltaNet layers only, not of "
+                         f"{type(mixer).__name__}")
+    return tuple(mixer.in_proj_split_sections), tuple(mixer.in_proj_split_names)
 
 
 def _targets(module: torch.nn.Module, targets: tuple[str, ...]
@@ -197,7 +219,9 @@ def adapt(module: torch.nn.Module, spec: LoraSpec, seed: int) -> int:
         _supported(layer, where)
         gated = path.endswith("linear_fc1") and bool(
             getattr(getattr(parent, "config", None), "gated_linear_unit", False))
-        _adapt_layer(layer, spec, seed, f"{spec.part}/{names[path + '.weight']}", gated)
+        sections = _in_proj_sections(parent) if path.endswith(".in_proj") else None
+        _adapt_layer(layer, spec, seed, f"{spec.part}/{names[path + '.weight']}", gated,
+                     sections)
         adapted += 1
     if not adapted:
         raise ValueError(f"LoRA found no {', '.join(spec.targets)} layer in {spec.part}")

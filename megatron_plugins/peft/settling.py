@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_plugins.compat.gdn_spec import is_gated_delta_net
 from megatron_plugins.errors import FlagError
 from megatron_plugins.parallel.layout import ParallelLayout
 from megatron_plugins.peft.checkpoint import (
@@ -68,9 +69,10 @@ def _resumed(args: argparse.Namespace) -> Path | None:
 
 def check_peft_run(args: argparse.Namespace, layout: ParallelLayout,
                    plugins: Mapping[str, Any], language: Any) -> None:
-    """Refuse a LoRA run this build cannot train, or a resume that would not continue its
-    checkpoint; ``language`` is the language model's TransformerConfig."""
-    specs = lora_specs(args.lora, layout, args.num_experts)
+    """Refuse a LoRA run this build cannot train (a target the language model does not have
+    among them), or a resume that would not continue its checkpoint; ``language`` is the
+    language model's TransformerConfig."""
+    specs = lora_specs(args.lora, layout, args.num_experts, is_gated_delta_net(language))
     if specs and args.transformer_impl != "local":
         raise FlagError(f"{LORA_FLAG} adapts the local spec's linear layers; Transformer Engine's "
                         "fused ones are not supported yet: add --transformer-impl local")

@@ -80,10 +80,11 @@ def add_checkpoint_init_args(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
-SECTIONS = re.compile(r"(.*\.(?:in_proj\.weight|conv1d\.(?:weight|bias)))\."
+SECTIONS = re.compile(r"(.*\.(?:in_proj\.(?:weight|lora_b)|conv1d\.(?:weight|bias)))\."
                       r"(query|key|value|z|beta|alpha)$")
-"""Gated DeltaNet's ``in_proj`` and ``conv1d`` tensors, which its ``sharded_state_dict`` saves
-as one key per section (ssm/gated_delta_net/common.py), so the checkpoint is the same at any TP."""
+"""Gated DeltaNet's ``in_proj`` (and its LoRA ``B``) and ``conv1d`` tensors, which its
+``sharded_state_dict`` saves as one key per section (ssm/gated_delta_net/common.py), so the
+checkpoint is the same at any TP."""
 SECTION_ORDER = ("query", "key", "value", "z", "beta", "alpha")
 """The sections' order inside the module's tensor (``in_proj_split_names``)."""
 

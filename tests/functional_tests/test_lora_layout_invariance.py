@@ -8,6 +8,10 @@ language PP 2, language CP 2 and with the encoder colocated on the language rank
 sharded over TP as their base layers, split over pipeline stages, under context parallelism and
 routed rows). MoE experts are not adapted (refused in one line), so there is no EP case.
 
+Qwen3.5's Gated DeltaNet layers (a tiny whole folder, 3 SGD steps): LoRA on their fused ``in_proj``
+(its ``B`` split over TP by section, as the weight) and ``out_proj`` beside attention and MLP
+trains identically at language TP 2, its checkpoint exporting the same adapters.
+
 The mixed case the issue names, so it cannot silently regress (a peer froze a tower users asked
 to train): LoRA on the language model, the vision tower trained fully, its projection frozen.
 """
@@ -16,8 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.harness.mimo_runs import MimoLaunch, shared_run, train_mimo
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.models.hf import safetensors_of
+from tests.models.qwen3_5_whole import LORA_LAYOUTS, lora_runs
 
 pytestmark = pytest.mark.multirank
 
@@ -150,3 +158,29 @@ def test_lora_on_an_moe_language_model_trains_identically_at_ep1_and_ep2():
     assert all(np.any(value) for name, value in expected.items() if ".lora_b" in name)  # trained
     for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""transformers' Qwen3.5 Gated DeltaNet linears: Megatron's ``in_proj`` rows, then ``out_proj``."""
+
+
+@pytest.mark.timeout(900)
+def test_lora_on_gated_delta_net_trains_identically_at_language_tp2():
+    """Every linear of the tiny Qwen3.5 language model adapted, Gated DeltaNet's among them: one
+    rank's and language TP 2's per-iteration losses agree, and the adapters each checkpoint
+    exports under transformers' names (``B`` in the HF layout, whatever the TP that saved it)
+    are the same trained tensors (1e-5)."""
+    root, _ = lora_runs()
+    losses = [read_scalars(root / f"{name}-tensorboard", "lm loss") for name in LORA_LAYOUTS]
+    assert sorted(losses[0]) == [1, 2, 3]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    expected, got = (safetensors_of(root / f"out_{name}" / "adapters") for name in LORA_LAYOUTS)
+    assert got.keys() == expected.keys()
+    layers = "base_model.model.model.language_model.layers."
+    assert {f"{layers}{layer}.linear_attn.{linear}.lora_{kind}.weight" for layer in (0, 2)
+            for linear in GATED_DELTA_NET for kind in "AB"} <= expected.keys()
+    # 2 Gated DeltaNet layers x (5 + 3 MLP) + 2 attention layers x (4 + 3 MLP) linears, A and B
+    assert len(expected) == 60
+    for name, value in expected.items():
+        assert ".lora_A." in name or torch.count_nonzero(value), name  # every B trained
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)

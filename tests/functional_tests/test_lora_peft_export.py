@@ -9,6 +9,10 @@ DeepStack mergers trained (the projection); Qwen2.5-VL with the language model a
 and merger trained (saved as one module); LLaVA with the language model adapted and the CLIP tower
 trained, its projector frozen (the tower's layers past the feature layer stay the base's). The
 other family / recipe pairs are ``tests/unit_tests/test_peft_modules_to_save.py``'s.
+
+Qwen3.5 with every language linear adapted, Gated DeltaNet's fused ``in_proj`` and ``out_proj``
+among them, trained at language TP 2 (the LoRA layout test's runs): the adapters carry them under
+transformers' names and load onto transformers' model with the trained model's logits.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import pytest
 import torch
 
 from tests.models.hf import rel_diff, safetensors_of
-from tests.models.hf_vlm import save_tiny_llava, vlm_train
+from tests.models.hf_vlm import check_export, save_tiny_llava, vlm_train
 from tests.models.peft_vlm import load, logits, model_inputs
+from tests.models.qwen3_5_whole import lora_runs
 from tests.models.qwen3_vlm import save_tiny_qwen3_vl
 from tests.models.qwen_vlm import save_tiny_qwen_vl
 
@@ -73,4 +78,29 @@ def test_the_peft_adapters_carry_what_the_run_trained_in_full(case, tmp_path):
     difference = rel_diff(logits(load(folder, out / "adapters"), inputs), merged)
     print(f"\n{case}: PEFT adapters vs merged export, max relative logits difference "
           f"{difference:.2e}")
+    assert difference < TOLERANCE
+
+
+@pytest.mark.timeout(900)
+def test_gated_delta_net_adapters_trained_at_tp2_load_in_peft_with_the_trained_logits():
+    """The language TP 2 run's export: its adapters name transformers' Gated DeltaNet linears
+    (``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a`` split from Megatron's fused ``in_proj``,
+    ``out_proj``), the merged folder is the trained model as its ranks streamed it (each merging
+    its own shards, not read from the checkpoint), and PEFT's adapters on the original folder give
+    that folder's logits."""
+    root, pieces = lora_runs()
+    folder, out = root / "hf", root / "out_language-tp2"
+    config = json.loads((out / "adapters" / "adapter_config.json").read_text())
+    layer = "model.language_model.layers.0.linear_attn."
+    assert {f"{layer}{linear}" for linear in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                              "in_proj_a", "out_proj")} <= set(
+        config["target_modules"])
+    assert config["modules_to_save"] is None
+    check_export(out, folder, pieces, ("model.visual.",))
+    inputs = model_inputs(folder)
+    merged = logits(load(out), inputs)
+    assert rel_diff(logits(load(folder), inputs), merged) > 1e-3  # the run moved the model
+    difference = rel_diff(logits(load(folder, out / "adapters"), inputs), merged)
+    print(f"\nqwen3_5 Gated DeltaNet LoRA at language TP 2: PEFT adapters vs merged export, max "
+          f"relative logits difference {difference:.2e}")
     assert difference < TOLERANCE

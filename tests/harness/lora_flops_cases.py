@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_plugins.peft.flags import ATTENTION, MLP
+from megatron_plugins.peft.flags import ATTENTION, GATED_DELTA_NET, MLP
 from tests.harness.flops_cases import (
     BEFORE,
     MOE,
@@ -38,6 +38,10 @@ LORA_LANGUAGE_CASES = [
     ("LoRA", "Qwen3.5 MLP: the gradient starts past the Gated DeltaNet mixer", QWEN3_5, MLP),
     ("LoRA", "Qwen3.5 attention, packed: the Gated DeltaNet layer runs forward only",
      [*QWEN3_5, PACK], ATTENTION),
+    ("LoRA", "Qwen3.5 Gated DeltaNet in_proj + out_proj: the gradient starts at in_proj",
+     QWEN3_5, GATED_DELTA_NET),
+    ("LoRA", "Qwen3.5 out_proj + linear_fc2: the gradient starts past the mixing", QWEN3_5,
+     ("out_proj", "linear_fc2")),
 ]
 """(family, case, flags, targets) of each LoRA'd language row."""
 

@@ -1,19 +1,22 @@
 """A tiny whole Qwen3.5-VL, dense or MoE (:func:`save_whole`): a Qwen3-VL-style vision tower
 without DeepStack, its merger, and a hybrid language model interleaving Gated DeltaNet layers with
 gated full-attention layers (partial rotary, interleaved multimodal RoPE); transformers' logits
-on a sample of several images of different sizes. The sample and our run over the grids are
-:mod:`tests.models.qwen_vlm`'s."""
+on a sample of several images of different sizes; LoRA runs on it at two layouts, saved and
+exported, shared by the tests that read them (:func:`lora_runs`). The sample and our run over the
+grids are :mod:`tests.models.qwen_vlm`'s."""
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from tests.harness.worker_cache import once_per_run
 from tests.models.hf_vision import QWEN_PIXELS, redraw
 from tests.models.qwen3_vlm import IMAGE_TOKEN, VISION, processor
 
@@ -80,3 +83,31 @@ def hf_logits(folder: str | Path, ids: torch.Tensor, pictures: list[np.ndarray])
         return model(input_ids=ids, pixel_values=inputs["pixel_values"].double(),
                      image_grid_thw=inputs["image_grid_thw"],
                      mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits.numpy()
+
+
+LORA_LAYOUTS = {"one-rank-per-module": (2, ("image:dp=1", "language:dp=1")),
+                "language-tp2": (3, ("image:dp=1", "language:tp=2"))}
+"""The LoRA runs of :func:`lora_runs`: (ranks, ``--grid`` values) by name."""
+LORA = ("--lora", "language:rank=4,alpha=8", "--freeze-encoder", "image")
+"""LoRA on every linear of the language model (Gated DeltaNet's ``in_proj`` / ``out_proj``,
+attention's, the MLP's), the tower and its merger frozen."""
+
+
+@once_per_run
+def lora_runs() -> tuple[Path, list[list[Any]]]:
+    """The dense tiny folder (``root/hf``) trained 3 SGD steps with :data:`LORA` at each of
+    :data:`LORA_LAYOUTS`, saved (``root/NAME``, its losses in ``root/NAME-tensorboard``) and
+    exported (``root/out_NAME``, the adapters in ``out_NAME/adapters``); with the language TP 2
+    run's streamed pieces of its trained model (merged on each rank from its own shards). Once
+    per pytest run: the LoRA layout and PEFT export tests read the same runs."""
+    from tests.models.hf_vlm import SGD_TRAIN, export, vlm_train
+
+    root = Path(tempfile.mkdtemp(prefix="mimo-qwen3_5-lora-"))
+    folder = save_whole(root / "hf")
+    pieces = {}
+    for name, (nproc, grids) in LORA_LAYOUTS.items():
+        pieces[name] = vlm_train(nproc, folder, grids, (
+            *SGD_TRAIN, *LORA, "--save", str(root / name), "--save-interval", "3",
+            "--tensorboard-dir", str(root / f"{name}-tensorboard")))
+    export(root, tuple(LORA_LAYOUTS))
+    return root, pieces["language-tp2"]

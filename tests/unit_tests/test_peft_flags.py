@@ -27,13 +27,16 @@ def test_a_lora_flag_names_a_part_its_rank_alpha_dropout_and_targets():
                           "--lora", "vision.projection:rank=2,alpha=8"])
     specs = lora_specs(args.lora, layout)
     assert specs["language"] == LoraSpec("language", 8, 16.0, 0.0, (
-        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+        "linear_qkv", "linear_proj", "in_proj", "out_proj", "linear_fc1", "linear_fc2"))
     assert specs["vision"] == LoraSpec("vision", 4, 4.0, 0.1, ("linear_qkv",))
     assert specs["vision.projection"].targets == ("linear_fc1", "linear_fc2")
     assert specs["vision.projection"].scale == 4.0
     # an MoE language model: attention only by default
     assert lora_specs(["language:rank=8,alpha=16"], layout, num_experts=4)["language"].targets == (
-        "linear_qkv", "linear_proj")
+        "linear_qkv", "linear_proj", "in_proj", "out_proj")
+    # a language model known to have no Gated DeltaNet layers: not theirs
+    assert lora_specs(["language:rank=8,alpha=16"], layout, linear_attention=False)[
+        "language"].targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def test_per_part_optimizer_flags_are_read_by_part():
@@ -59,6 +62,9 @@ BAD = {
     "unknown-target": (["--lora", "vision:rank=4,alpha=8,targets=linear_qkv+q_proj"],
                        "unknown target 'q_proj'; vision's targets are linear_qkv, linear_proj, "
                        "linear_fc1, linear_fc2$"),
+    "language-hf-name": (["--lora", "language:rank=4,alpha=8,targets=in_proj_qkv"],
+                         "unknown target 'in_proj_qkv'; language's targets are linear_qkv, "
+                         "linear_proj, in_proj, out_proj, linear_fc1, linear_fc2$"),
     "projection-target": (["--lora", "vision.projection:rank=4,alpha=8,targets=linear_qkv"],
                           "unknown target 'linear_qkv'; vision.projection's targets are "
                           "linear_fc1, linear_fc2$"),
@@ -105,6 +111,11 @@ LAUNCH = {
                              "--lora", "vision:rank=4,alpha=8"],
                             "^--lora vision: encoder vision's network \\(PlainMLP\\) is a plain "
                             "torch module"),
+    "gated-delta-net-target-without-its-layers": (
+        ["--lora", "language:rank=4,alpha=8,targets=linear_qkv+out_proj"],
+        "^--lora language:rank=4,alpha=8,targets=linear_qkv\\+out_proj: out_proj is a Gated "
+        "DeltaNet linear \\(Qwen3.5's linear attention\\), and this language model has no "
+        "Gated DeltaNet layers; its targets are linear_qkv, linear_proj, linear_fc1, linear_fc2$"),
     "module-lr-with-decoupled-lr": (["--module-lr", "vision=1e-4", "--decoupled-lr", "1e-3"],
                                     "^--decoupled-lr and --module-lr both set"),
 }

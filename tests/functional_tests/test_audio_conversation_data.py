@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.harness.audio_files import CLIPS, write_clips
-from tests.harness.energon_data import energon_flags
+from tests.harness.energon_data import convert_by_the_readme, energon_flags
 from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, consumed_keys, shared_run
 from tests.harness.multiprocess import REPO_ROOT, run_preforked
 from tests.harness.tensorboard_scalars import read_scalars
@@ -68,17 +66,7 @@ def swift_folder() -> Path:
     (root / "swift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     texts = [turn["content"].replace("<image>", "").replace("<audio>", "")
              for record in records for turn in record["messages"]]
-    (root / "texts.txt").write_text("\n".join([*texts, "system : user : assistant :"]) + "\n")
-    for tool, argv in (
-            ("make_energon_dataset", ["--input", root, "--annotations", root / "swift.jsonl",
-                                      "--kind", "conversation", "--split", "80,10,10",
-                                      "--output", root / "energon"]),
-            ("train_tokenizer", ["--texts", root / "texts.txt", "--vocab-size", "256",
-                                 "--output", root / "tokenizer"])):
-        run = subprocess.run([sys.executable, "-m", f"tools.{tool}", *map(str, argv)],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-    return root
+    return convert_by_the_readme(root, root / "swift.jsonl", texts, "--split", "80,10,10")
 
 
 def _flags() -> tuple[str, ...]:

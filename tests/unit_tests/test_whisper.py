@@ -55,12 +55,13 @@ def test_features_equal_whisper_feature_extractor(whisper, name):
     np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_a_clip_at_44_1_khz_gets_the_features_hf_gives_it_resampled_by_load_audio(whisper):
+def test_a_long_clip_at_44_1_khz_gets_the_features_hf_gives_it_resampled(whisper):
     """transformers' ``load_audio`` (soundfile fallback) resamples with soxr to the extractor's
-    rate; the encoder's preprocessor does the same, so the features are HF's bit for bit."""
+    rate; the encoder's preprocessor does the same, then cuts the clip (1.5 s) to the chunk (1 s
+    here, 30 s in released checkpoints) as the extractor does: HF's features bit for bit."""
     import soxr
 
-    samples = (0.3 * np.random.default_rng(1).standard_normal(44100 // 3)).astype(np.float32)
+    samples = (0.3 * np.random.default_rng(1).standard_normal(44100 * 3 // 2)).astype(np.float32)
     got = plugin(whisper).preprocessor()(Waveform(samples, 44100))["input_features"]
     np.testing.assert_array_equal(got.numpy(),
                                   hf_features(whisper, soxr.resample(samples, 44100, RATE)))

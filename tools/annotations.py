@@ -159,17 +159,17 @@ def _in_marker_order(turns: list[dict[str, str]], images: list[str | list[str]],
     return [next(queues[tag]) for tag in tags]
 
 
-def _check_markers(where: str, turns: list[dict[str, str]], counts: dict[str, tuple[int, str]],
-                   ) -> None:
-    """Each marker kind: none, or one per item (``counts``: marker media -> (items, what))."""
-    for media, (items, what) in counts.items():
-        markers = _count(turns, media)
-        if markers and markers != items:
-            marker = media_marker(media)
-            raise DatasetError(f"{where}: {markers} {marker} marker{'s' * (markers != 1)} for "
-                               f"{items} {what}{'s' * (items != 1)}; give one marker per "
-                               f"{what}, in {what} order (or none: the {what}s then open the "
-                               "first 'human' turn)")
+def _check_count(where: str, markers: int, items: int, media: str, what: str,
+                 tagged: bool = False) -> None:
+    """One ``media`` marker per item, or none (unless ``tagged``: the record's other visual tags
+    place its items, so these need theirs too)."""
+    if (markers or tagged) and markers != items:
+        none = (f" (or none: the {what}s then open the first 'human' turn)" if not tagged
+                else " (a record with <image> or <video> tags needs one for every image and "
+                     "video)")
+        raise DatasetError(f"{where}: {markers} {media_marker(media)} marker"
+                           f"{'s' * (markers != 1)} for {items} {what}{'s' * (items != 1)}; give "
+                           f"one marker per {what}, in {what} order{none}")
 
 
 def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -187,20 +187,17 @@ def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
     if swift:
         converted = _swift_turns(row, where)
         stills, videos = _paths(row, "images", where), _paths(row, "videos", where, videos=True)
-        _check_markers(where, converted, {"image": (len(stills), "image"),
-                                          "video": (len(videos), "video")})
+        tagged = bool(_count(converted, "image") + _count(converted, "video"))
+        for media, items in (("image", stills), ("video", videos)):
+            _check_count(where, _count(converted, media), len(items), media, media, tagged)
         images = _in_marker_order(converted, stills, videos)
         audios = _paths(row, "audios", where)
     else:
         converted = _llava_turns(row, where)
         images, audios = _paths(row, "image", where, videos=None), _paths(row, "audio", where)
-        visual = _count(converted, "image") + _count(converted, "video")
-        if visual and visual != len(images):
-            raise DatasetError(f"{where}: {visual} <image> marker{'s' * (visual != 1)} for "
-                               f"{len(images)} image{'s' * (len(images) != 1)}; give one marker "
-                               "per image, in image order (or none: the images then open the "
-                               "first 'human' turn)")
-    _check_markers(where, converted, {"audio": (len(audios), "audio clip")})
+        _check_count(where, _count(converted, "image") + _count(converted, "video"),
+                     len(images), "image", "image")
+    _check_count(where, _count(converted, "audio"), len(audios), "audio", "audio clip")
     if not any(turn["role"] == "assistant" for turn in converted):
         raise DatasetError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
     unmarked = [what for what, items, markers in (

@@ -220,13 +220,17 @@ def test_a_clip_that_does_not_decode_is_refused_before_anything_is_written(capsy
                                "clip, in audio clip order"),
     (dict(audios=[]), "3 <audio> markers for 0 audio clips"),
     (dict(images=[]), "1 <image> marker for 0 images"),
+    (dict(videos=[["frame0.png"]]), "0 <video> markers for 1 video; give one marker per video, "
+                                    "in video order (a record with <image> or <video> tags needs "
+                                    "one for every image and video)"),
     (dict(videos=["clip.mp4"]), "'videos[0]' is not a video (give each video as a list of its "
                                 "frames' image paths"),
     (dict(audios=[WAV, FLAC, "tone.ogg"]), "audio FOLDER/tone.ogg must be a .wav, .flac, .mp3 "
                                            "file"),
     (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0] is not {\"role\": "
                                                          "system|user|assistant"),
-], ids=["fewer-clips", "no-clips", "no-images", "video-file", "ogg", "role"])
+], ids=["fewer-clips", "no-clips", "no-images", "untagged-video", "video-file", "ogg",
+        "role"])
 def test_ms_swift_records_that_cannot_train_are_refused_in_one_line(capsys, folder, tmp_path,
                                                                    overrides, problem):
     records = [_swift(i) for i in range(10)]

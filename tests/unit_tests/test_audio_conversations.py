@@ -273,7 +273,8 @@ def test_mid_run_a_bad_clip_or_marker_stops_naming_the_sample(folder):
 
 
 @pytest.mark.multirank
-def test_a_folder_prepared_by_stock_energon_prepare_with_audio_parts_trains(folder, tmp_path):
+def test_a_folder_prepared_by_stock_energon_prepare_with_audio_parts_reads_on_both_sides(
+        folder, tmp_path):
     """Plain shards (``<key>.png``, ``<key>.wav|flac|mp3``, ``<key>.json``), stock ``energon
     prepare``, the README's dataset.yaml: both sides read one clip per sample, at its marker."""
     import yaml

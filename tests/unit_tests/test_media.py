@@ -161,6 +161,13 @@ def test_clips_resample_to_the_encoders_rate(tmp_path: Path, name: str):
     assert resample(heard, 16000) is heard
 
 
+@pytest.mark.parametrize("samples, rate", [(1000, 48000), (1, 44100), (3000, 44100)])
+def test_a_resampled_clip_holds_its_duration_in_samples_rounded_up(samples, rate):
+    """As transformers' load_audio and librosa.load: ceil, not round (334, 1 and 1089 here)."""
+    heard = resample(Waveform(np.ones(samples, np.float32), rate), 16000)
+    assert len(heard.samples) == math.ceil(samples * 16000 / rate)
+
+
 def test_a_list_of_frame_images_is_a_video_whose_size_its_headers_give():
     frames = [_image(12, 20) + index for index in range(3)]
     parts = [encode_png(frame) for frame in frames]

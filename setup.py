@@ -36,6 +36,10 @@ setup(
         "psutil==7.2.2",
         # Images: the built-in encoders' preprocessing and the step timeline's picture.
         "pillow==13.0.0",
+        # Audio: decoding (libsndfile: WAV, FLAC, MP3, ...) and resampling to the encoder's rate,
+        # what transformers' load_audio falls back to (media/codec.py).
+        "soundfile==0.14.0",
+        "soxr==1.1.0",
     ],
     extras_require={
         # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.

@@ -1,6 +1,7 @@
 """The annotation side of ``tools.make_energon_dataset``: each kind's columns, the records read
-from a JSONL / JSON / CSV annotation file (LLaVA / ShareGPT conversations converted to turns and
-0..N items), and every media file checked to decode, before anything is written."""
+from a JSONL / JSON / CSV annotation file (LLaVA / ShareGPT and ms-swift conversations converted
+to turns and 0..N images, videos and audio clips), and every media file checked to decode, before
+anything is written."""
 
 from __future__ import annotations
 
@@ -14,13 +15,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from megatron_plugins.data.samples import (
-    AUDIO_PART,
-    DATASET_KINDS,
-    ConversationKind,
-    SampleKind,
-)
-from megatron_plugins.data.text import media_marker
+from megatron_plugins.data.samples import DATASET_KINDS, ConversationKind, SampleKind
+from megatron_plugins.data.text import ROLES, media_marker
 from megatron_plugins.errors import UsageError
 from megatron_plugins.media.codec import DECODERS, BadSampleError
 
@@ -30,7 +26,7 @@ __all__ = ["KINDS", "MEDIA_SUFFIXES", "PROG", "DatasetError", "Kind", "Record", 
 PROG = "make_energon_dataset"
 MEDIA_SUFFIXES: dict[str, dict[str, str]] = {
     "image": {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"},
-    "audio": {".wav": AUDIO_PART},
+    "audio": {".wav": "wav", ".flac": "flac", ".mp3": "mp3"},
 }
 """Media files accepted per column, and the tar part each is stored as (bytes kept as they are)."""
 KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -100,50 +96,117 @@ class Record:
     text: dict[str, str]
 
 
-def _image_paths(row: dict[str, Any], where: str) -> list[str | list[str]]:
-    """A LLaVA-style record's image paths: ``image`` one path, a list of them (a video: a list
-    of its frames' paths), or absent."""
-    image = row.get("image")
-    images = [] if image is None else image if isinstance(image, list) else [image]
-    for index, path in enumerate(images):
-        frames = path if isinstance(path, list) and isinstance(image, list) else [path]
-        if not frames or not all(isinstance(frame, str) and frame for frame in frames):
-            what = "image" if not isinstance(image, list) else f"image[{index}]"
-            raise DatasetError(f"{where}: {what!r} is not a file path (give a path, a list of "
-                               "paths (a video: a list of frame paths), or no 'image' for a "
-                               "text-only record)")
-    return images
+VIDEO_FRAMES = "a list of its frames' image paths"
+"""How a conversation record gives a video (video files are not decoded)."""
 
 
-def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """A LLaVA-style (or ShareGPT) record as the columns of the ``conversation`` kind: its image
-    paths and its turns as JSON ``{role, content}`` text; records that cannot train are
-    refused."""
-    turns = row.get("conversations")
-    if not isinstance(turns, list) or not turns:
-        raise DatasetError(f"{where}: no 'conversations' list; each record needs conversations "
-                           "[{from, value}, ...] (and image: a path or a list, if it has any)")
-    images = _image_paths(row, where)
+def _paths(row: dict[str, Any], column: str, where: str,
+           videos: bool | None = False) -> list[str | list[str]]:
+    """A record's ``column`` entries: one, a list of them, or absent (none). An entry is a path;
+    with ``videos`` True a video (a list of frame paths); with None either (LLaVA's ``image``
+    list, where a list entry is a video)."""
+    value = row.get(column)
+    entries = [] if value is None else value if isinstance(value, list) else [value]
+    for index, entry in enumerate(entries):
+        frames = entry if isinstance(entry, list) and isinstance(value, list) else [entry]
+        shape_ok = videos is None or isinstance(entry, list) == videos
+        if not (shape_ok and frames and all(isinstance(path, str) and path for path in frames)):
+            what = column if not isinstance(value, list) else f"{column}[{index}]"
+            give = (f"give each video as {VIDEO_FRAMES}" if videos
+                    else "give a path, a list of paths (a video: a list of frame paths)"
+                    if videos is None else "give a path or a list of paths")
+            raise DatasetError(f"{where}: {what!r} is not {'a video' if videos else 'a file path'}"
+                               f" ({give}, or no {column!r} for a record without them)")
+    return entries
+
+
+def _llava_turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """LLaVA / ShareGPT ``conversations`` (``from`` / ``value``) as ``{role, content}`` turns."""
     converted = []
-    for index, turn in enumerate(turns):
+    for index, turn in enumerate(row["conversations"]):
         speaker = turn.get("from") if isinstance(turn, dict) else None
         value = turn.get("value") if isinstance(turn, dict) else None
         if speaker not in LLAVA_ROLES or not isinstance(value, str):
             raise DatasetError(f"{where}: conversations[{index}] is not {{\"from\": "
                                f"{'|'.join(LLAVA_ROLES)}, \"value\": text}}")
         converted.append({"role": LLAVA_ROLES[speaker], "content": value})
-    markers = sum(turn["content"].count(media_marker(media)) for turn in converted
-                  for media in ("image", "video"))
-    if markers and markers != len(images):
-        raise DatasetError(f"{where}: {markers} <image> marker{'s' * (markers != 1)} for "
-                           f"{len(images)} image{'s' * (len(images) != 1)}; give one marker per "
-                           "image, in image order (or none: the images then open the first "
-                           "'human' turn)")
+    return converted
+
+
+def _swift_turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """ms-swift ``messages``, already ``{role, content}`` turns, checked."""
+    for index, turn in enumerate(row["messages"]):
+        if not (isinstance(turn, dict) and turn.get("role") in ROLES
+                and isinstance(turn.get("content"), str)):
+            raise DatasetError(f"{where}: messages[{index}] is not {{\"role\": "
+                               f"{'|'.join(ROLES)}, \"content\": text}}")
+    return [{"role": turn["role"], "content": turn["content"]} for turn in row["messages"]]
+
+
+def _count(turns: list[dict[str, str]], media: str) -> int:
+    return sum(turn["content"].count(media_marker(media)) for turn in turns)
+
+
+def _in_marker_order(turns: list[dict[str, str]], images: list[str | list[str]],
+                     videos: list[str | list[str]]) -> list[str | list[str]]:
+    """ms-swift's separate ``images`` and ``videos`` as the one list of the image encoder's items,
+    in the order of their ``<image>`` / ``<video>`` tags (no tags: images, then videos)."""
+    pattern = f"{re.escape(media_marker('image'))}|{re.escape(media_marker('video'))}"
+    tags = [tag for turn in turns for tag in re.findall(pattern, turn["content"])]
+    if not tags:
+        return [*images, *videos]
+    queues = {media_marker("image"): iter(images), media_marker("video"): iter(videos)}
+    return [next(queues[tag]) for tag in tags]
+
+
+def _check_count(where: str, markers: int, items: int, media: str, what: str,
+                 tagged: bool = False) -> None:
+    """One ``media`` marker per item, or none (unless ``tagged``: the record's other visual tags
+    place its items, so these need theirs too)."""
+    if (markers or tagged) and markers != items:
+        none = (f" (or none: the {what}s then open the first 'human' turn)" if not tagged
+                else " (a record with <image> or <video> tags needs one for every image and "
+                     "video)")
+        raise DatasetError(f"{where}: {markers} {media_marker(media)} marker"
+                           f"{'s' * (markers != 1)} for {items} {what}{'s' * (items != 1)}; give "
+                           f"one marker per {what}, in {what} order{none}")
+
+
+def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A LLaVA-style (or ShareGPT) record (``conversations``, ``image``, ``audio``) or an ms-swift
+    record (``messages``, ``images``, ``videos``, ``audios``) as the columns of the
+    ``conversation`` kind: its image (and video) paths, its audio paths and its turns as JSON
+    ``{role, content}`` text; records that cannot train are refused."""
+    swift = "messages" in row
+    column = "messages" if swift else "conversations"
+    if not isinstance(row.get(column), list) or not row[column]:
+        raise DatasetError(f"{where}: no {column!r} list; each record needs conversations "
+                           "[{from, value}, ...] (LLaVA, ShareGPT; and image / audio: a path or "
+                           "a list, if it has any) or messages [{role, content}, ...] (ms-swift; "
+                           "and images / videos / audios lists)")
+    if swift:
+        converted = _swift_turns(row, where)
+        stills, videos = _paths(row, "images", where), _paths(row, "videos", where, videos=True)
+        tagged = bool(_count(converted, "image") + _count(converted, "video"))
+        for media, items in (("image", stills), ("video", videos)):
+            _check_count(where, _count(converted, media), len(items), media, media, tagged)
+        images = _in_marker_order(converted, stills, videos)
+        audios = _paths(row, "audios", where)
+    else:
+        converted = _llava_turns(row, where)
+        images, audios = _paths(row, "image", where, videos=None), _paths(row, "audio", where)
+        _check_count(where, _count(converted, "image") + _count(converted, "video"),
+                     len(images), "image", "image")
+    _check_count(where, _count(converted, "audio"), len(audios), "audio", "audio clip")
     if not any(turn["role"] == "assistant" for turn in converted):
         raise DatasetError(f"{where}: no assistant ('gpt') turn, so nothing to train on")
-    if images and not markers and not any(turn["role"] == "user" for turn in converted):
-        raise DatasetError(f"{where}: no <image> marker and no 'human' turn to put the images in")
-    return {"key": row.get("id"), "images": images,
+    unmarked = [what for what, items, markers in (
+        ("image", images, _count(converted, "image") + _count(converted, "video")),
+        ("audio", audios, _count(converted, "audio"))) if items and not markers]
+    if unmarked and not any(turn["role"] == "user" for turn in converted):
+        raise DatasetError(f"{where}: no {media_marker(unmarked[0])} marker and no 'human' turn "
+                           f"to put the {unmarked[0]} items in")
+    return {"key": row.get("id"), "images": images, "audios": audios,
             "conversation": json.dumps(converted, ensure_ascii=False)}
 
 
@@ -211,10 +274,10 @@ def _read_rows(annotations: Path, kind: Kind) -> list[tuple[str, dict[str, Any]]
     return rows
 
 
-def _conversation_items(images: list[str | list[str]]) -> list[tuple[str, str]]:
-    """Each image (a video: each frame) path of a conversation with its part's index."""
+def _conversation_items(entries: list[str | list[str]]) -> list[tuple[str, str]]:
+    """Each image or clip (a video: each frame) path of a conversation with its part's index."""
     return [(name, f"{index}.{frame}" if isinstance(entry, list) else str(index))
-            for index, entry in enumerate(images)
+            for index, entry in enumerate(entries)
             for frame, name in enumerate(entry if isinstance(entry, list) else [entry])]
 
 
@@ -233,7 +296,8 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
         if key in seen:
             raise DatasetError(f"{where}: key {key!r} is already used by {seen[key]}")
         seen[key] = where
-        named = ([("image", name, item) for name, item in _conversation_items(row["images"])]
+        named = ([(media, name, item) for media in ("image", "audio")
+                  for name, item in _conversation_items(row[f"{media}s"])]
                  if kind.conversation else [(column, row[column], "") for column in kind.media])
         media = []
         for column, name, item in named:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Collection
 from typing import Any, Callable
 
 from megatron.energon import CaptioningSample, Sample, VQASample
@@ -24,22 +25,24 @@ from megatron_plugins.data.text import ROLES, Conversation, SampleText
 from megatron_plugins.media.codec import BadSampleError, decode_text
 
 __all__ = [
-    "AUDIO_PART", "AudioTranscriptSample", "ConversationKind", "ConversationSample",
-    "DATASET_KINDS", "IMAGE_PARTS", "ImageAudioCaptionSample", "SAMPLE_KINDS", "SampleKind",
-    "conversation_part", "conversation_parts", "sample_kind"
+    "AUDIO_PARTS", "AudioTranscriptSample", "ConversationKind", "ConversationSample",
+    "DATASET_KINDS", "IMAGE_PARTS", "ImageAudioCaptionSample", "MEDIA_PARTS", "SAMPLE_KINDS",
+    "SampleKind", "conversation_part", "conversation_parts", "sample_kind"
 ]
 
 #: Tar part extensions an image may be stored under (the source file's own encoding is kept).
 IMAGE_PARTS = ("jpg", "png")
-#: Tar part extension of audio.
-AUDIO_PART = "wav"
+#: Tar part extensions audio may be stored under (the source file's own encoding is kept).
+AUDIO_PARTS = ("wav", "flac", "mp3")
+#: Each media kind's tar part extensions.
+MEDIA_PARTS = {"image": IMAGE_PARTS, "audio": AUDIO_PARTS}
 
 
 @edataclass
 class AudioTranscriptSample(Sample):
     """Speech (or any sound) and the text it should be transcribed to."""
 
-    #: The WAV file's bytes, undecoded.
+    #: The audio file's bytes (WAV, FLAC or MP3), undecoded.
     audio: bytes
     #: The transcript.
     transcript: str
@@ -51,7 +54,7 @@ class ImageAudioCaptionSample(Sample):
 
     #: The image file's bytes (PNG or JPEG), undecoded.
     image: bytes
-    #: The WAV file's bytes, undecoded.
+    #: The audio file's bytes (WAV, FLAC or MP3), undecoded.
     audio: bytes
     #: The caption naming what is seen and heard.
     caption: str
@@ -59,12 +62,13 @@ class ImageAudioCaptionSample(Sample):
 
 @edataclass
 class ConversationSample(Sample):
-    """A multi-turn conversation with 0..N images or videos, each at its ``<image>`` marker, in
-    order.
+    """A multi-turn conversation with 0..N images or videos, each at its ``<image>`` marker, and
+    0..N audio clips, each at its ``<audio>`` marker, in order.
 
     Stored as tar parts ``<key>.0.png``, ``<key>.1.jpg``, ... (:func:`conversation_part`), a
-    video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``, ..., and ``<key>.json``; a text-only
-    sample has the ``json`` part alone.
+    video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``, ..., clips as ``<key>.0.wav``,
+    ``<key>.1.mp3``, ... (numbered apart from the images), and ``<key>.json``; a text-only sample
+    has the ``json`` part alone.
     """
 
     #: The image files' bytes (PNG or JPEG), undecoded, in marker order (empty: text-only); a
@@ -75,6 +79,9 @@ class ConversationSample(Sample):
     #: image ``i`` at the ``i``-th ``<image>`` marker (with no marker, all images at the start of
     #: the first user turn).
     conversation: str
+    #: The audio files' bytes (WAV, FLAC or MP3), undecoded, in ``<audio>`` marker order (empty:
+    #: none; a default, so a ``field_map`` without audio still fills the sample).
+    audios: list[bytes] = dataclasses.field(default_factory=list)
 
 
 def _text(raw: dict[str, Any], part: str) -> str:
@@ -92,85 +99,89 @@ def _json(raw: dict[str, Any], part: str) -> dict:
         raise BadSampleError(raw["__key__"], part, f"is not JSON ({error.msg})") from None
 
 
-def _image(raw: dict[str, Any]) -> Any:
-    """The sample's image part, whichever of the image extensions it was stored under."""
-    return next(raw[part] for part in IMAGE_PARTS if part in raw)
+def _part(raw: dict[str, Any], media: str) -> Any:
+    """The sample's ``media`` part, whichever of that kind's extensions it was stored under."""
+    return next(raw[part] for part in MEDIA_PARTS[media] if part in raw)
 
 
 def load_caption(raw: dict[str, Any]) -> dict[str, Any]:
     """Fields of Energon's ``CaptioningSample`` from an image part and a ``txt`` caption."""
-    return dict(image=_image(raw), caption=_text(raw, "txt"))
+    return dict(image=_part(raw, "image"), caption=_text(raw, "txt"))
 
 
 def load_vqa(raw: dict[str, Any]) -> dict[str, Any]:
     """Fields of Energon's ``VQASample`` from an image part and a ``json`` {question, answer}."""
     qa = _json(raw, "json")
-    return dict(image=_image(raw), context=qa["question"], answers=[qa["answer"]])
+    return dict(image=_part(raw, "image"), context=qa["question"], answers=[qa["answer"]])
 
 
 def load_transcript(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fields of ``AudioTranscriptSample`` from a ``wav`` part and a ``txt`` transcript."""
-    return dict(audio=raw[AUDIO_PART], transcript=_text(raw, "txt"))
+    """Fields of ``AudioTranscriptSample`` from an audio part and a ``txt`` transcript."""
+    return dict(audio=_part(raw, "audio"), transcript=_text(raw, "txt"))
 
 
 def load_image_audio_caption(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fields of ``ImageAudioCaptionSample`` from image, ``wav`` and ``txt`` parts."""
-    return dict(image=_image(raw), audio=raw[AUDIO_PART], caption=_text(raw, "txt"))
+    """Fields of ``ImageAudioCaptionSample`` from image, audio and ``txt`` parts."""
+    return dict(image=_part(raw, "image"), audio=_part(raw, "audio"), caption=_text(raw, "txt"))
 
 
-_CONVERSATION_IMAGE = re.compile(rf"(\d+)\.(?:(\d+)\.)?({'|'.join(IMAGE_PARTS)})")
-"""A conversation's image part: its index in marker order, a video frame's index, then the source
-file's encoding."""
+_CONVERSATION_PARTS = {media: re.compile(rf"(\d+)\.(?:(\d+)\.)?({'|'.join(parts)})")
+                       for media, parts in MEDIA_PARTS.items()}
+"""A conversation's item part of each media kind: its index in marker order, a video frame's
+index, then the source file's encoding."""
 
 
 def conversation_part(index: int | str, extension: str) -> str:
-    """The tar part of a conversation's ``index``-th image stored as ``extension`` (jpg, png);
-    ``index`` ``"2.0"``: the first frame of its third item, a video."""
+    """The tar part of a conversation's ``index``-th item of a kind stored as ``extension`` (jpg,
+    png; wav, flac, mp3); ``index`` ``"2.0"``: the first frame of its third item, a video."""
     return f"{index}.{extension}"
 
 
 def conversation_parts(part: str) -> bool:
-    """Energon's part filter of conversation datasets: the turns and every numbered image (and
+    """Energon's part filter of conversation datasets: the turns and every numbered item (and
     the single ``jpg`` / ``png`` part of datasets written before samples held several)."""
-    return part == "json" or part in IMAGE_PARTS or bool(_CONVERSATION_IMAGE.fullmatch(part))
+    return part == "json" or part in IMAGE_PARTS or any(
+        pattern.fullmatch(part) for pattern in _CONVERSATION_PARTS.values())
 
 
-def _conversation_images(raw: dict[str, Any]) -> list[bytes]:
-    """A conversation's images (a video: its frames, in frame order) in index order; the indices
-    must run 0..N-1."""
+def _conversation_items(raw: dict[str, Any], media: str) -> list[Any]:
+    """A conversation's items of ``media`` (a video: its frames, in frame order) in index order;
+    the indices must run 0..N-1."""
+    field = f"{media}s"
     numbered: dict[int, Any] = {}
     for part, data in raw.items():
-        match = _CONVERSATION_IMAGE.fullmatch(part)
+        match = _CONVERSATION_PARTS[media].fullmatch(part)
         if not match:
             continue
         index, existing = int(match.group(1)), numbered.get(int(match.group(1)))
         if existing is not None and (match.group(2) is None or not isinstance(existing, dict)):
-            raise BadSampleError(raw["__key__"], f"images[{index}]", "is stored as more than one "
-                                 "image part, or as an image and video frames; keep one")
+            raise BadSampleError(raw["__key__"], f"{field}[{index}]", f"is stored as more than "
+                                 f"one {media} part, or as an image and video frames; keep one")
         if match.group(2) is None:
             numbered[index] = data
         else:
             numbered.setdefault(index, {})[int(match.group(2))] = data
     if sorted(numbered) != list(range(len(numbered))):
-        raise BadSampleError(raw["__key__"], "images", f"has image parts numbered "
+        raise BadSampleError(raw["__key__"], field, f"has {media} parts numbered "
                              f"{sorted(numbered)}; they must run 0..N-1 (rewrite the dataset with "
                              "python -m tools.make_energon_dataset --kind conversation)")
     for index, frames in numbered.items():
         if isinstance(frames, dict):
             if sorted(frames) != list(range(len(frames))):
-                raise BadSampleError(raw["__key__"], f"images[{index}]", f"has video frame "
+                raise BadSampleError(raw["__key__"], f"{field}[{index}]", f"has video frame "
                                      f"parts numbered {sorted(frames)}; they must run 0..N-1")
             numbered[index] = [frames[frame] for frame in sorted(frames)]
-    legacy = [raw[part] for part in IMAGE_PARTS if part in raw]
+    legacy = [raw[part] for part in IMAGE_PARTS if part in raw] if media == "image" else []
     return legacy + [numbered[index] for index in sorted(numbered)]
 
 
 def load_conversation(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fields of ``ConversationSample`` from numbered image parts and a ``json`` list of turns
-    (kept as JSON text, re-serialized where Energon's decoder already parsed it)."""
+    """Fields of ``ConversationSample`` from numbered image and audio parts and a ``json`` list
+    of turns (kept as JSON text, re-serialized where Energon's decoder already parsed it)."""
     turns = raw["json"]
     text = json.dumps(turns) if isinstance(turns, (list, dict)) else _text(raw, "json")
-    return dict(images=_conversation_images(raw), conversation=text)
+    return dict(images=_conversation_items(raw, "image"),
+                audios=_conversation_items(raw, "audio"), conversation=text)
 
 
 Loader = Callable[[dict[str, Any]], dict[str, Any]]
@@ -193,6 +204,11 @@ class SampleKind:
     def fields(self) -> tuple[str, ...]:
         """Every field training reads, so every field a dataset's ``field_map`` must fill."""
         return (*self.media, *([self.prompt] if self.prompt else []), self.target)
+
+    def read_fields(self, media: Collection[str]) -> tuple[str, ...]:
+        """The fields a run whose encoders read ``media`` needs filled: every field (the sample
+        type requires each)."""
+        return self.fields
 
     @property
     def one_item_each(self) -> bool:
@@ -233,6 +249,10 @@ class ConversationKind(SampleKind):
     @property
     def fields(self) -> tuple[str, ...]:
         return (*(f"{media}s" for media in self.media), self.target)
+
+    def read_fields(self, media: Collection[str]) -> tuple[str, ...]:
+        """The item lists of the ``media`` read (the others default to empty) and the turns."""
+        return (*(f"{kind}s" for kind in self.media if kind in media), self.target)
 
     @property
     def one_item_each(self) -> bool:
@@ -276,7 +296,7 @@ DATASET_KINDS: dict[str, SampleKind] = {
     "transcript": SampleKind(AudioTranscriptSample, ("audio",), "transcript", load_transcript),
     "image_audio_caption": SampleKind(ImageAudioCaptionSample, ("image", "audio"), "caption",
                                       load_image_audio_caption),
-    "conversation": ConversationKind(ConversationSample, ("image",), "conversation",
+    "conversation": ConversationKind(ConversationSample, ("image", "audio"), "conversation",
                                      load_conversation),
 }
 """Each kind of ``tools.make_energon_dataset --kind``, the sample type training reads."""

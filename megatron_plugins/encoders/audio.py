@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from megatron.core.models.mimo.submodules.audio import AudioModalitySubmodules
@@ -29,11 +29,10 @@ from megatron_plugins.encoders.base import (
 )
 from megatron_plugins.flops.count import EncoderFlops
 from megatron_plugins.flops.encoder import embedding, tower
+from megatron_plugins.media.codec import Waveform, resample
 
 __all__ = ["AudioFrameEncoder", "LogMelPreprocessor", "hz_to_mel", "mel_filterbank", "mel_to_hz"]
 
-if TYPE_CHECKING:
-    from megatron_plugins.media.codec import Waveform
 
 DOWNSAMPLE = 2
 
@@ -82,11 +81,9 @@ class LogMelPreprocessor(MediaPreprocessor):
     num_frames: int
 
     def __call__(self, media: Waveform) -> dict[str, torch.Tensor]:
-        """``{"frames": float32 [num_frames, num_mels]}``."""
-        if media.sample_rate != self.sample_rate:
-            raise ValueError(f"audio at {media.sample_rate} Hz; the encoder expects "
-                             f"{self.sample_rate} Hz (--audio-sample-rate): resample the dataset")
-        samples = torch.as_tensor(media.samples, dtype=torch.float32).reshape(-1)
+        """``{"frames": float32 [num_frames, num_mels]}`` of the clip resampled to
+        ``sample_rate``."""
+        samples = torch.as_tensor(resample(media, self.sample_rate).samples, dtype=torch.float32).reshape(-1)
         spectrum = torch.stft(samples, self.n_fft, hop_length=self.hop_length,
                               window=torch.hann_window(self.n_fft), center=True,
                               pad_mode="constant", return_complex=True)
@@ -136,7 +133,8 @@ class AudioFrameEncoder(EncoderPlugin):
         group.add_argument("--audio-num-features", type=int, default=16,
                            help="Mel bins per frame.")
         group.add_argument("--audio-sample-rate", type=int, default=16000,
-                           help="Sample rate (Hz) the dataset's audio must have.")
+                           help="Sample rate (Hz) the encoder hears: clips at other rates are "
+                                "resampled to it.")
         group.add_argument("--audio-n-fft", type=int, default=400,
                            help="STFT window and FFT size in samples (25 ms at 16 kHz).")
         group.add_argument("--audio-hop-length", type=int, default=160,

@@ -175,7 +175,8 @@ class MediaPreprocessor(abc.ABC):
     """Which decoded media of a sample it reads: ``"image"`` or ``"audio"``."""
 
     sample_rate: int | None = None
-    """Audio only: the rate waveforms must have (None: any); synthetic audio is made at it."""
+    """Audio only: the rate the encoder hears (None: any); clips at other rates are resampled to
+    it (:func:`megatron_plugins.media.codec.resample`), synthetic audio is made at it."""
 
     takes_video: ClassVar[bool] = False
     """Image only: it also takes a :class:`megatron_plugins.media.codec.Video` (frames of one

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -39,10 +39,9 @@ from megatron_plugins.encoders.base import (
 from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.flops.count import EncoderFlops
 from megatron_plugins.flops.encoder import embedding, stem, tower
+from megatron_plugins.media.codec import Waveform, resample
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
-if TYPE_CHECKING:
-    from megatron_plugins.media.codec import Waveform
 
 __all__ = ["WhisperEncoder", "WhisperFeatures", "WhisperNetwork", "sinusoids",
            "whisper_mel_filters"]
@@ -92,12 +91,9 @@ class WhisperFeatures(MediaPreprocessor):
         return self.n_samples // self.hop_length
 
     def __call__(self, media: Waveform) -> dict[str, torch.Tensor]:
-        """``{"input_features": float32 [num_mel_bins, num_frames]}``."""
-        if media.sample_rate != self.sample_rate:
-            raise ValueError(f"audio at {media.sample_rate} Hz; the Whisper encoder expects "
-                             f"{self.sample_rate} Hz (preprocessor_config.json sampling_rate): "
-                             "resample the dataset")
-        samples = np.asarray(media.samples, dtype=np.float32).reshape(-1)[:self.n_samples]
+        """``{"input_features": float32 [num_mel_bins, num_frames]}`` of the clip resampled to
+        ``sample_rate`` (HF's extractor refuses other rates; datasets mix them)."""
+        samples = np.asarray(resample(media, self.sample_rate).samples, dtype=np.float32).reshape(-1)[:self.n_samples]
         padded = np.full((1, self.n_samples), self.padding_value, dtype=np.float32)
         padded[0, :len(samples)] = samples
         waveform = torch.from_numpy(padded)

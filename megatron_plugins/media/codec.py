@@ -1,5 +1,5 @@
-"""Sample part bytes <-> decoded values: the one place that reads and writes images and WAV audio,
-and reads text parts.
+"""Sample part bytes <-> decoded values: the one place that reads and writes images and audio
+(reads WAV, FLAC, MP3 and whatever else libsndfile reads; writes WAV), and reads text parts.
 
 Decoded kinds (the contract with the data sources and the encoders' preprocessors): ``"image"`` is
 a ``numpy.ndarray`` uint8 ``[H, W, 3]`` RGB, or a :class:`Video` (frames of one size, given in a
@@ -11,16 +11,19 @@ round trip is exact by construction.
 from __future__ import annotations
 
 import io
+import math
 import wave
 from dataclasses import dataclass
 
 import numpy as np
+import soundfile
+import soxr
 from PIL import Image
 
 __all__ = [
     "BadSampleError", "DECODERS", "DEFAULT_VIDEO_FPS", "MEDIA_KINDS", "Video", "Waveform",
     "decode_audio", "decode_image", "decode_item", "decode_text", "decode_video", "encode_jpeg",
-    "encode_png", "encode_wav", "is_video", "media_size", "probe_item", "probe_size"
+    "encode_png", "encode_wav", "is_video", "media_size", "probe_item", "probe_size", "resample"
 ]
 
 DEFAULT_VIDEO_FPS = 2.0
@@ -81,29 +84,34 @@ def decode_image(data: bytes, key: str, field: str = "image") -> np.ndarray:
                              f"does not decode as an image ({_first_line(error)})") from error
 
 
-_PCM_DTYPES = {1: (np.uint8, 128.0, 128.0), 2: (np.dtype("<i2"), 0.0, 32768.0),
-               4: (np.dtype("<i4"), 0.0, 2147483648.0)}
-"""WAV sample width in bytes -> (stored dtype, offset, scale): 8-bit PCM is unsigned."""
-
-
 def decode_audio(data: bytes, key: str, field: str = "audio") -> Waveform:
-    """8/16/32-bit PCM WAV -> mono :class:`Waveform`; channels are averaged."""
+    """Any audio file libsndfile reads (WAV, FLAC, MP3, OGG, ...) -> mono :class:`Waveform` at
+    the file's own rate, channels averaged: transformers' ``load_audio`` (soundfile backend) step
+    for step. Encoders resample it to their rate (:func:`resample`)."""
     try:
-        with wave.open(io.BytesIO(data), "rb") as reader:
-            width, channels = reader.getsampwidth(), reader.getnchannels()
-            rate, frames = reader.getframerate(), reader.readframes(reader.getnframes())
-    except Exception as error:  # noqa: BLE001 - wave raises wave.Error, EOFError, struct.error
+        with soundfile.SoundFile(io.BytesIO(data)) as reader:
+            rate, channels = reader.samplerate, reader.read(dtype="float32", always_2d=True).T
+    except Exception as error:  # noqa: BLE001 - libsndfile raises LibsndfileError, TypeError, ...
         raise BadSampleError(key, field,
-                             f"does not decode as WAV audio ({_first_line(error)})") from error
-    if width not in _PCM_DTYPES:
-        raise BadSampleError(key, field, f"is {8 * width}-bit WAV; only 8, 16 and 32-bit PCM "
-                                         "are read")
-    if len(frames) % (width * channels):
-        raise BadSampleError(key, field, "is truncated WAV audio (it ends inside a frame)")
-    dtype, offset, scale = _PCM_DTYPES[width]
-    pcm = np.frombuffer(frames, dtype=dtype)
-    samples = ((pcm.astype(np.float64) - offset) / scale).reshape(-1, channels).mean(axis=1)
-    return Waveform(samples.astype(np.float32), rate)
+                             f"does not decode as audio ({_first_line(error)})") from error
+    if not channels.shape[1]:
+        raise BadSampleError(key, field, "is audio without samples; give a clip of at least one "
+                                         "sample")
+    samples = channels.mean(axis=0) if len(channels) > 1 else channels[0]
+    return Waveform(np.ascontiguousarray(samples, dtype=np.float32), int(rate))
+
+
+def resample(waveform: Waveform, sample_rate: int) -> Waveform:
+    """``waveform`` at ``sample_rate`` Hz as transformers' ``load_audio`` (and ``librosa.load``)
+    resample: soxr's high quality, then ``ceil(n * sample_rate / rate)`` samples (zero-padded or
+    cut); as it is when already at that rate."""
+    if waveform.sample_rate == sample_rate:
+        return waveform
+    length = math.ceil(len(waveform.samples) * sample_rate / waveform.sample_rate)
+    samples = soxr.resample(waveform.samples, waveform.sample_rate, sample_rate,
+                            quality="soxr_hq")
+    samples = np.pad(samples, (0, max(0, length - len(samples))))[:length]
+    return Waveform(np.ascontiguousarray(samples, dtype=np.float32), sample_rate)
 
 
 def _encode_image(image: np.ndarray, **save: object) -> bytes:
@@ -212,10 +220,10 @@ def probe_size(kind: str, data: bytes, key: str, field: str) -> tuple[int, ...]:
             with Image.open(io.BytesIO(data)) as image:
                 width, height = image.size
             return (height, width)
-        with wave.open(io.BytesIO(data), "rb") as reader:
-            return (reader.getnframes(), reader.getframerate())
-    except Exception as error:  # noqa: BLE001 - PIL and wave raise many types for corrupt files
-        what = "an image" if kind == "image" else "WAV audio"
+        info = soundfile.info(io.BytesIO(data))
+        return (int(info.frames), int(info.samplerate))
+    except Exception as error:  # noqa: BLE001 - PIL and libsndfile raise many types
+        what = "an image" if kind == "image" else "audio"
         raise BadSampleError(key, field, f"does not decode as {what} "
                                          f"({_first_line(error)})") from error
 

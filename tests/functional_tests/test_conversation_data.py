@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.harness.energon_data import energon_flags, synthetic_dataset
+from tests.harness.energon_data import (convert_by_the_readme, energon_flags,
+                                         synthetic_dataset)
 from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, shared_run, train_mimo
 from tests.harness.multiprocess import REPO_ROOT, run_preforked
 from tests.harness.tensorboard_scalars import read_scalars
@@ -124,16 +125,7 @@ def llava_folder() -> Path:
     records = [_llava_record(index, rng, root) for index in range(200)]
     (root / "llava.json").write_text(json.dumps(records, indent=1))
     texts = [turn["value"].replace("<image>", "") for r in records for turn in r["conversations"]]
-    (root / "texts.txt").write_text("\n".join([*texts, "system : user : assistant :"]) + "\n")
-    for tool, argv in (
-            ("make_energon_dataset", ["--input", root, "--annotations", root / "llava.json",
-                                      "--kind", "conversation", "--output", root / "energon"]),
-            ("train_tokenizer", ["--texts", root / "texts.txt", "--vocab-size", "256",
-                                 "--output", root / "tokenizer"])):
-        run = subprocess.run([sys.executable, "-m", f"tools.{tool}", *map(str, argv)],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-    return root
+    return convert_by_the_readme(root, root / "llava.json", texts)
 
 
 def _multi_flags() -> tuple[str, ...]:

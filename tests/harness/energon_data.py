@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tests.harness.multiprocess import REPO_ROOT
 from tests.harness.worker_cache import once_per_run
 
 SAMPLES = 300
@@ -26,6 +27,24 @@ def synthetic_dataset(kind: str = "image_audio_caption") -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"mimo-{kind}-"))
     make_synthetic(root, SAMPLES, kind, seed=0)
     prepare(root, kind, seed=0, quiet=True)
+    return root
+
+
+def convert_by_the_readme(root: Path, annotations: Path, texts: list[str],
+                          *extra: str) -> Path:
+    """``root/energon`` from a conversation ``annotations`` file and ``root/tokenizer`` trained on
+    ``texts`` (the chat template's role words added), by the README's two commands (``extra``:
+    more ``make_energon_dataset`` flags)."""
+    (root / "texts.txt").write_text("\n".join([*texts, "system : user : assistant :"]) + "\n")
+    for tool, argv in (
+            ("make_energon_dataset", ["--input", root, "--annotations", annotations,
+                                      "--kind", "conversation", *extra,
+                                      "--output", root / "energon"]),
+            ("train_tokenizer", ["--texts", root / "texts.txt", "--vocab-size", "256",
+                                 "--output", root / "tokenizer"])):
+        run = subprocess.run([sys.executable, "-m", f"tools.{tool}", *map(str, argv)],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
     return root
 
 

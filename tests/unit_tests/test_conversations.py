@@ -301,9 +301,10 @@ def test_datasets_written_with_one_image_part_stay_readable() -> None:
     load_conversation = DATASET_KINDS["conversation"].loader
     turns = json.dumps([{"role": "user", "content": "hi"}]).encode()
     assert load_conversation({"__key__": "k", "png": b"P", "json": turns}) == dict(
-        images=[b"P"], conversation=turns.decode())
+        images=[b"P"], audios=[], conversation=turns.decode())
     assert conversation_parts("png") and conversation_parts("12.jpg")
-    assert not conversation_parts("1.wav") and not conversation_parts("x.png")
+    assert conversation_parts("1.wav") and conversation_parts("0.mp3")
+    assert not conversation_parts("1.ogg") and not conversation_parts("x.png")
     with pytest.raises(BadSampleError, match=r"sample 'k': field 'images' has image parts "
                                              r"numbered \[0, 2\]; they must run 0..N-1"):
         load_conversation({"__key__": "k", "0.png": b"P", "2.png": b"Q", "json": turns})

@@ -132,7 +132,7 @@ def test_dataset_yaml_names_the_sample_type(tmp_path: Path) -> None:
     config = yaml.safe_load((path / ".nv-meta" / "dataset.yaml").read_text())
     assert config["sample_type"] == {"__module__": "megatron_plugins.data.samples",
                                      "__class__": "AudioTranscriptSample"}
-    assert config["part_filter"] == ["wav", "txt"]
+    assert config["part_filter"] == ["wav", "flac", "mp3", "txt"]
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> Path:

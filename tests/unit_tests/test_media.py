@@ -1,10 +1,13 @@
-"""Media bytes written by the dataset tools decode to the agreed kinds, and a corrupt sample is
-reported with its key and field instead of a PIL or wave traceback."""
+"""Media bytes written by the dataset tools decode to the agreed kinds (audio: WAV, FLAC and MP3
+at any rate, mono or stereo, resampled to an encoder's rate), and a corrupt sample is reported
+with its key and field instead of a PIL or libsndfile traceback."""
 
 from __future__ import annotations
 
 import io
+import math
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +25,10 @@ from megatron_plugins.media.codec import (
     encode_wav,
     media_size,
     probe_item,
+    resample,
 )
+from tests.harness.audio_files import CLIPS, tone, write_clip
+from transformers.audio_utils import load_audio
 
 KEY = "shard_000/00042"
 
@@ -90,7 +96,7 @@ def test_8_and_32_bit_pcm_are_scaled_to_unit_range(pcm, width):
 
 @pytest.mark.parametrize("decode, field, what", [
     (decode_image, "image", "does not decode as an image"),
-    (decode_audio, "audio", "does not decode as WAV audio"),
+    (decode_audio, "audio", "does not decode as audio"),
 ])
 def test_corrupt_bytes_name_the_sample_and_field(decode, field, what):
     with pytest.raises(BadSampleError) as error:
@@ -105,16 +111,61 @@ def test_the_field_name_is_the_callers():
         decode_image(encode_png(_image())[:40], KEY, field="jpg")
 
 
-@pytest.mark.parametrize("cut", [1, 2])
-def test_a_wav_ending_inside_a_frame_is_a_bad_sample(cut):
-    data = _wav(np.array([[1, 2], [3, 4]], "<i2"), 2, 2)[:-cut]
-    with pytest.raises(BadSampleError, match=f"sample '{KEY}': field 'audio' is truncated"):
-        decode_audio(data, KEY)
+def test_24_bit_wav_decodes_to_unit_range():
+    pcm = np.array([0, 0, 0x80, 0, 0, 0x40], np.uint8)  # -2**23 and 2**22, little-endian
+    np.testing.assert_allclose(decode_audio(_wav(pcm, 3, 1), KEY).samples, [-1.0, 0.5])
 
 
-def test_24_bit_wav_is_refused_by_name():
-    with pytest.raises(BadSampleError, match="field 'audio' is 24-bit WAV; only 8, 16 and 32-bit"):
-        decode_audio(_wav(np.zeros(6, np.uint8), 3, 1), KEY)
+def test_a_header_without_samples_is_a_bad_sample():
+    with pytest.raises(BadSampleError, match=f"^sample '{KEY}': field 'audios\\[0\\]' is audio "
+                                             "without samples"):
+        decode_audio(_wav(np.zeros(0, "<i2"), 2, 1), KEY, "audios[0]")
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_wav_flac_and_mp3_decode_to_mono_at_their_own_rate(tmp_path: Path, name: str):
+    rate, channels, seconds = CLIPS[name]
+    written = write_clip(tmp_path / name, rate, channels, seconds)
+    data = (tmp_path / name).read_bytes()
+    decoded = decode_audio(data, KEY)
+    assert decoded.sample_rate == rate
+    assert decoded.samples.dtype == np.float32 and decoded.samples.ndim == 1
+    # Language ranks size an item from its header alone: it must agree with the decoded clip.
+    assert probe_item("audio", data, KEY, "audios[0]") == media_size(decoded)
+    mono = written.mean(axis=1)
+    if name.endswith(".mp3"):  # lossy: the same length within a frame, the same loudness
+        assert abs(len(decoded.samples) - len(mono)) <= 1
+        assert np.sqrt(np.mean(decoded.samples ** 2)) == pytest.approx(0.5 / math.sqrt(2),
+                                                                        rel=0.05)
+    else:  # 16-bit PCM: within one step of each channel
+        np.testing.assert_allclose(decoded.samples, mono, atol=1 / 32768)
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_clips_resample_to_the_encoders_rate(tmp_path: Path, name: str):
+    rate, channels, seconds = CLIPS[name]
+    write_clip(tmp_path / name, rate, channels, seconds)
+    decoded = decode_audio((tmp_path / name).read_bytes(), KEY)
+    heard = resample(decoded, 16000)
+    assert heard.sample_rate == 16000 and heard.samples.dtype == np.float32
+    assert len(heard.samples) == math.ceil(len(decoded.samples) * 16000 / rate)
+    # What a transformers user gets for the same file (its soundfile + soxr path), bit for bit.
+    np.testing.assert_array_equal(heard.samples, load_audio(str(tmp_path / name), 16000,
+                                                            backend="soundfile"))
+    spectrum = np.abs(np.fft.rfft(heard.samples))
+    peak_hz = np.argmax(spectrum) * 16000 / len(heard.samples)
+    assert abs(peak_hz - 440.0) <= 16000 / len(heard.samples)  # the tone keeps its pitch
+    if not name.endswith(".mp3"):  # the same tone made at 16 kHz, away from the clip's ends
+        expected = tone(16000, channels, seconds).mean(axis=1)
+        np.testing.assert_allclose(heard.samples[200:-200], expected[200:-200], atol=2e-3)
+    assert resample(heard, 16000) is heard
+
+
+@pytest.mark.parametrize("samples, rate", [(1000, 48000), (1, 44100), (3000, 44100)])
+def test_a_resampled_clip_holds_its_duration_in_samples_rounded_up(samples, rate):
+    """As transformers' load_audio and librosa.load: ceil, not round (334, 1 and 1089 here)."""
+    heard = resample(Waveform(np.ones(samples, np.float32), rate), 16000)
+    assert len(heard.samples) == math.ceil(samples * 16000 / rate)
 
 
 def test_a_list_of_frame_images_is_a_video_whose_size_its_headers_give():

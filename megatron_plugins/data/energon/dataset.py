@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,16 @@ def _other_parts(path: Path, parts: list[str]) -> list[str] | None:
         return None  # An index of another Energon version: Energon itself reads the parts.
 
 
-def _check_field_map(path: Path, sample_type: str, spec: dict[str, Any]) -> None:
+def _check_field_map(path: Path, sample_type: str, spec: dict[str, Any],
+                     media: Collection[str]) -> None:
     """Refuse a ``field_map`` (what ``energon prepare --field-map`` writes) that leaves a field
-    training reads unfilled, looks inside a part, or names parts no sample holds: Energon would
-    fail on every rank at the first sample."""
+    training reads (of the ``media`` the run's encoders read) unfilled, looks inside a part, or
+    names parts no sample holds: Energon would fail on every rank at the first sample."""
     if spec.get("sample_loader"):
         return  # The loader fills the fields itself (tools.make_energon_dataset writes one).
     where = f"--data-path {path}: its .nv-meta/dataset.yaml"
     field_map = spec.get("field_map") or {}
-    for field in SAMPLE_KINDS[sample_type].fields:
+    for field in SAMPLE_KINDS[sample_type].read_fields(media):
         if field not in field_map:
             raise DataPathError(
                 f"{where} maps no tar part to the {field!r} field of {sample_type}; add "
@@ -115,7 +117,8 @@ def check_dataset(path: Path, plugins: dict[str, EncoderPlugin], args: Any) -> S
     if sample_type not in SAMPLE_KINDS:
         raise DataPathError(f"{flag} holds {sample_type or 'unknown'} samples; supported: "
                             f"{', '.join(SAMPLE_KINDS)}")
-    _check_field_map(path, sample_type, spec)
+    read = {plugin.preprocessor().media for plugin in plugins.values()}
+    _check_field_map(path, sample_type, spec, read)
     carried = SAMPLE_KINDS[sample_type].media
     for name, plugin in plugins.items():
         media = plugin.preprocessor().media

@@ -109,7 +109,10 @@ class TextInputs:
                              f"({'+'.join(map(str, items))} tokens)"
                              for name, items in counts.items() if items)
             kind = sample_kind(sample)
-            raise BadSampleError(sample.__key__, "+".join(kind.fields[: len(kind.media)]),
+            fields = dict(zip(kind.media, kind.fields))  # the media fields come first
+            held = dict.fromkeys(fields[self.plugins[name].preprocessor().media]
+                                 for name, items in counts.items() if items)
+            raise BadSampleError(sample.__key__, "+".join(held),
                                  f"needs {needed} positions for its placeholder runs ({runs}) "
                                  f"and a bos token, more than --seq-length {self.seq_length}; "
                                  "raise --seq-length, lower the encoder's tokens per item, or "

@@ -1,0 +1,112 @@
+"""Audio clips inside conversations, end to end: a hand-made ms-swift folder (an 8 kHz stereo WAV,
+a 44.1 kHz FLAC and an MP3, 0..3 clips and 0..1 image per record, tags in the text or none)
+converted by the README's commands trains a vision + audio + language MiMo through the entry
+point with packed rows, reporting the padding share; the audio encoder at dp2 on ranks of its own
+(its replicas sharing the clips by work) trains identically, every clip keyed and consumed."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.harness.audio_files import CLIPS, write_clips
+from tests.harness.energon_data import convert_by_the_readme, energon_flags
+from tests.harness.mimo_runs import TINY_MIMO, MimoLaunch, consumed_keys, shared_run
+from tests.harness.multiprocess import REPO_ROOT, run_preforked
+from tests.harness.tensorboard_scalars import read_scalars
+from tests.harness.worker_cache import once_per_run
+
+pytestmark = pytest.mark.multirank
+
+SCRIPT = REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py"
+TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "chat_template.jinja"
+RECORDS = 80
+PITCHES = {"low": 220.0, "high": 880.0}
+FLAGS = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005",
+         "--seq-length", "128", "--max-position-embeddings", "128",
+         "--chat-template", str(TEMPLATE), "--pack-sequences", "--balance-encoder-work",
+         "--encoder", "vision=vit", "--encoder", "audio=audio")
+ONE_RANK_EACH = ("--grid", "vision:", "--grid", "audio:", "--grid", "language:")
+AUDIO_DP2 = ("--grid", "vision:", "--grid", "audio:dp=2", "--grid", "language:")
+PADDING = re.compile(r"padding share of language DP replica 0's training rows \((\d+) "
+                     r"microbatches of (\d+) samples, --seq-length 128\): ([\d.]+)% unpacked "
+                     r"\(\d+ rows\), ([\d.]+)% packed")
+
+
+def _record(index: int) -> dict:
+    """``index % 4`` clips of one pitch (in the three formats in turn), an image every other
+    record; tags in the text for three records in four."""
+    pitch = list(PITCHES)[index // 4 % 2]
+    clips = [f"{pitch}/{name}" for name in list(CLIPS)[: index % 4]]
+    images = ["square.png"] if index % 2 else []
+    tagged = index % 4 != 3
+    question = ("<image>" * len(images) + "<audio>" * len(clips)) * tagged + "what do you hear"
+    answer = f"a {pitch} tone" if clips else "nothing"
+    return {"id": f"c{index:03d}", "images": images, "audios": clips, "messages": [
+        {"role": "system", "content": "answer briefly"},
+        {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+@once_per_run
+def swift_folder() -> Path:
+    """The folder (``swift.jsonl``, clips, an image), converted and a tokenizer trained by the
+    README's commands, once per test run."""
+    root = Path(tempfile.mkdtemp(prefix="mimo-audio-conversations-"))
+    for pitch, hz in PITCHES.items():
+        write_clips(root / pitch, hz)
+    Image.fromarray(np.full((16, 16, 3), (220, 30, 30), np.uint8)).save(root / "square.png")
+    records = [_record(index) for index in range(RECORDS)]
+    (root / "swift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    texts = [turn["content"].replace("<image>", "").replace("<audio>", "")
+             for record in records for turn in record["messages"]]
+    return convert_by_the_readme(root, root / "swift.jsonl", texts, "--split", "80,10,10")
+
+
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, *energon_flags(swift_folder()))
+
+
+@once_per_run
+def entry_point_run() -> tuple[dict[int, float], str]:
+    """One rank per module through the entry point: ``lm loss`` per iteration and the output."""
+    logdir = tempfile.mkdtemp(prefix="mimo-audio-tb-")
+    run = run_preforked(SCRIPT, [*TINY_MIMO, *_flags(), *ONE_RANK_EACH, "--tensorboard-dir",
+                                 logdir], nproc=3, timeout=300)
+    assert run.returncode == 0, run.output[-4000:]
+    assert "Traceback" not in run.output
+    return read_scalars(logdir, "lm loss"), run.output
+
+
+def test_audio_conversations_train_packed_through_the_entry_point_reporting_padding() -> None:
+    losses, output = entry_point_run()
+    assert sorted(losses) == list(range(1, 11))
+    assert all(math.isfinite(value) for value in losses.values())
+    [(microbatches, samples, unpacked, packed)] = PADDING.findall(output)
+    assert (int(microbatches), int(samples)) == (40, 80)  # 10 steps of 4 packed microbatches
+    print(f"padding share: {unpacked}% unpacked, {packed}% packed")
+    assert float(packed) < float(unpacked)
+
+
+def test_the_audio_encoder_at_dp2_on_ranks_of_its_own_trains_identically() -> None:
+    reference, _ = entry_point_run()
+    scalars, results = shared_run(MimoLaunch(4, (*_flags(), *AUDIO_DP2), timeout=300))
+    losses = scalars["lm loss"]
+    assert sorted(losses) == sorted(reference)
+    worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
+    print(f"audio dp2: max relative lm loss difference {worst:.2e} over {len(reference)} "
+          "iterations")
+    assert worst <= 1e-5, (reference, losses)
+    language = consumed_keys(results, "language")
+    audio = [key for r in results if r["module"] == "audio" for batch in r["keys"]
+             for key in batch]
+    assert sorted(audio) == sorted(language)  # both replicas' shares: every sample keyed
+    counts = [len(c) for r in results if r["module"] == "audio"
+              for step in r["item_tokens"] for c in step["audio"]]
+    assert set(counts) == {0, 1, 2, 3}

@@ -28,7 +28,8 @@ its share however few shards there are) and written as WebDataset shards
 as ``<key>.0.png``, ``<key>.1.jpg``, ..., a video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``,
 ...), ``<key>.wav|flac|mp3`` (a conversation's clips as ``<key>.0.wav``, ``<key>.1.mp3``, ...),
 and the text as ``<key>.txt`` (one text field) or ``<key>.json`` (VQA's question and answer, a
-conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written as ``energon prepare`` writes it.
+conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written
+as ``energon prepare`` writes it.
 Every record and media file is checked first (annotations, files, that each image and audio
 file decodes), with a progress bar, before anything is written: a problem is one line naming the
 record's line (and id) and the field or file, exit code 2, and nothing is left behind.

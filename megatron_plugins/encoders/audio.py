@@ -83,7 +83,8 @@ class LogMelPreprocessor(MediaPreprocessor):
     def __call__(self, media: Waveform) -> dict[str, torch.Tensor]:
         """``{"frames": float32 [num_frames, num_mels]}`` of the clip resampled to
         ``sample_rate``."""
-        samples = torch.as_tensor(resample(media, self.sample_rate).samples, dtype=torch.float32).reshape(-1)
+        clip = resample(media, self.sample_rate)
+        samples = torch.as_tensor(clip.samples, dtype=torch.float32).reshape(-1)
         spectrum = torch.stft(samples, self.n_fft, hop_length=self.hop_length,
                               window=torch.hann_window(self.n_fft), center=True,
                               pad_mode="constant", return_complex=True)

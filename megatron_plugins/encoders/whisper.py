@@ -93,7 +93,8 @@ class WhisperFeatures(MediaPreprocessor):
     def __call__(self, media: Waveform) -> dict[str, torch.Tensor]:
         """``{"input_features": float32 [num_mel_bins, num_frames]}`` of the clip resampled to
         ``sample_rate`` (HF's extractor refuses other rates; datasets mix them)."""
-        samples = np.asarray(resample(media, self.sample_rate).samples, dtype=np.float32).reshape(-1)[:self.n_samples]
+        clip = resample(media, self.sample_rate)
+        samples = np.asarray(clip.samples, dtype=np.float32).reshape(-1)[:self.n_samples]
         padded = np.full((1, self.n_samples), self.padding_value, dtype=np.float32)
         padded[0, :len(samples)] = samples
         waveform = torch.from_numpy(padded)

@@ -50,7 +50,8 @@ def convert_by_the_readme(root: Path, annotations: Path, texts: list[str],
 
 def energon_flags(root: Path, *, workers: int = 0) -> tuple[str, ...]:
     """Flags that put the tiny model on the real data (they override the mock's NullTokenizer)."""
-    return ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tokenizer"),
+    return ("--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(root / "tokenizer"),
             "--data-path", str(root / "energon"), "--num-workers", str(workers))
 
 

@@ -56,8 +56,8 @@ NUMERICS = (
 def _exact_activation(fields: dict[str, object]) -> dict[str, object]:
     """``fields`` with stock's bias-activation fusion kept only where it computes the activation
     exactly (SwiGLU). Its GELU forms are the tanh approximation: a GELU encoder or projector that
-    inherited the fusion from a SwiGLU language model (stock's default on a GPU) would compute
-    another function on a GPU than on the CPU simulation and than its checkpoint's."""
+    inherited the language model's fusion (on by default on a GPU, for GELU and SwiGLU models
+    alike) would compute another function than its checkpoint's, and than before on the CPU."""
     swiglu = fields.get("activation_func", F.gelu) is F.silu and fields.get("gated_linear_unit")
     if fields.get("bias_activation_fusion") and not swiglu:
         return {**fields, "bias_activation_fusion": False}

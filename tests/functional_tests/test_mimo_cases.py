@@ -67,7 +67,8 @@ def assert_bridged_gaps(log: Path, grids: str) -> None:
 def preforked(nproc: int, argv: list[str], env: dict[str, str], log: Path, timeout: float,
               what: str) -> None:
     """The runner's launcher with each rank forked ready instead of importing torch and Megatron
-    under torchrun (most of a small case's time); the two tests below keep torchrun's launch."""
+    under torchrun (most of a small case's time); the upstream-style launch below keeps
+    torchrun's."""
     try:
         code = launch_preforked(ENTRY_POINT, argv, nproc, env=env, log=log, timeout=timeout)
     except TimeoutError as error:
@@ -93,7 +94,8 @@ def test_case_matches_its_goldens(name: str, tmp_path) -> None:
 def test_case_under_another_kernel_dispatch_passes_by_the_cross_host_rule(name: str,
                                                                           tmp_path) -> None:
     report: list[str] = []
-    failures = check_case(name, workdir=tmp_path, extra_env=DISPATCH_VARIANT, report=report)
+    failures = check_case(name, workdir=tmp_path, extra_env=DISPATCH_VARIANT, report=report,
+                          launch=preforked)  # forks of a server loaded under the variant
     assert report[0].startswith("cross-host tolerance (signature differs in"), report
     assert failures == [], "\n".join(failures)
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -277,6 +278,43 @@ PRELOADED_ENVIRONMENT = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"
 """Variables torch's libraries read once, when they load: a preforked rank keeps the server's."""
 
 
+_variant_servers: dict[tuple[tuple[str, str | None], ...], forkserver.ForkServer] = {}
+"""Preloaded servers by the values of :data:`PRELOADED_ENVIRONMENT` they started under."""
+
+
+def _variant_server(preloaded: tuple[tuple[str, str | None], ...]) -> forkserver.ForkServer:
+    """A second preloaded server (:mod:`tests.harness.simulation_preload`) whose torch loaded
+    under ``preloaded`` (another kernel dispatch, say), started once: a fork of the usual server
+    would keep that server's kernels whatever its environment says."""
+    if preloaded not in _variant_servers:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload([SIMULATION_PRELOAD])
+        saved = dict(os.environ)
+        try:
+            for name, value in preloaded:
+                os.environ.pop(name, None)
+                if value is not None:
+                    os.environ[name] = value
+            server.ensure_running()  # the server inherits this environment
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _variant_servers[preloaded] = server
+    return _variant_servers[preloaded]
+
+
+@contextlib.contextmanager
+def _forking_from(server: forkserver.ForkServer) -> Any:
+    """Processes started inside fork from ``server``, not the forkserver context's own (which
+    ``multiprocessing.popen_forkserver`` asks for by this module attribute)."""
+    usual = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = usual
+
+
 def _kill_trees(processes: Sequence[mp.Process]) -> None:
     """Kill ranks and whatever they started (a spawned Manager, loader workers)."""
     for process in processes:
@@ -294,12 +332,13 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
     """Run ``script argv`` on ``nproc`` ranks as torchrun would (its rank variables, every rank's
     output to ``log``, the first failure ending the others); the exit code, 0 when every rank
     succeeded. Each rank is a fork of the simulation's preloaded server, so it skips the ~10 s
-    of CPU that importing torch and Megatron costs; only for ``--cpu-simulation`` runs whose
-    environment leaves :data:`PRELOADED_ENVIRONMENT` as this process has it."""
-    changed = [name for name in PRELOADED_ENVIRONMENT if env.get(name) != os.environ.get(name)]
-    if changed or "--cpu-simulation" not in argv:
-        raise ValueError(f"launch_preforked runs --cpu-simulation scripts whose environment keeps "
-                         f"{', '.join(PRELOADED_ENVIRONMENT)}; changed: {changed}; use torchrun")
+    of CPU that importing torch and Megatron costs; only for ``--cpu-simulation`` runs. Where
+    ``env`` gives :data:`PRELOADED_ENVIRONMENT` other values than this process has, the ranks are
+    forks of a server of their own, started under those values (:func:`_variant_server`)."""
+    if "--cpu-simulation" not in argv:
+        raise ValueError("launch_preforked runs --cpu-simulation scripts; use torchrun")
+    preloaded = tuple((name, env.get(name)) for name in PRELOADED_ENVIRONMENT)
+    variant = any(value != os.environ.get(name) for name, value in preloaded)
     context = _context(simulated=True)
     store = rendezvous_store()
     log.write_text("")
@@ -309,8 +348,9 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
                               env, str(log)))
         for rank in range(nproc)
     ]
-    for process in processes:
-        process.start()
+    with _forking_from(_variant_server(preloaded)) if variant else contextlib.nullcontext():
+        for process in processes:
+            process.start()
     deadline = time.monotonic() + timeout
     try:
         while True:

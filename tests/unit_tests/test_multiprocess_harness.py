@@ -118,8 +118,29 @@ def test_a_hung_preforked_launch_is_killed_at_its_deadline(preforked_server: Non
     assert time.monotonic() - start < 20
 
 
-def test_a_preforked_launch_refuses_what_the_preloaded_libraries_already_read(
-        tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="changed: \\['ATEN_CPU_CAPABILITY'\\]; use torchrun"):
-        launch_preforked(tmp_path / "x.py", ["--cpu-simulation"], 2, log=tmp_path / "log",
-                         env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, timeout=5)
+CAPABILITY_SCRIPT = """
+import os, torch
+print(f"rank {os.environ['RANK']} kernels {torch.backends.cpu.get_cpu_capability()} "
+      f"ATEN_CPU_CAPABILITY {os.environ.get('ATEN_CPU_CAPABILITY')}", flush=True)
+"""
+
+
+def test_a_preforked_launch_under_another_dispatch_runs_that_dispatchs_kernels(
+        preforked_server: None, tmp_path: Path) -> None:
+    """Torch picks its kernels once, when it loads: ranks launched with another
+    ``ATEN_CPU_CAPABILITY`` fork from a server loaded under it, not from the usual one."""
+    script, log = tmp_path / "capability.py", tmp_path / "launch.log"
+    script.write_text(CAPABILITY_SCRIPT)
+    printed = {}
+    for capability in (None, "default"):
+        env = {name: value for name, value in os.environ.items() if name != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        assert launch_preforked(script, ["--cpu-simulation"], 2, env=env, log=log, timeout=60) == 0
+        printed[capability] = sorted(line for line in log.read_text().splitlines()
+                                     if line.startswith("rank "))
+    assert printed["default"] == ["rank 0 kernels DEFAULT ATEN_CPU_CAPABILITY default",
+                                  "rank 1 kernels DEFAULT ATEN_CPU_CAPABILITY default"]
+    assert all(" kernels DEFAULT " not in line for line in printed[None]), printed[None]
+    with pytest.raises(ValueError, match="runs --cpu-simulation scripts; use torchrun"):
+        launch_preforked(script, [], 2, env=dict(os.environ), log=log, timeout=5)

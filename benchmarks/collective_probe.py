@@ -13,12 +13,11 @@ so the package and stock Megatron stay untouched. For each training step it reco
   Megatron's timers (run with ``--timing-log-level 1 --no-barrier-with-level-1-timing`` for the
   optimizer's).
 
-At exit it writes ``<STEP_PROBE_OUT>.rank<R>.json``.
+Its :meth:`Probe.save` writes ``<STEP_PROBE_OUT>.rank<R>.json``.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import json
@@ -55,7 +54,8 @@ time spent waiting for the other grid."""
 class Probe:
     """Per-process record of steps; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, out_prefix: str) -> None:
+        self.out_prefix = out_prefix
         self.steps: list[dict[str, Any]] = []
         self._calls: list[dict[str, Any]] | None = None
         self._depth = 0
@@ -112,6 +112,13 @@ class Probe:
 
         return timed
 
+    def save(self) -> None:
+        """Write ``<out_prefix>.rank<R>.json``: this rank's recorded steps (called when the run
+        ends, however its process then exits: a forked rank runs no exit handlers)."""
+        rank = int(os.environ.get("RANK", "0"))
+        with open(f"{self.out_prefix}.rank{rank}.json", "w") as handle:
+            json.dump({"rank": rank, "steps": self.steps}, handle)
+
     def step(self, stock: Callable) -> Callable:
         """Stock ``train_step`` recording one entry of :attr:`steps` per call."""
 
@@ -151,12 +158,13 @@ def _model_config(args: tuple, kwargs: dict) -> Any:
 
 
 def activate(out_prefix: str) -> Probe:
-    """Wrap torch.distributed and stock ``train_step`` in this process; write results at exit."""
+    """Wrap torch.distributed and stock ``train_step`` in this process, recording into a probe
+    that saves under ``out_prefix``."""
     import megatron.training.training as training
 
     from torch.distributed import distributed_c10d
 
-    probe = Probe()
+    probe = Probe(out_prefix)
     for kind in WRAPPED:
         wrapped = probe.wrap(kind, getattr(distributed_c10d, kind))
         # Both names: P2POp checks its op against distributed_c10d's own isend/irecv.
@@ -170,11 +178,4 @@ def activate(out_prefix: str) -> Probe:
             owner = getattr(owner, part)
         leaf = attr.split(".")[-1]
         setattr(owner, leaf, probe.timed(region, getattr(owner, leaf)))
-
-    def write() -> None:
-        rank = int(os.environ.get("RANK", "0"))
-        with open(f"{out_prefix}.rank{rank}.json", "w") as handle:
-            json.dump({"rank": rank, "steps": probe.steps}, handle)
-
-    atexit.register(write)
     return probe

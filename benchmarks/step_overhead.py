@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,23 +83,23 @@ PARTS = ("forward", "backward", "transfers", "grad sync")
 """Parts of a step the probe times (besides Megatron's ``optimizer`` timer)."""
 
 
-def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) -> None:
-    """Run step_worker.py under torchrun on ``nproc`` ranks; ``nproc=0``: one plain process that
-    parses the MiMo flags as rank 0 of the 2-rank layout (the encoder-alone measurement)."""
+Launcher = Callable[[Path, list[str], int, dict[str, str], float], None]
+"""Runs ``script args`` on ``nproc`` ranks as torchrun would, in ``env``, within ``timeout``
+seconds; raises on a failed rank."""
+
+
+def torchrun(script: Path, args: list[str], nproc: int, env: dict[str, str],
+             timeout: float) -> None:
+    """The benchmark's launcher: ``torchrun --nproc-per-node nproc script args``."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "STEP_PROBE_OUT": probe_out, "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": str(THREADS_PER_PROCESS),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    worker = [str(HERE / "step_worker.py"), *worker_args]
-    if nproc:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--master-addr", "127.0.0.1", "--master-port", str(port), *worker]
-    else:
-        command = [sys.executable, *worker]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+          "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), *args],
+         env, timeout, args[0])
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float, what: str) -> None:
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -108,22 +109,44 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float) 
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
     if process.returncode != 0:
-        raise RuntimeError(f"{worker_args[0]} run failed ({process.returncode}):\n{output[-4000:]}")
+        raise RuntimeError(f"{what} run failed ({process.returncode}):\n{output[-4000:]}")
+
+
+def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float,
+            launch: Launcher = torchrun) -> None:
+    """Run step_worker.py by ``launch`` on ``nproc`` ranks; ``nproc=0``: one plain process that
+    parses the MiMo flags as rank 0 of the 2-rank layout (the encoder-alone measurement)."""
+    env = {**os.environ, "STEP_PROBE_OUT": probe_out, "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": str(THREADS_PER_PROCESS),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    worker = HERE / "step_worker.py"
+    if nproc:
+        launch(worker, worker_args, nproc, env, timeout)
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    _run([sys.executable, str(worker), *worker_args], env, timeout, worker_args[0])
 
 
 def record(mode: str, steps: int, warmup: int, probe_out: str, timeout: float = 600.0,
            language_grid: str = "dp=1", items: str = STATIC_ITEMS,
-           extra: list[str] | None = None) -> list[list[dict[str, Any]]]:
+           extra: list[str] | None = None,
+           launch: Launcher = torchrun) -> list[list[dict[str, Any]]]:
     """Train the ``gpt`` (one rank) or ``mimo`` (the encoder's rank, then the language grid's:
     ``language_grid`` as ``--grid language:`` takes it; ``items`` per sample) configuration under
-    the probe, with ``extra`` flags last; per rank, the recorded steps after warm-up."""
+    the probe, with ``extra`` flags last, launched by ``launch``; per rank, the recorded steps
+    after warm-up."""
     if mode == "gpt":
         nproc, flags = 1, ["--mock-data"]
     else:
         flags = mimo_flags(language_grid, items)
         nproc = 1 + math.prod(int(size) for size in re.findall(r"=(\d+)", language_grid))
     iters = ["--train-iters", str(steps + warmup)]
-    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters, *(extra or [])], probe_out, timeout)
+    _launch(nproc, [mode, *LANGUAGE_MODEL, *flags, *iters, *(extra or [])], probe_out, timeout,
+            launch)
     return [json.loads(Path(f"{probe_out}.rank{r}.json").read_text())["steps"][warmup:]
             for r in range(nproc)]
 
@@ -157,14 +180,16 @@ def breakdown(steps: list[dict[str, Any]]) -> dict[str, float]:
     return parts
 
 
-def _round(steps: int, warmup: int, timeout: float) -> dict[str, Any]:
-    """One stock, encoder-alone and MiMo measurement, back to back."""
+def measure_round(steps: int, warmup: int, timeout: float,
+                  launch: Launcher = torchrun) -> dict[str, Any]:
+    """One stock, encoder-alone and MiMo measurement, back to back (the stock and MiMo runs
+    launched by ``launch``): their seconds, ratios and every recorded step."""
     iters = ["--train-iters", str(steps + warmup)]
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
-        [stock] = record("gpt", steps, warmup, f"{tmp}/gpt", timeout)
+        [stock] = record("gpt", steps, warmup, f"{tmp}/gpt", timeout, launch=launch)
         _launch(0, ["encoder", str(steps), str(warmup), *LANGUAGE_MODEL, *mimo_flags(), *iters],
                 f"{tmp}/enc", timeout)
-        hetero = record("mimo", steps, warmup, f"{tmp}/mimo", timeout)
+        hetero = record("mimo", steps, warmup, f"{tmp}/mimo", timeout, launch=launch)
         encoder = json.loads(Path(f"{tmp}/enc.encoder.json").read_text())
     seconds = {"mimo_step": statistics.median(max(r[i]["seconds"] for r in hetero)
                                               for i in range(steps)),
@@ -180,7 +205,7 @@ def measure(steps: int, warmup: int, timeout: float, rounds: int = 1) -> dict[st
     """Run the three measurements ``rounds`` times, interleaved, and return the report: the
     ratio is the median of the rounds' ratios (each from measurements minutes apart at most);
     collectives and breakdown come from that median round."""
-    done = sorted((_round(steps, warmup, timeout) for _ in range(rounds)),
+    done = sorted((measure_round(steps, warmup, timeout) for _ in range(rounds)),
                   key=lambda measured: measured["ratio"])
     median = done[len(done) // 2]
     stock, hetero = median["stock"], median["hetero"]

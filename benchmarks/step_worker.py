@@ -34,12 +34,17 @@ def run_entry_point(mode: str, argv: list[str]) -> None:
 
         patches.activate()
     out = os.environ.get("STEP_PROBE_OUT")
+    probe = None
     if out:
         import collective_probe
 
-        collective_probe.activate(out)
+        probe = collective_probe.activate(out)
     sys.argv = [str(SCRIPTS[mode]), *argv]
-    runpy.run_path(str(SCRIPTS[mode]), run_name="__main__")
+    try:
+        runpy.run_path(str(SCRIPTS[mode]), run_name="__main__")
+    finally:
+        if probe is not None:
+            probe.save()
 
 
 def encoder_alone(steps: int, warmup: int, argv: list[str]) -> None:

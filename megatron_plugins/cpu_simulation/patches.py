@@ -40,10 +40,11 @@ def active() -> bool:
 def activate() -> None:
     """Switch this process to the CPU simulation. Idempotent; prints one banner per process."""
     global _active
+    # Stock validate_args requires this for TP > 1; it only matters for real CUDA streams. Set on
+    # every call: a process forked from an active one may have been given another environment.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if _active:
         return
-    # Stock validate_args requires this for TP > 1; it only matters for real CUDA streams.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     quiet_gpu_library_warnings()
     _patch_torch_cuda()
     _patch_process_groups()

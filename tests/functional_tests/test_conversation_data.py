@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -66,18 +63,16 @@ def test_conversations_train_the_same_with_the_encoder_at_dp2() -> None:
 
 def test_without_a_chat_template_the_launch_exits_2_in_one_line() -> None:
     root = synthetic_dataset("conversation")
-    # One plain process, no rendezvous address: it could not even form a process group.
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    run = subprocess.run([sys.executable, str(SCRIPT), *TINY_MIMO, *LONGER, *VISION, "vision:",
-                          "--grid", "language:", *energon_flags(root)],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2, run.stderr[-3000:]
-    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.stderr, flags=re.M)
+    # Rank 0 of 2 launched alone: it could not even form a process group.
+    run = run_preforked(SCRIPT, [*TINY_MIMO, *LONGER, *VISION, "vision:", "--grid", "language:",
+                                 *energon_flags(root)], nproc=1, world_size=2, timeout=90)
+    assert run.returncode == 2, run.output[-3000:]
+    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
     assert errors == [f"--tokenizer-model {root / 'tokenizer'} has no chat template, which "
                       f"--data-path {root / 'energon'} needs to render its conversations; use a "
                       "tokenizer with one (chat_template in its tokenizer_config.json) or give "
-                      "--chat-template FILE (a Jinja template)"], run.stderr
-    assert "Traceback" not in run.stderr
+                      "--chat-template FILE (a Jinja template)"], run.output
+    assert "Traceback" not in run.output
 
 
 # 0..N images per record, text-only records, varied resolutions, native-resolution vit

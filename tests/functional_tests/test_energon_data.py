@@ -11,11 +11,8 @@ it; the context-parallel ranks of a language replica hold the same samples and s
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -121,15 +118,14 @@ def test_a_field_map_missing_a_field_exits_2_in_one_line_before_any_process_grou
     spec = yaml.safe_load(spec_file.read_text())
     spec["field_map"] = {"image": "png"}
     spec_file.write_text(yaml.safe_dump(spec))
-    # One plain process, no rendezvous address: it could not even form a process group.
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    run = subprocess.run([sys.executable, str(SCRIPT), *TINY_MIMO, *VISION, "vision:", "--grid",
-                          "language:", *energon_flags(tmp_path / "copy")],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2, run.stderr[-3000:]
-    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.stderr, flags=re.M)
+    # Rank 0 of 2 launched alone: it could not even form a process group.
+    run = run_preforked(SCRIPT, [*TINY_MIMO, *VISION, "vision:", "--grid", "language:",
+                                 *energon_flags(tmp_path / "copy")], nproc=1, world_size=2,
+                        timeout=90)
+    assert run.returncode == 2, run.output[-3000:]
+    errors = re.findall(r"^pretrain_mimo\.py: error: (.*)$", run.output, flags=re.M)
     assert errors == [f"--data-path {tmp_path / 'copy' / 'energon'}: its .nv-meta/dataset.yaml "
                       "maps no tar part to the 'caption' field of CaptioningSample; add "
                       '"caption": "<part extension>" to its field_map (or re-run `energon '
-                      'prepare --force-overwrite` with that entry in --field-map)'], run.stderr
-    assert "Traceback" not in run.stderr
+                      'prepare --force-overwrite` with that entry in --field-map)'], run.output
+    assert "Traceback" not in run.output

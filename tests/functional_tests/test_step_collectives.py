@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.harness.multiprocess import REPO_ROOT, run_script
+from tests.harness.multiprocess import (
+    REPO_ROOT,
+    launch_preforked,
+    run_script,
+    start_simulation_server,
+)
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import step_overhead  # noqa: E402
@@ -35,13 +42,34 @@ def _cross_grid_transfer(call: dict) -> bool:
     return call["kind"] in P2P
 
 
+def preforked(script: Path, args: list[str], nproc: int, env: dict[str, str],
+              timeout: float) -> None:
+    """The benchmark's launcher with each rank forked from the simulation's preloaded server
+    (what it counts is the point here, not torchrun's start-up)."""
+    start_simulation_server()
+    with tempfile.TemporaryDirectory(prefix="step-probe-") as folder:
+        log = Path(folder) / "launch.log"
+        code = launch_preforked(script, args, nproc, env=env, log=log, timeout=timeout)
+        assert code == 0, f"{args[0]} run failed ({code}):\n{log.read_text()[-4000:]}"
+
+
+def record(tmp_path: Path, **options: str) -> list[list[dict]]:
+    """Every MiMo rank's steps after the warm-up step, recorded by the probe."""
+    return step_overhead.record("mimo", 2, 1, str(tmp_path / "mimo"), timeout=240,
+                                launch=preforked, **options)
+
+
 @pytest.fixture(scope="module")
-def counts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    tmp = tmp_path_factory.mktemp("collectives")
-    [stock] = step_overhead.record("gpt", 2, 1, str(tmp / "gpt"), timeout=240)
-    mimo = step_overhead.record("mimo", 2, 1, str(tmp / "mimo"), timeout=240)
-    return {"stock": stock[0]["collectives"],
-            **{f"rank {r}": steps[0]["collectives"] for r, steps in enumerate(mimo)}}
+def smoke_round() -> dict:
+    """One round of the benchmark's CI mode: the collectives below are its first steps'."""
+    return step_overhead.measure_round(3, 1, 240, launch=preforked)
+
+
+@pytest.fixture(scope="module")
+def counts(smoke_round: dict) -> dict[str, list[dict]]:
+    return {"stock": smoke_round["stock"][0]["collectives"],
+            **{f"rank {r}": steps[0]["collectives"]
+               for r, steps in enumerate(smoke_round["hetero"])}}
 
 
 def test_world_wide_synchronisations(counts: dict[str, list[dict]]) -> None:
@@ -76,12 +104,11 @@ def test_no_shape_handshake_per_transfer(counts: dict[str, list[dict]]) -> None:
 
 
 def test_variable_items_add_one_small_shape_message_per_transfer(
-        tmp_path: pytest.TempPathFactory) -> None:
+        tmp_path: Path) -> None:
     # 0..2 images per sample: transfer sizes change from microbatch to microbatch, so each
     # cross-grid transfer (a send, a receive, or a send paired with a receive) is preceded by
     # one batched shape message of one or two int64 pairs (<= 32 bytes), and nothing else.
-    ranks = step_overhead.record("mimo", 2, 1, str(tmp_path / "variable"), timeout=240,
-                                 items="0:2")
+    ranks = record(tmp_path, items="0:2")
     for rank, steps in enumerate(ranks):
         for step in steps:
             p2p = [c for c in step["collectives"] if _cross_grid_transfer(c)]
@@ -92,11 +119,10 @@ def test_variable_items_add_one_small_shape_message_per_transfer(
 
 
 def test_pipeline_stages_exchange_shapes_only_on_the_first_step(
-        tmp_path: pytest.TempPathFactory) -> None:
+        tmp_path: Path) -> None:
     # Language pp=2 (ranks 1, 2): stage activations are [seq, micro-batch, hidden] every time, so
     # after the warm-up step no stage-to-stage (or cross-grid) message is a 24-byte shape (Gap 13).
-    ranks = step_overhead.record("mimo", 2, 1, str(tmp_path / "pp2"), timeout=240,
-                                 language_grid="pp=2")
+    ranks = record(tmp_path, language_grid="pp=2")
     for rank, steps in enumerate(ranks):
         p2p = [c for c in steps[0]["collectives"] if _cross_grid_transfer(c)]
         assert p2p and all(c["bytes"] >= 2048 for c in p2p), (rank, p2p)
@@ -104,9 +130,14 @@ def test_pipeline_stages_exchange_shapes_only_on_the_first_step(
     assert len(stage_links) >= MICROBATCHES, stage_links
 
 
-def test_benchmark_smoke_writes_every_figure(tmp_path: pytest.TempPathFactory) -> None:
+def test_benchmark_smoke_writes_every_figure(smoke_round: dict, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # The CI mode of the benchmark end to end: stock GPT, the encoder alone (its data, DDP,
-    # forward + backward) and the MiMo step, each measured; the ratio is computed from them.
+    # forward + backward) and the MiMo step, each measured (the shared round: the counts above
+    # are its); the ratio is computed from them.
+    monkeypatch.setattr(step_overhead, "measure_round",
+                        lambda steps, warmup, timeout: smoke_round if (steps, warmup) == (3, 1)
+                        else pytest.fail(f"--smoke measured {steps} steps after {warmup}"))
     assert step_overhead.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "step_overhead.json").read_text())
     [measured] = report["rounds"]

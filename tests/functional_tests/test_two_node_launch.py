@@ -2,7 +2,8 @@
 by the Qwen3.5-VL recipe's per-node launcher (``torchrun_node.sh``, which its Slurm script runs
 on every node), with nodes of unequal sizes as the recipe's 1 + 8 + 8 layout has them: the
 encoder's rank alone on node 0, the language model's TP pair on node 1. The losses must equal,
-exactly (same host, fp32), those of one torchrun running the same three ranks."""
+exactly (same host, fp32), those of the same three ranks launched together on one machine
+(forked from the simulation's preloaded server: the two agents are the launch under test)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.mimo_runs import TINY_MIMO
-from tests.harness.multiprocess import REPO_ROOT, kill_session, run_script, start_session
+from tests.harness.multiprocess import REPO_ROOT, kill_session, run_preforked, start_session
 from tests.harness.tensorboard_scalars import read_scalars
 
 pytestmark = pytest.mark.multirank
@@ -62,8 +63,8 @@ def _launch_nodes(node_sizes: str, argv: list[str], logs: Path, timeout: float) 
 
 @pytest.mark.timeout(400)
 def test_two_torchrun_agents_with_unequal_nodes_train_as_one_torchrun(tmp_path):
-    one = run_script(SCRIPT, [*FLAGS, "--tensorboard-dir", str(tmp_path / "one")], 3,
-                     timeout=150, env=THREADS)
+    one = run_preforked(REPO_ROOT / SCRIPT, [*FLAGS, "--tensorboard-dir", str(tmp_path / "one")],
+                        3, timeout=150, env=THREADS)
     assert one.returncode == 0, one.output[-4000:]
     outputs = _launch_nodes("1,2", [*FLAGS, "--tensorboard-dir", str(tmp_path / "two")],
                             tmp_path, timeout=150)

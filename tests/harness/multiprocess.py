@@ -328,13 +328,15 @@ def _kill_trees(processes: Sequence[mp.Process]) -> None:
 
 
 def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env: dict[str, str],
-                     log: Path, timeout: float) -> int:
+                     log: Path, timeout: float, world_size: int | None = None) -> int:
     """Run ``script argv`` on ``nproc`` ranks as torchrun would (its rank variables, every rank's
     output to ``log``, the first failure ending the others); the exit code, 0 when every rank
     succeeded. Each rank is a fork of the simulation's preloaded server, so it skips the ~10 s
     of CPU that importing torch and Megatron costs; only for ``--cpu-simulation`` runs. Where
     ``env`` gives :data:`PRELOADED_ENVIRONMENT` other values than this process has, the ranks are
-    forks of a server of their own, started under those values (:func:`_variant_server`)."""
+    forks of a server of their own, started under those values (:func:`_variant_server`).
+    ``world_size`` above ``nproc``: the ranks are told of peers never started, so a process group
+    could not form (a launch whose ranks must stop before one)."""
     if "--cpu-simulation" not in argv:
         raise ValueError("launch_preforked runs --cpu-simulation scripts; use torchrun")
     preloaded = tuple((name, env.get(name)) for name in PRELOADED_ENVIRONMENT)
@@ -344,7 +346,8 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
     log.write_text("")
     processes = [
         context.Process(target=_run_script_rank,
-                        args=(str(script), tuple(argv), torchrun_variables(rank, nproc, store),
+                        args=(str(script), tuple(argv),
+                              torchrun_variables(rank, world_size or nproc, store),
                               env, str(log)))
         for rank in range(nproc)
     ]
@@ -372,7 +375,8 @@ def launch_preforked(script: str | Path, argv: Sequence[str], nproc: int, *, env
 
 
 def run_preforked(script: str | Path, argv: Sequence[str], nproc: int, *,
-                  timeout: float, env: dict[str, str] | None = None) -> ScriptRun:
+                  timeout: float, env: dict[str, str] | None = None,
+                  world_size: int | None = None) -> ScriptRun:
     """:func:`launch_preforked` in this process's environment updated by ``env``, answered as
     :func:`run_script` answers (exit code, every rank's output, seconds); for launches whose
     point is what the ranks print or save, not torchrun's own handling."""
@@ -381,5 +385,5 @@ def run_preforked(script: str | Path, argv: Sequence[str], nproc: int, *,
         log = Path(folder) / "launch.log"
         start = time.monotonic()
         code = launch_preforked(script, argv, nproc, env={**os.environ, **(env or {})}, log=log,
-                                timeout=timeout)
+                                timeout=timeout, world_size=world_size)
         return ScriptRun(code, log.read_text(), time.monotonic() - start)

@@ -237,14 +237,19 @@ def make_case_data(root: Path) -> None:
 
 
 def run_case(case: Case, workdir: Path, extra_env: dict[str, str] | None = None,
-             timeout: float = 240.0, launch: Launcher = torchrun) -> dict[str, dict[int, float]]:
-    """Run ``case`` in ``workdir``; returns run 1's metrics (checked against run 2 on resume)."""
+             timeout: float = 240.0, launch: Launcher = torchrun,
+             data: Path | None = None) -> dict[str, dict[int, float]]:
+    """Run ``case`` in ``workdir``; returns run 1's metrics (checked against run 2 on resume).
+    ``data``: a ``${DATA_PATH}`` :data:`CASE_DATA` already made (read only), else one is made
+    in ``workdir`` when the case reads data."""
     env = run_environment(case, extra_env)
     checkpoints = workdir / "checkpoints"
-    paths = {"CHECKPOINT_SAVE_PATH": str(checkpoints), "DATA_PATH": str(workdir / "data"),
+    if data is None:
+        data = workdir / "data"
+        if case.reads_data:
+            make_case_data(data)
+    paths = {"CHECKPOINT_SAVE_PATH": str(checkpoints), "DATA_PATH": str(data),
              "OUTPUT_PATH": str(workdir)}
-    if case.reads_data:
-        make_case_data(workdir / "data")
 
     def train(run: int) -> dict[str, dict[int, float]]:
         # Run 1 loads from its own save folder, empty on the first launch (the auto-resume idiom):
@@ -276,15 +281,17 @@ def _write_json(path: Path, value: Any) -> None:
 
 def check_case(name: str, *, platform: str = DEFAULT_PLATFORM, record: bool = False,
                workdir: Path | None = None, extra_env: dict[str, str] | None = None,
-               report: list[str] | None = None, launch: Launcher = torchrun) -> list[str]:
+               report: list[str] | None = None, launch: Launcher = torchrun,
+               data: Path | None = None) -> list[str]:
     """Run a case and compare it with its goldens (or write goldens and signature with
-    ``record``); ``report`` receives one line saying which rule was used."""
+    ``record``); ``report`` receives one line saying which rule was used; ``data`` as
+    :func:`run_case` takes it."""
     case = load_case(name)
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix=f"{case.path.name}-")) if own_dir else workdir
     try:
         signature = platform_signature(run_environment(case, extra_env))
-        actual = run_case(case, workdir, extra_env, launch=launch)
+        actual = run_case(case, workdir, extra_env, launch=launch, data=data)
         if record:
             _write_json(case.golden_path(platform), golden_values(actual, case.metrics))
             _write_json(case.signature_path(platform), signature)

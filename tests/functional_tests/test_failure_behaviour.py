@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from tests.harness.mimo_runs import TINY_MIMO
-from tests.harness.multiprocess import REPO_ROOT, kill_session, run_script, start_session
+from tests.harness.multiprocess import REPO_ROOT, kill_session, run_preforked, start_session
 from tools.functional_tests.runner import torchrun_command
 
 pytestmark = pytest.mark.multirank
@@ -22,9 +22,12 @@ LAYOUT = ["--encoder", "vision=faulty_encoder:FaultyViT", "--grid", "vision:dp=1
 
 
 def test_a_rank_raising_mid_training_ends_every_rank_with_its_error_visible(tmp_path):
-    run = run_script(SCRIPT, [*TINY_MIMO, *LAYOUT, "--train-iters", "50",
-                              "--distributed-timeout-minutes", "1"],
-                     nproc=3, timeout=150, env={"PYTHONPATH": str(REPO_ROOT / "tests" / "fixtures")})
+    """Preforked ranks (the launcher ends the others on the first failure, as torchrun's agent
+    does): what the failing rank prints, and when, is the point."""
+    run = run_preforked(SCRIPT, [*TINY_MIMO, *LAYOUT, "--train-iters", "50",
+                                 "--distributed-timeout-minutes", "1"],
+                        nproc=3, timeout=150,
+                        env={"PYTHONPATH": str(REPO_ROOT / "tests" / "fixtures")})
     assert run.returncode != 0
     assert "ValueError: corrupt image: sample 30 could not be decoded" in run.output
     assert re.search(r"iteration\s+3/", run.output), "it failed mid-training, not at start-up"

@@ -28,3 +28,10 @@ import megatron_plugins.step.colocated  # noqa: E402,F401
 from tests.harness.stock_arguments import remember_field_docstrings  # noqa: E402
 
 remember_field_docstrings(warm=True)
+
+import gc  # noqa: E402
+
+# Everything loaded so far lives as long as the server: out of the collector's sight, a forked
+# rank's collections (and its loader workers', which Energon starts with a walk over every tracked
+# object, then a full collection) skip it and leave its pages shared (the gc.freeze recipe).
+gc.freeze()

@@ -88,14 +88,17 @@ Launcher = Callable[[Path, list[str], int, dict[str, str], float], None]
 seconds; raises on a failed rank."""
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def torchrun(script: Path, args: list[str], nproc: int, env: dict[str, str],
              timeout: float) -> None:
     """The benchmark's launcher: ``torchrun --nproc-per-node nproc script args``."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-          "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), *args],
+          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *args],
          env, timeout, args[0])
 
 
@@ -123,11 +126,8 @@ def _launch(nproc: int, worker_args: list[str], probe_out: str, timeout: float,
     if nproc:
         launch(worker, worker_args, nproc, env, timeout)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))
+               MASTER_PORT=str(_free_port()))
     _run([sys.executable, str(worker), *worker_args], env, timeout, worker_args[0])
 
 

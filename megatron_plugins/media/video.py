@@ -60,11 +60,15 @@ class VideoHeader:
     width: int
 
 
+def _reason(error: av.FFmpegError) -> str:
+    return error.strerror or str(error)
+
+
 def _open(data: bytes) -> av.container.InputContainer:
     try:
         return av.open(io.BytesIO(data), mode="r")
     except av.FFmpegError as error:
-        raise ValueError(f"does not open as a video file ({error})") from None
+        raise ValueError(f"does not open ({_reason(error)})") from None
 
 
 def _header(container: av.container.InputContainer) -> VideoHeader:
@@ -106,7 +110,7 @@ def read_frames(data: bytes, sampling: VideoSampling) -> tuple[np.ndarray, float
                     frames.append(frame.to_ndarray(format="rgb24"))
                     times.append(float(frame.time or 0.0))
     except av.FFmpegError as error:
-        raise ValueError(f"does not decode as video ({error})") from None
+        raise ValueError(f"does not decode its frames ({_reason(error)})") from None
     if len(frames) != len(indices):
         raise ValueError(f"decodes to fewer frames than the {header.frames} its container "
                          f"declares (frame {indices[len(frames)]} is missing)")
@@ -126,7 +130,7 @@ def read_sound(data: bytes) -> tuple[np.ndarray, int] | None:
             chunks = [chunk.to_ndarray() for frame in [*container.decode(audio=0), None]
                       for chunk in planar.resample(frame)]  # None: flush
     except av.FFmpegError as error:
-        raise ValueError(f"does not decode its sound track ({error})") from None
+        raise ValueError(f"does not decode its sound track ({_reason(error)})") from None
     if not chunks:
         return None
     samples = np.concatenate(chunks, axis=1).mean(axis=0)

@@ -36,11 +36,6 @@ CLIPS = {  # file: (seconds, fps, sound rate)
 }
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("video-files")

@@ -190,7 +190,7 @@ def _video_file(data: object, key: str, field: str) -> bytes | None:
 
 def _read_video(read: Callable[..., T], file: bytes, key: str, field: str, *args: object) -> T:
     """``read(file, *args)`` of :mod:`megatron_plugins.media.video`, its ``ValueError`` as a
-    :class:`BadSampleError` naming the field and the container."""
+    :class:`BadSampleError` naming the field."""
     try:
         return read(file, *args)
     except ValueError as error:

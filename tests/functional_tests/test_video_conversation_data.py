@@ -100,6 +100,7 @@ def test_the_video_tower_at_dp2_on_ranks_of_its_own_trains_identically() -> None
     print(f"video tower dp2: max relative lm loss difference {worst:.2e} over "
           f"{len(reference)} iterations")
     assert worst <= 1e-5, (reference, losses)
+    assert sorted(r["dp_rank"] for r in results if r["module"] == "vision") == [0, 1]
     language = consumed_keys(results, "language")
     vision = [key for r in results if r["module"] == "vision" for batch in r["keys"]
               for key in batch]

@@ -40,6 +40,9 @@ setup(
         # what transformers' load_audio falls back to (media/codec.py).
         "soundfile==0.14.0",
         "soxr==1.1.0",
+        # Video files (mp4, webm, mkv, mov, avi): frames and sound track, as transformers'
+        # load_video reads them by default (media/video.py).
+        "av==19.0.2",
     ],
     extras_require={
         # Transformer Engine (GPU clusters). Apex is optional and built from source, never required.

@@ -18,7 +18,8 @@ from tqdm import tqdm
 from megatron_plugins.data.samples import DATASET_KINDS, ConversationKind, SampleKind
 from megatron_plugins.data.text import ROLES, media_marker
 from megatron_plugins.errors import UsageError
-from megatron_plugins.media.codec import DECODERS, BadSampleError
+from megatron_plugins.media.codec import DECODERS, BadSampleError, decode_video
+from megatron_plugins.media.video import VIDEO_CONTAINERS
 
 __all__ = ["KINDS", "MEDIA_SUFFIXES", "PROG", "DatasetError", "Kind", "Record", "check_media",
            "read_records"]
@@ -27,8 +28,10 @@ PROG = "make_energon_dataset"
 MEDIA_SUFFIXES: dict[str, dict[str, str]] = {
     "image": {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"},
     "audio": {".wav": "wav", ".flac": "flac", ".mp3": "mp3"},
+    "video": {f".{container}": container for container in VIDEO_CONTAINERS},
 }
-"""Media files accepted per column, and the tar part each is stored as (bytes kept as they are)."""
+"""Media files accepted per column, and the tar part each is stored as (bytes kept as they are);
+``video``: a conversation's video file, an item of the image encoder."""
 KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 """Sample keys WebDataset can split from the part name (no dots, no slashes)."""
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -96,20 +99,22 @@ class Record:
     text: dict[str, str]
 
 
-VIDEO_FRAMES = "a list of its frames' image paths"
-"""How a conversation record gives a video (video files are not decoded)."""
+VIDEO_FRAMES = (f"a video file path ({', '.join(VIDEO_CONTAINERS)}) or a list of its frames' "
+                "image paths")
+"""How a conversation record gives a video."""
 
 
 def _paths(row: dict[str, Any], column: str, where: str,
            videos: bool | None = False) -> list[str | list[str]]:
-    """A record's ``column`` entries: one, a list of them, or absent (none). An entry is a path;
-    with ``videos`` True a video (a list of frame paths); with None either (LLaVA's ``image``
-    list, where a list entry is a video)."""
+    """A record's ``column`` entries: one, a list of them, or absent (none). An entry is a path
+    (a video file's is a video); with ``videos`` True a video (a video file or a list of frame
+    paths); with None either (LLaVA's ``image`` list, where a list entry is a video)."""
     value = row.get(column)
     entries = [] if value is None else value if isinstance(value, list) else [value]
     for index, entry in enumerate(entries):
         frames = entry if isinstance(entry, list) and isinstance(value, list) else [entry]
-        shape_ok = videos is None or isinstance(entry, list) == videos
+        shape_ok = videos is None or isinstance(entry, list) == videos or (
+            videos and _is_video_file(entry))
         if not (shape_ok and frames and all(isinstance(path, str) and path for path in frames)):
             what = column if not isinstance(value, list) else f"{column}[{index}]"
             give = (f"give each video as {VIDEO_FRAMES}" if videos
@@ -118,6 +123,10 @@ def _paths(row: dict[str, Any], column: str, where: str,
             raise DatasetError(f"{where}: {what!r} is not {'a video' if videos else 'a file path'}"
                                f" ({give}, or no {column!r} for a record without them)")
     return entries
+
+
+def _is_video_file(entry: object) -> bool:
+    return isinstance(entry, str) and Path(entry).suffix.lower() in MEDIA_SUFFIXES["video"]
 
 
 def _llava_turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
@@ -173,7 +182,8 @@ def _check_count(where: str, markers: int, items: int, media: str, what: str,
 
 
 def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """A LLaVA-style (or ShareGPT) record (``conversations``, ``image``, ``audio``) or an ms-swift
+    """A LLaVA-style (or ShareGPT) record (``conversations``, ``image``, ``audio``; LLaVA-Video's
+    ``video`` items after the ``image`` ones) or an ms-swift
     record (``messages``, ``images``, ``videos``, ``audios``) as the columns of the
     ``conversation`` kind: its image (and video) paths, its audio paths and its turns as JSON
     ``{role, content}`` text; records that cannot train are refused."""
@@ -194,7 +204,9 @@ def _conversation_row(row: dict[str, Any], where: str) -> dict[str, Any]:
         audios = _paths(row, "audios", where)
     else:
         converted = _llava_turns(row, where)
-        images, audios = _paths(row, "image", where, videos=None), _paths(row, "audio", where)
+        images = [*_paths(row, "image", where, videos=None),
+                  *_paths(row, "video", where, videos=True)]
+        audios = _paths(row, "audio", where)
         _check_count(where, _count(converted, "image") + _count(converted, "video"),
                      len(images), "image", "image")
     _check_count(where, _count(converted, "audio"), len(audios), "audio", "audio clip")
@@ -296,7 +308,8 @@ def read_records(input_dir: Path, annotations: Path, kind: Kind) -> list[Record]
         if key in seen:
             raise DatasetError(f"{where}: key {key!r} is already used by {seen[key]}")
         seen[key] = where
-        named = ([(media, name, item) for media in ("image", "audio")
+        named = ([("video" if "." not in item and _is_video_file(name) else media, name, item)
+                  for media in ("image", "audio")
                   for name, item in _conversation_items(row[f"{media}s"])]
                  if kind.conversation else [(column, row[column], "") for column in kind.media])
         media = []
@@ -324,7 +337,10 @@ def check_media(records: Sequence[Record], quiet: bool = False) -> None:
             for column, path, item in record.media:
                 where = f"{record.where}: {column} file {path}"
                 try:
-                    decoded = DECODERS[column](path.read_bytes(), where, column)
+                    decoded = (decode_video({"file": path.read_bytes(), "container":
+                                             MEDIA_SUFFIXES["video"][path.suffix.lower()]},
+                                            where, column) if column == "video"
+                               else DECODERS[column](path.read_bytes(), where, column))
                 except BadSampleError as error:
                     raise DatasetError(f"{where} does not decode as {column}: {error}") from None
                 if "." in item:  # a video's frame: all of one size

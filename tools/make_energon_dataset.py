@@ -12,27 +12,29 @@ relative to ``--input``:
 * conversation: LLaVA-style ``conversations`` (``[{"from": "human"|"gpt"|"system", "value":
   ...}]``) with ``image`` one path, a list of paths, or absent (text-only; ShareGPT records are
   the same shape), stored as ``{role, content}`` turns; an entry of the list that is itself a
-  list of paths is a video, its frames (for an encoder that takes videos, e.g. ``qwen2_5_vl``).
+  list of paths is a video, its frames, and a video file (mp4, webm, mkv, mov, avi) is a video
+  too (for an encoder that takes videos, e.g. ``qwen2_5_vl``; LLaVA-Video's ``video`` entries
+  follow the ``image`` ones).
   Item ``i`` sits at the ``i``-th ``<image>`` (or ``<video>``) marker; a record needs as many
   markers as items (or none: then the items open the first ``human`` turn) and at least one
   assistant (``gpt``) turn. Audio clips: ``audio`` one path or a list (wav, flac, mp3), clip
   ``i`` at the ``i``-th ``<audio>`` marker, by the same rule. ms-swift records convert too:
   ``{"messages": [{"role", "content"}], "images": [...], "videos": [...], "audios": [...]}``,
-  the ``<image>`` / ``<video>`` / ``<audio>`` tags filled in order (a video: a list of its frame
-  image paths).
+  the ``<image>`` / ``<video>`` / ``<audio>`` tags filled in order (a video: a video file or a
+  list of its frame image paths).
 
 A record's ``key`` field (``id`` for conversations) names the sample (else its zero-padded
 index). Samples are split into train/val/test by ``--split`` (seeded shuffle, so every split gets
 its share however few shards there are) and written as WebDataset shards
 ``<split>/shard-NNNNNN.tar`` holding ``<key>.jpg|png`` (the source bytes; a conversation's images
 as ``<key>.0.png``, ``<key>.1.jpg``, ..., a video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``,
-...), ``<key>.wav|flac|mp3`` (a conversation's clips as ``<key>.0.wav``, ``<key>.1.mp3``, ...),
-and the text as ``<key>.txt`` (one text field) or ``<key>.json`` (VQA's question and answer, a
-conversation's turns). Energon's ``.nv-meta/`` (index, split.yaml, dataset.yaml) is then written
-as ``energon prepare`` writes it.
-Every record and media file is checked first (annotations, files, that each image and audio
-file decodes), with a progress bar, before anything is written: a problem is one line naming the
-record's line (and id) and the field or file, exit code 2, and nothing is left behind.
+..., a video file as ``<key>.3.mp4``), ``<key>.wav|flac|mp3`` (a conversation's clips as
+``<key>.0.wav``, ``<key>.1.mp3``, ...), and the text as ``<key>.txt`` (one text field) or
+``<key>.json`` (VQA's question and answer, a conversation's turns). Energon's ``.nv-meta/``
+(index, split.yaml, dataset.yaml) is then written as ``energon prepare`` writes it.
+Every record and media file is checked first (annotations, files, that each image, audio and
+video file decodes), with a progress bar, before anything is written: a problem is one line
+naming the record's line (and id) and the field or file, exit code 2, and nothing is left behind.
 """
 
 from __future__ import annotations

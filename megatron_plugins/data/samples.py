@@ -23,6 +23,7 @@ from megatron.energon.edataclass import edataclass
 
 from megatron_plugins.data.text import ROLES, Conversation, SampleText
 from megatron_plugins.media.codec import BadSampleError, decode_text
+from megatron_plugins.media.video import VIDEO_CONTAINERS
 
 __all__ = [
     "AUDIO_PARTS", "AudioTranscriptSample", "ConversationKind", "ConversationSample",
@@ -66,14 +67,15 @@ class ConversationSample(Sample):
     0..N audio clips, each at its ``<audio>`` marker, in order.
 
     Stored as tar parts ``<key>.0.png``, ``<key>.1.jpg``, ... (:func:`conversation_part`), a
-    video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``, ..., clips as ``<key>.0.wav``,
+    video's frames as ``<key>.2.0.jpg``, ``<key>.2.1.jpg``, ..., a video file as
+    ``<key>.3.mp4`` (any of ``media.video.VIDEO_CONTAINERS``), clips as ``<key>.0.wav``,
     ``<key>.1.mp3``, ... (numbered apart from the images), and ``<key>.json``; a text-only sample
     has the ``json`` part alone.
     """
 
     #: The image files' bytes (PNG or JPEG), undecoded, in marker order (empty: text-only); a
-    #: video is a list of its frames' files (at ``media.DEFAULT_VIDEO_FPS``) or a mapping
-    #: ``{"frames": [...], "fps": number}``.
+    #: video is a list of its frames' files (at ``media.DEFAULT_VIDEO_FPS``), a mapping
+    #: ``{"frames": [...], "fps": number}``, or a file ``{"file": bytes, "container": "mp4"}``.
     images: list[bytes | list[bytes] | dict]
     #: The turns as JSON text: a list of ``{"role": "system"|"user"|"assistant", "content"}``,
     #: image ``i`` at the ``i``-th ``<image>`` marker (with no marker, all images at the start of
@@ -130,6 +132,9 @@ _CONVERSATION_PARTS = {media: re.compile(rf"(\d+)\.(?:(\d+)\.)?({'|'.join(parts)
 """A conversation's item part of each media kind: its index in marker order, a video frame's
 index, then the source file's encoding."""
 
+_VIDEO_FILE_PART = re.compile(rf"(\d+)\.({'|'.join(VIDEO_CONTAINERS)})")
+"""A conversation's video file part (an item of the image kind): its index, then its container."""
+
 
 def conversation_part(index: int | str, extension: str) -> str:
     """The tar part of a conversation's ``index``-th item of a kind stored as ``extension`` (jpg,
@@ -140,37 +145,48 @@ def conversation_part(index: int | str, extension: str) -> str:
 def conversation_parts(part: str) -> bool:
     """Energon's part filter of conversation datasets: the turns and every numbered item (and
     the single ``jpg`` / ``png`` part of datasets written before samples held several)."""
-    return part == "json" or part in IMAGE_PARTS or any(
+    return part == "json" or part in IMAGE_PARTS or bool(_VIDEO_FILE_PART.fullmatch(part)) or any(
         pattern.fullmatch(part) for pattern in _CONVERSATION_PARTS.values())
 
 
+def _item_part(part: str, media: str) -> tuple[int, int | None, str | None] | None:
+    """A conversation part's item index, video frame index and video container (None where
+    not one); None: not an item part of ``media``."""
+    if match := _CONVERSATION_PARTS[media].fullmatch(part):
+        return int(match.group(1)), match.group(2) and int(match.group(2)), None
+    if media == "image" and (match := _VIDEO_FILE_PART.fullmatch(part)):
+        return int(match.group(1)), None, match.group(2)
+    return None
+
+
 def _conversation_items(raw: dict[str, Any], media: str) -> list[Any]:
-    """A conversation's items of ``media`` (a video: its frames, in frame order) in index order;
-    the indices must run 0..N-1."""
+    """A conversation's items of ``media`` (a video: its frames, in frame order, or its file as
+    ``{"file", "container"}``) in index order; the indices must run 0..N-1."""
     field = f"{media}s"
     numbered: dict[int, Any] = {}
+    frames: dict[int, dict[int, Any]] = {}
     for part, data in raw.items():
-        match = _CONVERSATION_PARTS[media].fullmatch(part)
-        if not match:
+        if (found := _item_part(part, media)) is None:
             continue
-        index, existing = int(match.group(1)), numbered.get(int(match.group(1)))
-        if existing is not None and (match.group(2) is None or not isinstance(existing, dict)):
+        index, frame, container = found
+        if index in numbered or (frame is None and index in frames):
             raise BadSampleError(raw["__key__"], f"{field}[{index}]", f"is stored as more than "
                                  f"one {media} part, or as an image and video frames; keep one")
-        if match.group(2) is None:
-            numbered[index] = data
+        if frame is not None:
+            frames.setdefault(index, {})[frame] = data
         else:
-            numbered.setdefault(index, {})[int(match.group(2))] = data
-    if sorted(numbered) != list(range(len(numbered))):
+            numbered[index] = data if container is None else {"file": data,
+                                                              "container": container}
+    if sorted({*numbered, *frames}) != list(range(len(numbered) + len(frames))):
         raise BadSampleError(raw["__key__"], field, f"has {media} parts numbered "
-                             f"{sorted(numbered)}; they must run 0..N-1 (rewrite the dataset with "
-                             "python -m tools.make_energon_dataset --kind conversation)")
-    for index, frames in numbered.items():
-        if isinstance(frames, dict):
-            if sorted(frames) != list(range(len(frames))):
-                raise BadSampleError(raw["__key__"], f"{field}[{index}]", f"has video frame "
-                                     f"parts numbered {sorted(frames)}; they must run 0..N-1")
-            numbered[index] = [frames[frame] for frame in sorted(frames)]
+                             f"{sorted({*numbered, *frames})}; they must run 0..N-1 (rewrite the "
+                             "dataset with python -m tools.make_energon_dataset --kind "
+                             "conversation)")
+    for index, held in frames.items():
+        if sorted(held) != list(range(len(held))):
+            raise BadSampleError(raw["__key__"], f"{field}[{index}]", f"has video frame "
+                                 f"parts numbered {sorted(held)}; they must run 0..N-1")
+        numbered[index] = [held[frame] for frame in sorted(held)]
     legacy = [raw[part] for part in IMAGE_PARTS if part in raw] if media == "image" else []
     return legacy + [numbered[index] for index in sorted(numbered)]
 

@@ -1,11 +1,12 @@
 """Sample part bytes <-> decoded values: the one place that reads and writes images and audio
-(reads WAV, FLAC, MP3 and whatever else libsndfile reads; writes WAV), and reads text parts.
+(reads WAV, FLAC, MP3 and whatever else libsndfile reads; writes WAV), reads video files (through
+:mod:`megatron_plugins.media.video`), and reads text parts.
 
 Decoded kinds (the contract with the data sources and the encoders' preprocessors): ``"image"`` is
 a ``numpy.ndarray`` uint8 ``[H, W, 3]`` RGB, or a :class:`Video` (frames of one size, given in a
-sample as a list of frame images) for an encoder whose preprocessor takes videos; ``"audio"`` is a
-:class:`Waveform`. The dataset tools write with the same module that the loader reads with, so a
-round trip is exact by construction.
+sample as a list of frame images or as a video file) for an encoder whose preprocessor takes
+videos; ``"audio"`` is a :class:`Waveform`. The dataset tools write with the same module that
+the loader reads with, so a round trip is exact by construction.
 """
 
 from __future__ import annotations
@@ -14,20 +15,35 @@ import io
 import math
 import wave
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import soundfile
 import soxr
 from PIL import Image
 
+from megatron_plugins.media.video import (
+    VIDEO_CONTAINERS,
+    VideoSampling,
+    read_frames,
+    read_size,
+    read_sound,
+)
+
 __all__ = [
-    "BadSampleError", "DECODERS", "DEFAULT_VIDEO_FPS", "MEDIA_KINDS", "Video", "Waveform",
+    "BadSampleError", "DECODERS", "DEFAULT_VIDEO_FPS", "MEDIA_KINDS", "VIDEO_SAMPLING", "Video",
+    "Waveform",
     "decode_audio", "decode_image", "decode_item", "decode_text", "decode_video", "encode_jpeg",
     "encode_png", "encode_wav", "is_video", "media_size", "probe_item", "probe_size", "resample"
 ]
 
+T = TypeVar("T")
+
 DEFAULT_VIDEO_FPS = 2.0
 """Frames per second of a video whose sample does not say (Qwen2.5-VL's recommended sampling)."""
+
+VIDEO_SAMPLING = VideoSampling(fps=DEFAULT_VIDEO_FPS)
+"""How frames are drawn from a video file: as the Qwen2-VL / Qwen2.5-VL video processor does."""
 
 
 class BadSampleError(RuntimeError):
@@ -50,10 +66,15 @@ class Waveform:
 @dataclass(frozen=True)
 class Video:
     """Frames sampled from a clip: ``frames`` uint8 ``[T, H, W, 3]`` RGB, ``fps`` of the sampled
-    frames (what a model's temporal positions count time by)."""
+    frames (what a model's temporal positions count time by). From a video file also each
+    frame's ``timestamps`` (seconds) and its sound track as ``audio`` (None: the file has none),
+    kept for models that interleave a video's sound with its frames (Qwen-Omni's
+    ``use_audio_in_video``); no model reads them yet."""
 
     frames: np.ndarray
     fps: float = DEFAULT_VIDEO_FPS
+    timestamps: np.ndarray | None = None
+    audio: Waveform | None = None
 
 
 def _first_line(error: Exception) -> str:
@@ -147,9 +168,33 @@ def encode_wav(waveform: Waveform) -> bytes:
 
 
 def is_video(data: object) -> bool:
-    """Whether a sample's undecoded item is a video: a list of frame images, or a mapping
-    ``{"frames": [...], "fps": number}``."""
+    """Whether a sample's undecoded item is a video: a list of frame images, a mapping
+    ``{"frames": [...], "fps": number}``, or a video file ``{"file": bytes, "container": "mp4"}``
+    (:data:`~megatron_plugins.media.video.VIDEO_CONTAINERS`)."""
     return isinstance(data, (list, tuple, dict))
+
+
+def _video_file(data: object, key: str, field: str) -> bytes | None:
+    """A video file item's bytes (None: the item is frames); an unknown container or an empty
+    file stops naming the field."""
+    if not (isinstance(data, dict) and "file" in data):
+        return None
+    container, file = data.get("container"), data["file"]
+    if container not in VIDEO_CONTAINERS:
+        raise BadSampleError(key, field, f"is a video file of container {container!r}, which is "
+                             f"not read; give one of {', '.join(VIDEO_CONTAINERS)}")
+    if not isinstance(file, (bytes, bytearray, memoryview)) or not file:
+        raise BadSampleError(key, field, f"is an empty {container} video file")
+    return bytes(file)
+
+
+def _read_video(read: Callable[..., T], file: bytes, key: str, field: str, *args: object) -> T:
+    """``read(file, *args)`` of :mod:`megatron_plugins.media.video`, its ``ValueError`` as a
+    :class:`BadSampleError` naming the field."""
+    try:
+        return read(file, *args)
+    except ValueError as error:
+        raise BadSampleError(key, field, f"(a video file) {error}") from None
 
 
 def _video_parts(data: object, key: str, field: str) -> tuple[list[bytes], float]:
@@ -178,8 +223,13 @@ def _check_frame_sizes(sizes: list[tuple[int, ...]], key: str, field: str) -> No
 
 
 def decode_video(data: object, key: str, field: str) -> Video:
-    """A video item (:func:`is_video`) -> :class:`Video`; an unreadable frame or frames of
-    different sizes stop naming the frame's field."""
+    """A video item (:func:`is_video`) -> :class:`Video`, a file's frames sampled as
+    :data:`VIDEO_SAMPLING` says with its sound track; an unreadable file or frame, or frames of
+    different sizes, stop naming the field."""
+    if (file := _video_file(data, key, field)) is not None:
+        frames, fps, timestamps = _read_video(read_frames, file, key, field, VIDEO_SAMPLING)
+        sound = _read_video(read_sound, file, key, field)
+        return Video(frames, fps, timestamps, sound and Waveform(*sound))
     parts, fps = _video_parts(data, key, field)
     frames = [decode_image(part, key, f"{field}[{index}]") for index, part in enumerate(parts)]
     _check_frame_sizes([frame.shape[:2] for frame in frames], key, field)
@@ -230,9 +280,11 @@ def probe_size(kind: str, data: bytes, key: str, field: str) -> tuple[int, ...]:
 
 def probe_item(kind: str, data: object, key: str, field: str) -> tuple[int | float, ...]:
     """:func:`probe_size` of any undecoded item, a video's from its frames' headers (which must
-    agree)."""
+    agree) or its file's stream metadata (the frames :data:`VIDEO_SAMPLING` draws)."""
     if not (kind == "image" and is_video(data)):
         return probe_size(kind, data, key, field)
+    if (file := _video_file(data, key, field)) is not None:
+        return _read_video(read_size, file, key, field, VIDEO_SAMPLING)
     parts, fps = _video_parts(data, key, field)
     sizes = [probe_size(kind, part, key, f"{field}[{index}]") for index, part in enumerate(parts)]
     _check_frame_sizes(sizes, key, field)

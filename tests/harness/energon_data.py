@@ -4,6 +4,7 @@ or written as plain WebDataset shards and prepared by stock ``energon prepare``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -31,10 +32,11 @@ def synthetic_dataset(kind: str = "image_audio_caption") -> Path:
 
 
 def convert_by_the_readme(root: Path, annotations: Path, texts: list[str],
-                          *extra: str) -> Path:
+                          *extra: str, in_process: bool = False) -> Path:
     """``root/energon`` from a conversation ``annotations`` file and ``root/tokenizer`` trained on
     ``texts`` (the chat template's role words added), by the README's two commands (``extra``:
-    more ``make_energon_dataset`` flags)."""
+    more ``make_energon_dataset`` flags); ``in_process``: their ``main`` called here, sparing
+    two interpreter starts."""
     (root / "texts.txt").write_text("\n".join([*texts, "system : user : assistant :"]) + "\n")
     for tool, argv in (
             ("make_energon_dataset", ["--input", root, "--annotations", annotations,
@@ -42,6 +44,9 @@ def convert_by_the_readme(root: Path, annotations: Path, texts: list[str],
                                       "--output", root / "energon"]),
             ("train_tokenizer", ["--texts", root / "texts.txt", "--vocab-size", "256",
                                  "--output", root / "tokenizer"])):
+        if in_process:
+            assert importlib.import_module(f"tools.{tool}").main([*map(str, argv)]) == 0
+            continue
         run = subprocess.run([sys.executable, "-m", f"tools.{tool}", *map(str, argv)],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -223,13 +223,14 @@ def test_a_clip_that_does_not_decode_is_refused_before_anything_is_written(capsy
     (dict(videos=[["frame0.png"]]), "0 <video> markers for 1 video; give one marker per video, "
                                     "in video order (a record with <image> or <video> tags needs "
                                     "one for every image and video)"),
-    (dict(videos=["clip.mp4"]), "'videos[0]' is not a video (give each video as a list of its "
-                                "frames' image paths"),
+    (dict(videos=["clip.gif"]), "'videos[0]' is not a video (give each video as a video file "
+                                "path (mp4, webm, mkv, mov, avi) or a list of its frames' image "
+                                "paths"),
     (dict(audios=[WAV, FLAC, "tone.ogg"]), "audio FOLDER/tone.ogg must be a .wav, .flac, .mp3 "
                                            "file"),
     (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0] is not {\"role\": "
                                                          "system|user|assistant"),
-], ids=["fewer-clips", "no-clips", "no-images", "untagged-video", "video-file", "ogg",
+], ids=["fewer-clips", "no-clips", "no-images", "untagged-video", "gif-video", "ogg",
         "role"])
 def test_ms_swift_records_that_cannot_train_are_refused_in_one_line(capsys, folder, tmp_path,
                                                                    overrides, problem):

@@ -52,7 +52,7 @@ def _media_items(plugin: EncoderPlugin, sample: Any) -> list[tuple[str, Any]]:
     items = sample_kind(sample).items(sample, preprocessor.media)
     for field, data in items:
         if is_video(data) and not getattr(preprocessor, "takes_video", False):
-            raise BadSampleError(sample.__key__, field, f"is a video (a list of frames), which "
+            raise BadSampleError(sample.__key__, field, f"is a video, which "
                                  f"--encoder {plugin.name}={plugin.grid.provider} does not take; "
                                  "give one image, or use an encoder that takes videos")
     return items

@@ -43,7 +43,7 @@ from megatron_plugins.media.codec import Waveform, resample
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
 
-__all__ = ["WhisperEncoder", "WhisperFeatures", "WhisperNetwork", "sinusoids",
+__all__ = ["WhisperEncoder", "WhisperFeatures", "WhisperNetwork", "drop_key_bias_grad", "sinusoids",
            "whisper_mel_filters"]
 
 MEL_MAX_HZ = 8000.0
@@ -116,7 +116,7 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000) -> torch
     return torch.cat([scaled_time.sin(), scaled_time.cos()], dim=1)
 
 
-def _drop_key_bias_grad(head_dim: int, grad: torch.Tensor) -> torch.Tensor:
+def drop_key_bias_grad(head_dim: int, grad: torch.Tensor) -> torch.Tensor:
     """The fused qkv bias gradient with its key part zeroed: HF has no key bias, and the softmax
     makes that gradient zero up to rounding; exactly zero keeps the part at its imported zeros
     (Adam would turn rounding noise into steps)."""
@@ -149,7 +149,7 @@ class WhisperNetwork(MegatronModule):
                                         pg_collection=pg_collection)
         for layer in self.decoder.layers:
             bias = layer.self_attention.linear_qkv.bias
-            bias.register_hook(functools.partial(_drop_key_bias_grad, config.kv_channels))
+            bias.register_hook(functools.partial(drop_key_bias_grad, config.kv_channels))
 
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
         """``[items, num_mel_bins, 2 * max_source_positions]`` -> ``[items, positions, hidden]``."""

@@ -2,7 +2,8 @@
 
 An encoder is a subclass of :class:`~megatron_plugins.encoders.base.EncoderPlugin`. Built-ins are
 named (``vit``, ``audio``, ``clip``, ``siglip``, ``whisper``, ``qwen2_5_vl``, ``qwen3_vl``,
-``siglip2``, ``llava_next``, ``qwen2_5_omni_vision``, ``qwen2_5_omni_audio``); anything else is an import path ``package.module:ClassName`` given as
+``siglip2``, ``llava_next``, ``qwen2_5_omni_vision``, ``qwen2_5_omni_audio``); anything else is
+an import path ``package.module:ClassName`` given as
 ``--encoder NAME=package.module:ClassName``, so a user's encoder lives in the user's own file.
 """
 

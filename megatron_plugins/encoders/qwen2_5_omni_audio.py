@@ -38,9 +38,9 @@ from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.encoders.whisper import (
     CONV_KERNEL,
     CONV_STRIDE,
-    EXTRACTOR_DEFAULTS,
     WhisperFeatures,
     drop_key_bias_grad,
+    read_features,
     sinusoids,
 )
 from megatron_plugins.flops.count import EncoderFlops, Work, linear
@@ -210,22 +210,9 @@ class Qwen2_5OmniAudioEncoder(EncoderPlugin):
     def _read_preprocessor(self) -> OmniAudioFeatures:
         """preprocessor_config.json's Whisper recipe (else the extractor's defaults), mel bins
         from the audio config as the Omni processor has them."""
-        where = f"{self.where}: preprocessor_config.json"
         given = self.source.read_json("preprocessor_config.json") or {}
-        config = {**EXTRACTOR_DEFAULTS, "feature_size": self.hf_config.num_mel_bins,
-                  **{k: v for k, v in given.items() if k in (*EXTRACTOR_DEFAULTS, "feature_size")}}
-        if config["dither"]:
-            raise EncoderPluginError(f"{where} dither {config['dither']} is not supported (it "
-                                     "adds random noise); set it 0.0")
-        if config["feature_size"] != self.hf_config.num_mel_bins:
-            raise EncoderPluginError(f"{where} feature_size {config['feature_size']} differs from "
-                                     "config.json audio_config num_mel_bins "
-                                     f"{self.hf_config.num_mel_bins}")
-        return OmniAudioFeatures(
-            sample_rate=int(config["sampling_rate"]), n_fft=int(config["n_fft"]),
-            hop_length=int(config["hop_length"]), num_mel_bins=int(config["feature_size"]),
-            n_samples=int(config["chunk_length"] * config["sampling_rate"]),
-            padding_value=float(config["padding_value"]))
+        return read_features(OmniAudioFeatures, f"{self.where}: preprocessor_config.json", given,
+                             self.hf_config.num_mel_bins)
 
     @property
     def window(self) -> int:

@@ -35,7 +35,8 @@ from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.weights.vision_families import QWEN2_5_OMNI_VISION, QWEN2_5_VL_VISION
 
-__all__ = ["Qwen2_5OmniVisionEncoder", "Qwen2_5ViT", "Qwen2_5VisionEncoder", "qwen2_5_vit_spec", "window_order"]
+__all__ = ["Qwen2_5OmniVisionEncoder", "Qwen2_5ViT", "Qwen2_5VisionEncoder", "qwen2_5_vit_spec",
+           "window_order"]
 
 MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
 """A whole Qwen2.5-VL model's ``model_type`` and its vision config's."""

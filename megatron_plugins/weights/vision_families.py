@@ -32,8 +32,8 @@ from megatron_plugins.weights.mapping import (
     norm_rules,
 )
 
-__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "QWEN3_5_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION",
-           "SIGLIP_VISION", "untrained_tensors"]
+__all__ = ["CLIP_VISION", "QWEN2_5_OMNI_VISION", "QWEN2_5_VL_VISION", "QWEN3_5_VISION",
+           "QWEN3_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION", "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."

@@ -27,7 +27,7 @@ TOLERANCE = 1e-5
 LAYOUTS = {
     "one-rank-per-module": (("image:dp=1", "audio:dp=1", "language:dp=1"), 3),
     "audio-tp2-language-pp2": (("image:dp=1", "audio:tp=2", "language:pp=2"), 5),
-    "image-tp2-language-tp2": (("image:tp=2", "audio:dp=1", "language:tp=2"), 5),
+    "both-encoders-tp2": (("image:tp=2", "audio:tp=2", "language:dp=1"), 5),
 }
 
 

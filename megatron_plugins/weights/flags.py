@@ -91,10 +91,11 @@ def expand_hf_model(flags: argparse.Namespace) -> None:
         named = [name for name, given in encoders.items() if given == provider]
         if encoders and len(named) != 1:
             given = " ".join(f"{name}={p}" for name, p in encoders.items())
-            towers = ", ".join(t.encoder_provider for t in vlm.towers)
-            raise HFWeightsError(f"--encoder {given} contradicts {origin}, whose towers are built "
-                                 f"by providers {towers}; give exactly one --encoder "
-                                 f"NAME={provider} per tower or drop --encoder")
+            built = (f"tower is built by provider {provider}" if len(vlm.towers) == 1 else
+                     "towers are built by providers "
+                     + ", ".join(t.encoder_provider for t in vlm.towers))
+            raise HFWeightsError(f"--encoder {given} contradicts {origin}, whose {built}; give "
+                                 f"exactly one --encoder NAME={provider} or drop --encoder")
         name = named[0] if named else tower.encoder_name
         if weights.get(name, folder) != folder:
             raise HFWeightsError(f"{ENCODER_FLAG} {name}={weights[name]} contradicts {origin}, "

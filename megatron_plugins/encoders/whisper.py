@@ -43,7 +43,8 @@ from megatron_plugins.media.codec import Waveform, resample
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
 
-__all__ = ["WhisperEncoder", "WhisperFeatures", "WhisperNetwork", "drop_key_bias_grad",
+__all__ = ["CONV_KERNEL", "CONV_STRIDE", "EXTRACTOR_DEFAULTS", "WhisperEncoder", "WhisperFeatures",
+           "WhisperNetwork", "drop_key_bias_grad",
            "read_features", "sinusoids", "whisper_mel_filters"]
 
 MEL_MAX_HZ = 8000.0

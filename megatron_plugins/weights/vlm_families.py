@@ -91,7 +91,7 @@ class VLMFamily:
     carried: tuple[str, ...] = ()
     """Regexes of HF tensors of no MiMo module (Qwen3.5's multi-token-prediction layers,
     ``mtp.*``): not imported, and copied unchanged on export."""
-    carried_what: str = "multi-token-prediction layers"
+    carried_what: str = "e.g. multi-token-prediction layers"
     """What :attr:`carried` holds, for the one notice at start."""
     sub_config: str = ""
     """The config.json field holding the parts' configs when they are nested (Qwen2.5-Omni's

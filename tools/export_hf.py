@@ -343,6 +343,11 @@ def _processor_files(args: Any, name: str, folder: Path) -> list[Path]:
             if (source / file).is_file()]
 
 
+HEADS_FIELDS = ("num_attention_heads", "num_heads", "encoder_attention_heads")
+WIDTH_FIELDS = ("hidden_size", "d_model")
+"""A tower config's attention heads and width, as vision and Whisper-style audio configs name
+them in config.json."""
+
 WHOLE_WEIGHTS = re.compile(r"(model|pytorch_model).*\.(safetensors|bin)(\.index\.json)?$")
 """The source folder's weight files, which the export writes anew."""
 
@@ -352,7 +357,7 @@ def export_whole(reader: AdapterReader, out: Path, adapters_out: Path, max_shard
     """One HF folder of the ``--hf-model`` architecture the run started from: every module's
     tensors under the folder's own names, its untrained tensors and other files copied (and a
     LoRA run's adapters merged, and in PEFT's format in ``adapters_out``)."""
-    from megatron_plugins.weights.flags import hf_model_encoder
+    from megatron_plugins.weights.flags import hf_model_towers
     from megatron_plugins.weights.hf_folder import HFCheckpoint
     from megatron_plugins.weights.vlm_families import HF_MODEL_FLAG, part_families, read_vlm
 
@@ -360,31 +365,32 @@ def export_whole(reader: AdapterReader, out: Path, adapters_out: Path, max_shard
     args = ckpt.args
     source = Path(args.hf_model)
     vlm, config = read_vlm(str(source))
-    name = hf_model_encoder(args)
-    tower = _encoder_families(args).get(name)
-    if tower is None:
-        raise HFWeightsError(f"{ckpt.folder}: the run's --hf-model encoder {name} has no HF "
-                             "weight mapping")
     checkpoint = HFCheckpoint(source, HF_MODEL_FLAG)
-    parts = part_families(vlm, config, tower, checkpoint.names())
     where = str(ckpt.folder)
-    vision = vlm.vision_config(config)
-    heads = vision.get("num_attention_heads", vision.get("num_heads"))  # plain multi-head
     vocab = args.vocab_size or args.padded_vocab_size
-    tower_heads = Heads(heads, heads, vision["hidden_size"] // heads)
-    pieces = [
-        *hf_pieces(reader.tensors(LANGUAGE), parts.language, _heads(args), vocab, where),
-        *hf_pieces(reader.tensors(name), parts.tower, tower_heads, None, where),
-        *hf_pieces(reader.tensors(f"{name}:projection"), parts.projector, None, None, where),
-    ]
-    untrained = {hf: checkpoint.read(hf, 0, 0, -1) for hf in sorted(checkpoint.names())
-                 if any(re.match(pattern, hf)
-                        for pattern in (*parts.tower.untrained, *parts.language.untrained))}
+    families = _encoder_families(args)
+    pieces, adapters, untrained, modules = [], [], set(), [LANGUAGE]
+    for name, tower in hf_model_towers(args).items():
+        if families.get(name) is None:
+            raise HFWeightsError(f"{ckpt.folder}: the run's --hf-model encoder {name} has no HF "
+                                 "weight mapping")
+        parts = part_families(vlm, config, families[name], checkpoint.names())
+        sub = vlm.root(config).get(tower.config_key) or {}
+        heads = next(sub[k] for k in HEADS_FIELDS if k in sub)  # plain multi-head
+        tower_heads = Heads(heads, heads, next(sub[k] for k in WIDTH_FIELDS if k in sub) // heads)
+        pieces += [*hf_pieces(reader.tensors(name), parts.tower, tower_heads, None, where),
+                   *hf_pieces(reader.tensors(f"{name}:projection"), parts.projector, None, None,
+                              where)]
+        adapters += [*reader.hf_adapters(name, parts.tower, tower_heads),
+                     *reader.hf_adapters(f"{name}:projection", parts.projector, None)]
+        untrained.update(parts.tower.untrained, parts.language.untrained)
+        modules += [name, name + PROJECTION]
+    pieces += hf_pieces(reader.tensors(LANGUAGE), parts.language, _heads(args), vocab, where)
+    adapters += reader.hf_adapters(LANGUAGE, parts.language, _heads(args))
     held = assemble(pieces)
-    tensors = reader.fill({**held, **untrained}, [LANGUAGE, name, name + PROJECTION], None)
-    adapters = [*reader.hf_adapters(LANGUAGE, parts.language, _heads(args)),
-                *reader.hf_adapters(name, parts.tower, tower_heads),
-                *reader.hf_adapters(f"{name}:projection", parts.projector, None)]
+    copied_tensors = {hf: checkpoint.read(hf, 0, 0, -1) for hf in sorted(checkpoint.names())
+                      if any(re.match(pattern, hf) for pattern in untrained)}
+    tensors = reader.fill({**held, **copied_tensors}, modules, None)
     merge(tensors, adapters)
     out.mkdir(parents=True, exist_ok=True)
     copied = []

@@ -68,16 +68,11 @@ def _checkpoint_wrapping(args: argparse.Namespace) -> dict[str, tuple[int, int]]
 
 
 def _checkpoint_placeholders(args: argparse.Namespace) -> dict[str, int]:
-    """``--hf-model``'s encoder and its checkpoint's image token: the mock marks that encoder's
-    positions with it, so the checkpoint's language model reads image features where HF does."""
-    from megatron_plugins.weights.flags import hf_model_encoder
-    from megatron_plugins.weights.vlm_families import read_vlm
+    """``--hf-model``'s encoders and their checkpoint's tokens: the mock marks each encoder's
+    positions with its own, so the checkpoint's language model reads features where HF does."""
+    from megatron_plugins.weights.flags import checkpoint_image_token
 
-    name = hf_model_encoder(args)
-    if name is None:
-        return {}
-    vlm, config = read_vlm(args.hf_model)
-    return {name: vlm.image_token_id(config)}
+    return checkpoint_image_token(args)
 
 
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:

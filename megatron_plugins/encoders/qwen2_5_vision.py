@@ -33,9 +33,10 @@ from megatron_plugins.encoders.vit import CLIP_MEAN, CLIP_STD
 from megatron_plugins.flops.count import EncoderFlops
 from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.ops.packed_attention import packed_seq_params
-from megatron_plugins.weights.vision_families import QWEN2_5_VL_VISION
+from megatron_plugins.weights.vision_families import QWEN2_5_OMNI_VISION, QWEN2_5_VL_VISION
 
-__all__ = ["Qwen2_5ViT", "Qwen2_5VisionEncoder", "qwen2_5_vit_spec", "window_order"]
+__all__ = ["Qwen2_5OmniVisionEncoder", "Qwen2_5ViT", "Qwen2_5VisionEncoder", "qwen2_5_vit_spec",
+           "window_order"]
 
 MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
 """A whole Qwen2.5-VL model's ``model_type`` and its vision config's."""
@@ -173,3 +174,15 @@ class Qwen2_5VisionEncoder(QwenTowerEncoder):
                   + tower(config, windows, config.num_layers - full, first=not first_full))
         return EncoderFlops(stem + layers, self.projection_flops(
             patches // merge ** 2, config, language_hidden_size))
+
+
+class Qwen2_5OmniVisionEncoder(Qwen2_5VisionEncoder):
+    """Qwen2.5-Omni's vision tower: Qwen2.5-VL's, its config under the thinker's and its
+    attention's q, k, v saved apart (:data:`QWEN2_5_OMNI_VISION`)."""
+
+    provider = "qwen2_5_omni_vision"
+    model_type = "qwen2_5_omni_vision_encoder"
+    hf_family = QWEN2_5_OMNI_VISION
+    model_types = ("qwen2_5_omni", "qwen2_5_omni_thinker")
+    config_class = "Qwen2_5OmniVisionEncoderConfig"
+    sub_config = "thinker_config"

@@ -103,6 +103,9 @@ class QwenTowerEncoder(HFVisionEncoder):
     """The blocks' MLP is gated (SwiGLU)."""
     normalization: ClassVar[str]
     """The blocks' norm (eps 1e-6)."""
+    sub_config: ClassVar[str] = ""
+    """The config.json field nesting a whole model's ``vision_config`` (Qwen2.5-Omni's
+    ``thinker_config``); empty: the top level."""
 
     def _read_config(self) -> Any:
         """The HF vision config of a whole model's folder (``vision_config``) or of a vision
@@ -119,7 +122,8 @@ class QwenTowerEncoder(HFVisionEncoder):
             raise EncoderPluginError(
                 f"{self.where}: config.json is a {config.get('model_type')!r} model, not "
                 f"{name}; use the provider matching the model")
-        vision = config.get("vision_config", config)
+        root = config.get(self.sub_config) if self.sub_config else None
+        vision = (root or config).get("vision_config", config)
         fields = {key: value for key, value in vision.items()
                   if key not in ("model_type", "architectures", "transformers_version")}
         try:

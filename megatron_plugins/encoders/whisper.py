@@ -43,8 +43,9 @@ from megatron_plugins.media.codec import Waveform, resample
 from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MODEL_TYPE
 
 
-__all__ = ["WhisperEncoder", "WhisperFeatures", "WhisperNetwork", "sinusoids",
-           "whisper_mel_filters"]
+__all__ = ["CONV_KERNEL", "CONV_STRIDE", "EXTRACTOR_DEFAULTS", "WhisperEncoder", "WhisperFeatures",
+           "WhisperNetwork", "drop_key_bias_grad",
+           "read_features", "sinusoids", "whisper_mel_filters"]
 
 MEL_MAX_HZ = 8000.0
 """Whisper's mel filters span 0 to 8 kHz whatever the sampling rate (HF's feature extractor)."""
@@ -108,6 +109,24 @@ class WhisperFeatures(MediaPreprocessor):
         return {"input_features": ((log_spec + 4.0) / 4.0)[0].contiguous()}
 
 
+def read_features(kind: type[WhisperFeatures], where: str, given: dict[str, Any],
+                  num_mel_bins: int) -> WhisperFeatures:
+    """``kind`` made by a feature extractor config's Whisper fields ``given`` (its defaults fill
+    the rest; other fields are another processor's); ``where`` names the file in errors."""
+    config = {**EXTRACTOR_DEFAULTS, "feature_size": num_mel_bins,
+              **{key: given[key] for key in (*EXTRACTOR_DEFAULTS, "feature_size") if key in given}}
+    if config["dither"]:
+        raise EncoderPluginError(f"{where} dither {config['dither']} is not supported (it adds "
+                                 "random noise); set it 0.0")
+    if config["feature_size"] != num_mel_bins:
+        raise EncoderPluginError(f"{where} feature_size {config['feature_size']} differs from "
+                                 f"config.json num_mel_bins {num_mel_bins}")
+    return kind(sample_rate=int(config["sampling_rate"]), n_fft=int(config["n_fft"]),
+                hop_length=int(config["hop_length"]), num_mel_bins=int(config["feature_size"]),
+                n_samples=int(config["chunk_length"] * config["sampling_rate"]),
+                padding_value=float(config["padding_value"]))
+
+
 def sinusoids(length: int, channels: int, max_timescale: float = 10000) -> torch.Tensor:
     """Whisper's fixed position table ``[length, channels]`` (HF's initialization of it)."""
     increment = math.log(max_timescale) / (channels // 2 - 1)
@@ -116,7 +135,7 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000) -> torch
     return torch.cat([scaled_time.sin(), scaled_time.cos()], dim=1)
 
 
-def _drop_key_bias_grad(head_dim: int, grad: torch.Tensor) -> torch.Tensor:
+def drop_key_bias_grad(head_dim: int, grad: torch.Tensor) -> torch.Tensor:
     """The fused qkv bias gradient with its key part zeroed: HF has no key bias, and the softmax
     makes that gradient zero up to rounding; exactly zero keeps the part at its imported zeros
     (Adam would turn rounding noise into steps)."""
@@ -149,7 +168,7 @@ class WhisperNetwork(MegatronModule):
                                         pg_collection=pg_collection)
         for layer in self.decoder.layers:
             bias = layer.self_attention.linear_qkv.bias
-            bias.register_hook(functools.partial(_drop_key_bias_grad, config.kv_channels))
+            bias.register_hook(functools.partial(drop_key_bias_grad, config.kv_channels))
 
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
         """``[items, num_mel_bins, 2 * max_source_positions]`` -> ``[items, positions, hidden]``."""
@@ -197,20 +216,10 @@ class WhisperEncoder(EncoderPlugin):
         the frames the model takes."""
         where = f"{self.where}: preprocessor_config.json"
         given = self.source.read_json("preprocessor_config.json") or {}
-        config = {**EXTRACTOR_DEFAULTS, "feature_size": self.hf_config.num_mel_bins, **given}
-        if config["dither"]:
-            raise EncoderPluginError(f"{where} dither {config['dither']} is not supported (it "
-                                     "adds random noise); set it 0.0")
-        if config.get("do_normalize"):
+        if given.get("do_normalize"):
             raise EncoderPluginError(f"{where} do_normalize is not supported; set it false")
-        if config["feature_size"] != self.hf_config.num_mel_bins:
-            raise EncoderPluginError(f"{where} feature_size {config['feature_size']} differs from "
-                                     f"config.json num_mel_bins {self.hf_config.num_mel_bins}")
-        features = WhisperFeatures(
-            sample_rate=int(config["sampling_rate"]), n_fft=int(config["n_fft"]),
-            hop_length=int(config["hop_length"]), num_mel_bins=int(config["feature_size"]),
-            n_samples=int(config["chunk_length"] * config["sampling_rate"]),
-            padding_value=float(config["padding_value"]))
+        features = read_features(WhisperFeatures, where, given, self.hf_config.num_mel_bins)
+        config = {**EXTRACTOR_DEFAULTS, **given}
         frames = CONV_STRIDE * self.hf_config.max_source_positions
         if features.num_frames != frames:
             raise EncoderPluginError(

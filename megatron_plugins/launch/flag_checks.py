@@ -14,7 +14,7 @@ from megatron_plugins.data.streams import DataSource
 from megatron_plugins.data.text import check_tokenizer_folder
 from megatron_plugins.errors import FlagError
 from megatron_plugins.parallel.layout import ModulePlacement
-from megatron_plugins.weights.flags import HF_MODEL_FLAG, hf_model_encoder
+from megatron_plugins.weights.flags import HF_MODEL_FLAG, checkpoint_image_token
 
 __all__ = ["check_image_token", "check_mock_tokenizer", "check_mrope", "check_packing",
            "check_training"]
@@ -33,19 +33,15 @@ def check_mock_tokenizer(args: argparse.Namespace) -> None:
 
 
 def check_image_token(args: argparse.Namespace, source: DataSource) -> None:
-    """The data's placeholder for ``--hf-model``'s encoder must be the checkpoint's image token:
-    the language model reads image features where HF put them."""
-    from megatron_plugins.weights.vlm_families import read_vlm
-
-    name = hf_model_encoder(args)
-    if name is None:
-        return
-    vlm, config = read_vlm(args.hf_model)
-    want, have = vlm.image_token_id(config), source.special_token_ids.get(name)
-    if have != want:
-        raise FlagError(f"{HF_MODEL_FLAG} {args.hf_model}: its image token is id {want}, but the "
-                        f"data marks encoder {name}'s positions with id {have}; give a tokenizer "
-                        f"whose <{name}> token is id {want} (the checkpoint's own tokenizer)")
+    """The data's placeholder for each of ``--hf-model``'s encoders must be the checkpoint's
+    token for it: the language model reads features where HF put them."""
+    for name, want in checkpoint_image_token(args).items():
+        have = source.special_token_ids.get(name)
+        if have != want:
+            raise FlagError(f"{HF_MODEL_FLAG} {args.hf_model}: its {name} token is id {want}, but "
+                            f"the data marks encoder {name}'s positions with id {have}; give a "
+                            f"tokenizer whose <{name}> token is id {want} (the checkpoint's own "
+                            "tokenizer)")
 
 
 def check_packing(args: argparse.Namespace) -> None:

@@ -21,8 +21,8 @@ def load_pretrained(model: Any, module_pgs: Mapping[str, Any], language_folder: 
                     encoder_folders: Mapping[str, str], plugins: Mapping[str, Any],
                     hf_model: str | None = None) -> None:
     """Load each HF folder into this rank's module of the (unwrapped) ``MimoModel``; a whole
-    VLM folder (``hf_model``) into the encoder holding it, its projection and the language
-    model, each rank reading only its slices."""
+    VLM folder (``hf_model``) into the encoders holding its towers, their projections and the
+    language model, each rank reading only its slices."""
     from megatron_plugins.parallel.layout import LANGUAGE
     from megatron_plugins.weights.encoder_view import encoder_module
     from megatron_plugins.weights.flags import ENCODER_FLAG, LANGUAGE_FLAG, encoder_family
@@ -32,7 +32,8 @@ def load_pretrained(model: Any, module_pgs: Mapping[str, Any], language_folder: 
     whole = [name for name, folder in encoder_folders.items() if hf_model and folder == hf_model]
     for name, pgc in module_pgs.items():
         if whole and name in (LANGUAGE, *whole):
-            _load_whole(model, name, pgc, hf_model, encoder_family(plugins[whole[0]]))
+            tower = plugins[name if name in whole else whole[0]]
+            _load_whole(model, name, pgc, hf_model, encoder_family(tower))
         elif name == LANGUAGE and language_folder:
             load_hf_weights(model.language_model, language_folder, LANGUAGE_FLAG, pgc, FAMILIES)
         elif name in encoder_folders:

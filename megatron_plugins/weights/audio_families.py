@@ -11,15 +11,24 @@ qkv bias has a key part, held at zero (``absent_zero``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from megatron_plugins.parallel.module_values import module_values
-from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, norm_rules
+from megatron_plugins.weights.mapping import (
+    PROJECTION,
+    TOWER,
+    Family,
+    HFWeightsError,
+    Rule,
+    norm_rules,
+)
 
-__all__ = ["WHISPER_ENCODER", "WHISPER_MODEL_TYPE", "whisper_source_config"]
+__all__ = ["QWEN2_5_OMNI_AUDIO", "QWEN2_5_OMNI_AUDIO_MODEL_TYPE", "WHISPER_ENCODER",
+           "WHISPER_MODEL_TYPE", "whisper_source_config"]
 
 WHISPER_MODEL_TYPE = "whisper"
 
@@ -31,12 +40,7 @@ def _qkv(part: str) -> tuple[str, str, str]:
     return tuple(f"{HF_LAYER}self_attn.{x}_proj.{part}" for x in "qkv")
 
 
-RULES = (
-    Rule("conv1.weight", ("conv1.weight",)),
-    Rule("conv1.bias", ("conv1.bias",)),
-    Rule("conv2.weight", ("conv2.weight",)),
-    Rule("conv2.bias", ("conv2.bias",)),
-    Rule("embed_positions", ("embed_positions.weight",)),
+LAYER_RULES = (
     *norm_rules(f"{LAYER}input_layernorm", f"{HF_LAYER}self_attn_layer_norm"),
     *norm_rules(f"{LAYER}self_attention.linear_qkv", f"{HF_LAYER}self_attn_layer_norm", te=True),
     Rule(f"{LAYER}self_attention.linear_qkv.weight", _qkv("weight"), "qkv", tp_dim=0),
@@ -51,6 +55,17 @@ RULES = (
     Rule(f"{LAYER}mlp.linear_fc1.bias", (f"{HF_LAYER}fc1.bias",), tp_dim=0),
     Rule(f"{LAYER}mlp.linear_fc2.weight", (f"{HF_LAYER}fc2.weight",), tp_dim=1),
     Rule(f"{LAYER}mlp.linear_fc2.bias", (f"{HF_LAYER}fc2.bias",)),
+)
+"""A Whisper-style encoder layer (Whisper's, Qwen2.5-Omni's audio tower's): pre-LN, no key
+bias."""
+
+CONVOLUTIONS = tuple(Rule(f"conv{n}.{p}", (f"conv{n}.{p}",)) for n in (1, 2)
+                     for p in ("weight", "bias"))
+
+RULES = (
+    *CONVOLUTIONS,
+    Rule("embed_positions", ("embed_positions.weight",)),
+    *LAYER_RULES,
     *norm_rules("decoder.final_layernorm", "layer_norm"),
 )
 
@@ -99,3 +114,34 @@ WHISPER_ENCODER = Family(
     unused=OTHER_MODEL,
     hf_prefixes=("", "model.encoder.", "encoder."),
 )
+
+
+QWEN2_5_OMNI_AUDIO_MODEL_TYPE = "qwen2_5_omni_audio_encoder"
+
+
+def _omni_audio_config(args: Any, vocab_size: int | None) -> dict[str, Any]:
+    """A whole Qwen2.5-Omni folder is exported as one folder (``tools/export_hf``)."""
+    raise HFWeightsError("the Qwen2.5-Omni audio tower is exported inside its whole folder "
+                         "(--hf-model); it has no folder of its own")
+
+
+QWEN2_5_OMNI_AUDIO = Family(
+    name="qwen2_5_omni_audio",
+    architectures=("Qwen2_5OmniAudioEncoder",),
+    model_type=QWEN2_5_OMNI_AUDIO_MODEL_TYPE,
+    rules=(
+        *(dataclasses.replace(rule, megatron=TOWER + rule.megatron)
+          for rule in (*CONVOLUTIONS, *LAYER_RULES)),
+        # ln_post and proj map the pooled tower output to the language width: the projection.
+        *(dataclasses.replace(rule, megatron=PROJECTION + rule.megatron)
+          for rule in (*norm_rules("ln_post", "ln_post"),
+                       Rule("proj.weight", ("proj.weight",)), Rule("proj.bias", ("proj.bias",)))),
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_omni_audio_config,
+    # The audio bos / eos embeddings are read by no forward of the thinker (no gradient in HF).
+    untrained=(r"audio_bos_eos_token\.",),
+)
+"""Qwen2.5-Omni's audio tower (``Qwen2_5OmniAudioEncoder``): Whisper's layers, its two
+convolutions and, as the projection, ``ln_post`` + ``proj``; its sinusoidal positions are a
+buffer HF does not save."""

@@ -25,6 +25,7 @@ from megatron_plugins.weights.language_families import FAMILIES
 from megatron_plugins.weights.mapping import Family, HFWeightsError
 from megatron_plugins.weights.vlm_families import (
     HF_MODEL_FLAG,
+    ExtraTower,
     language_family,
     projector_prefix,
     read_vlm,
@@ -34,7 +35,8 @@ __all__ = [
     "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
     "checkpoint_image_token", "checkpoint_item_wrapping", "check_encoder_names",
     "check_safetensors", "encoder_family", "encoder_folders",
-    "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "implied_language_args",
+    "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "hf_model_towers",
+    "implied_language_args",
     "language_origin"
 ]
 
@@ -68,8 +70,8 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def expand_hf_model(flags: argparse.Namespace) -> None:
-    """Write what ``--hf-model DIR`` implies into the parsed flags, once: encoder
-    ``NAME=PROVIDER`` into ``mimo_encoders`` (unless a given one names the provider) and
+    """Write what ``--hf-model DIR`` implies into the parsed flags, once: for each of its towers
+    encoder ``NAME=PROVIDER`` into ``mimo_encoders`` (unless a given one names the provider) and
     ``NAME=DIR`` into ``encoder_hf_weights`` (the provider reads the tower's shape there). A given
     flag that contradicts the folder is one line naming both."""
     folder = getattr(flags, "hf_model", None)
@@ -82,54 +84,82 @@ def expand_hf_model(flags: argparse.Namespace) -> None:
         raise HFWeightsError(f"{LANGUAGE_FLAG} {language} contradicts {origin}, which holds the "
                              f"language model; drop {LANGUAGE_FLAG}")
     encoders = module_values(getattr(flags, "mimo_encoders", None), "--encoder")
-    named = [name for name, provider in encoders.items() if provider == vlm.encoder_provider]
-    if encoders and len(named) != 1:
-        given = " ".join(f"{name}={provider}" for name, provider in encoders.items())
-        raise HFWeightsError(f"--encoder {given} contradicts {origin}, whose tower is built by "
-                             f"provider {vlm.encoder_provider}; give exactly one --encoder "
-                             f"NAME={vlm.encoder_provider} or drop --encoder")
-    name = named[0] if named else vlm.encoder_name
     weights = module_values(getattr(flags, "encoder_hf_weights", None), ENCODER_FLAG)
-    if weights.get(name, folder) != folder:
-        raise HFWeightsError(f"{ENCODER_FLAG} {name}={weights[name]} contradicts {origin}, which "
-                             f"holds encoder {name}'s tower; drop {ENCODER_FLAG} {name}=")
-    flags.mimo_encoders = encoders or {name: vlm.encoder_provider}
-    flags.encoder_hf_weights = {**weights, name: folder}
+    implied = {}
+    for tower in vlm.towers:
+        provider = tower.encoder_provider
+        named = [name for name, given in encoders.items() if given == provider]
+        if encoders and len(named) != 1:
+            given = " ".join(f"{name}={p}" for name, p in encoders.items())
+            built = (f"tower is built by provider {provider}" if len(vlm.towers) == 1 else
+                     "towers are built by providers "
+                     + ", ".join(t.encoder_provider for t in vlm.towers))
+            raise HFWeightsError(f"--encoder {given} contradicts {origin}, whose {built}; give "
+                                 f"exactly one --encoder NAME={provider} or drop --encoder")
+        name = named[0] if named else tower.encoder_name
+        if weights.get(name, folder) != folder:
+            raise HFWeightsError(f"{ENCODER_FLAG} {name}={weights[name]} contradicts {origin}, "
+                                 f"which holds encoder {name}'s tower; drop {ENCODER_FLAG} "
+                                 f"{name}=")
+        implied[name] = provider
+    flags.mimo_encoders = encoders or implied
+    flags.encoder_hf_weights = {**weights, **{name: folder for name in implied}}
 
 
 def hf_model_encoder(args: argparse.Namespace) -> str | None:
-    """The encoder ``--hf-model``'s tower is (after :func:`expand_hf_model`), or None."""
+    """The encoder ``--hf-model``'s vision tower is (after :func:`expand_hf_model`), or None."""
+    return next(iter(hf_model_towers(args)), None)
+
+
+def hf_model_towers(args: argparse.Namespace) -> dict[str, ExtraTower]:
+    """``{encoder: tower}``: the encoders ``--hf-model``'s towers are (after
+    :func:`expand_hf_model`), the vision tower first; empty without the flag. An encoder is
+    matched to its tower by provider (``--encoder``), else by the tower's default name."""
     folder = getattr(args, "hf_model", None)
     if folder is None:
-        return None
+        return {}
     weights = module_values(getattr(args, "encoder_hf_weights", None), ENCODER_FLAG)
-    return next((name for name, path in weights.items() if path == folder), None)
+    providers = module_values(getattr(args, "mimo_encoders", None), "--encoder")
+    names = [name for name, path in weights.items() if path == folder]
+    towers = read_vlm(folder)[0].towers
+    found = {}
+    for tower in towers:
+        name = next((n for n in names if providers.get(n) == tower.encoder_provider), None)
+        if name is None and tower.encoder_name in names:
+            name = tower.encoder_name
+        if name is None and len(towers) == len(names) == 1:
+            name = names[0]
+        if name is not None:
+            found[name] = tower
+    return found
 
 
 def checkpoint_image_token(args: argparse.Namespace) -> dict[str, int]:
-    """``{encoder: id}``: the token ``--hf-model``'s checkpoint puts where image features go
-    (Qwen2.5-VL's ``<|image_pad|>``, LLaVA's ``<image>``), which real data must use for that
-    encoder's positions; empty without the flag."""
-    name = hf_model_encoder(args)
-    if name is None:
+    """``{encoder: id}``: the token ``--hf-model``'s checkpoint puts where each tower's features
+    go (Qwen2.5-VL's ``<|image_pad|>``, LLaVA's ``<image>``, Qwen2.5-Omni's ``<|AUDIO|>``),
+    which real data must use for that encoder's positions; empty without the flag."""
+    towers = hf_model_towers(args)
+    if not towers:
         return {}
-    vlm, config = read_vlm(args.hf_model)
-    return {name: vlm.image_token_id(config)}
+    _, config = read_vlm(args.hf_model)
+    return {name: tower.token_id(config) for name, tower in towers.items()}
 
 
 def checkpoint_item_wrapping(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     """``{encoder: (start, end)}``: the ids ``--hf-model``'s checkpoint puts around each item's
-    run (config.json ``vision_start_token_id`` / ``vision_end_token_id``, Qwen's
-    ``<|vision_start|>`` / ``<|vision_end|>``), where its vocabulary holds both; else empty."""
-    name = hf_model_encoder(args)
-    if name is None:
+    run (Qwen's ``<|vision_start|>`` / ``<|vision_end|>``, Omni's audio bos / eos), for the
+    towers whose ids its vocabulary holds."""
+    towers = hf_model_towers(args)
+    if not towers:
         return {}
-    _, config = read_vlm(args.hf_model)
-    ids = (config.get("vision_start_token_id"), config.get("vision_end_token_id"))
-    vocab = (config.get("text_config") or config).get("vocab_size")
-    if None in ids or vocab is None or not all(0 <= int(i) < int(vocab) for i in ids):
-        return {}
-    return {name: (int(ids[0]), int(ids[1]))}
+    vlm, config = read_vlm(args.hf_model)
+    vocab = vlm.text_config(config).get("vocab_size")
+    found = {}
+    for name, tower in towers.items():
+        ids = tower.wrapping(config)
+        if ids is not None and vocab is not None and all(0 <= i < int(vocab) for i in ids):
+            found[name] = ids
+    return found
 
 
 USER_MAY_SET = {"untie_embeddings_and_output_weights": True}
@@ -295,6 +325,6 @@ def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any],
     carried = sorted(n for n in checkpoint.names() if any(re.match(p, n) for p in vlm.carried))
     if carried and os.environ.get("RANK", "0") == "0":
         print(f"pretrain_mimo.py: notice: {HF_MODEL_FLAG} {folder}: {len(carried)} tensors of no "
-              f"module here ({carried[0].split('.')[0]}.*, e.g. multi-token-prediction layers) are "
+              f"module here ({carried[0].split('.')[0]}.*, {vlm.carried_what}) are "
               "not trained; tools/export_hf writes them back unchanged", file=sys.stderr,
               flush=True)

@@ -32,8 +32,8 @@ from megatron_plugins.weights.mapping import (
     norm_rules,
 )
 
-__all__ = ["CLIP_VISION", "QWEN2_5_VL_VISION", "QWEN3_5_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION",
-           "SIGLIP_VISION", "untrained_tensors"]
+__all__ = ["CLIP_VISION", "QWEN2_5_OMNI_VISION", "QWEN2_5_VL_VISION", "QWEN3_5_VISION",
+           "QWEN3_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION", "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."
@@ -222,6 +222,21 @@ QWEN2_5_VL_VISION = Family(
     # A whole Qwen2.5-VL folder also holds the language model, another module's weights.
     unused=(r"model\.", r"lm_head\."),
     hf_prefixes=("", "visual."),
+)
+
+QWEN2_5_OMNI_VISION = dataclasses.replace(
+    QWEN2_5_VL_VISION, name="qwen2_5_omni_vision",
+    architectures=("Qwen2_5OmniForConditionalGeneration",
+                   "Qwen2_5OmniThinkerForConditionalGeneration"),
+    model_type="qwen2_5_omni_vision_encoder",
+    # Qwen2.5-VL's tower with its attention's q, k and v as three HF linears.
+    rules=tuple(rule for rule in QWEN2_5_VL_VISION.rules if rule.combine != "fused_qkv")[:1] + (
+        *(Rule(f"{QWEN_LAYER}self_attention.linear_qkv.{p}",
+               tuple(f"{QWEN_BLOCK}attn.{x}.{p}" for x in "qkv"), "qkv", tp_dim=0)
+          for p in ("weight", "bias")),
+        *(rule for rule in QWEN2_5_VL_VISION.rules[1:] if rule.combine != "fused_qkv")),
+    hf_config=_loaded_config("qwen2_5_omni_vision_encoder"),
+    unused=(r"(thinker\.)?(model|lm_head|audio_tower)\.", r"talker\.", r"token2wav\."),
 )
 
 DEEPSTACK = "deepstack_merger_list.{layer}."

@@ -25,7 +25,8 @@ from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMI
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
 from megatron_plugins.weights.qwen3_5_language import FAMILIES as QWEN3_5_LANGUAGE_FAMILIES
 
-__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_VL", "QWEN3_5_MOE_VL",
+__all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_OMNI", "QWEN2_5_VL",
+           "QWEN3_5_MOE_VL", "ExtraTower",
            "QWEN3_5_VL", "QWEN3_VL",
            "PartFamilies",
            "VLMFamily",
@@ -90,17 +91,65 @@ class VLMFamily:
     carried: tuple[str, ...] = ()
     """Regexes of HF tensors of no MiMo module (Qwen3.5's multi-token-prediction layers,
     ``mtp.*``): not imported, and copied unchanged on export."""
+    carried_what: str = "e.g. multi-token-prediction layers"
+    """What :attr:`carried` holds, for the one notice at start."""
+    sub_config: str = ""
+    """The config.json field holding the parts' configs when they are nested (Qwen2.5-Omni's
+    ``thinker_config``); empty: the top level."""
+    item_wrapping: Callable[[Mapping[str, Any]], tuple[int, int] | None] = (
+        lambda config: _ids(config, "vision_start_token_id", "vision_end_token_id"))
+    """config.json -> the ids around each image's run (Qwen's ``<|vision_start|>`` /
+    ``<|vision_end|>``), None where it has none."""
+    extra_towers: tuple["ExtraTower", ...] = ()
+    """Encoders beside the vision tower (Qwen2.5-Omni's audio tower), each its own module."""
+
+    def root(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The config holding the parts' configs (:attr:`sub_config`'s, else the top level)."""
+        return (config.get(self.sub_config) if self.sub_config else None) or config
+
+    @property
+    def towers(self) -> tuple["ExtraTower", ...]:
+        """Every encoder of the folder, the vision tower first."""
+        return (ExtraTower(self.encoder_provider, self.encoder_name, self.tower_prefixes,
+                           self.image_token_id, self.item_wrapping), *self.extra_towers)
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The language model's config inside the VLM's (an older save keeps its fields at the
         top level)."""
-        text = config.get("text_config") or config
-        return {**text, **{key: config[key] for key in self.top_level_text_fields
-                           if key in config}}
+        root = self.root(config)
+        text = root.get("text_config") or root
+        return {**text, **{key: root[key] for key in self.top_level_text_fields
+                           if key in root}}
 
     def vision_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The tower's config inside the VLM's."""
-        return config.get("vision_config") or {}
+        return self.root(config).get("vision_config") or {}
+
+
+def _ids(config: Mapping[str, Any], *fields: str) -> tuple[int, int] | None:
+    """Two token ids of config.json, None where it lacks one."""
+    ids = tuple(config.get(field) for field in fields)
+    return None if None in ids else (int(ids[0]), int(ids[1]))
+
+
+@dataclass(frozen=True)
+class ExtraTower:
+    """One encoder of a whole folder: its provider, default name, where its tensors sit and
+    which ids mark its items. An extra tower's provider family maps its projection too
+    (:func:`~megatron_plugins.weights.mapping.split_projection`), under the tower prefix."""
+
+    encoder_provider: str
+    encoder_name: str
+    prefixes: tuple[str, ...]
+    """Prefixes of its tensors, one per naming scheme; the first the folder uses wins."""
+    token_id: Callable[[Mapping[str, Any]], int]
+    """config.json -> the token id HF replaces by this encoder's features."""
+    wrapping: Callable[[Mapping[str, Any]], tuple[int, int] | None]
+    """config.json -> the ids around each item's run, None where there are none."""
+    family: str = ""
+    """Its provider's ``hf_family`` name (which tower a family handed in maps)."""
+    config_key: str = "vision_config"
+    """The field of the parts' config holding its config."""
 
 
 def _llava_layers(config: Mapping[str, Any]) -> int:
@@ -236,7 +285,50 @@ QWEN3_5_MOE_VL = dataclasses.replace(
     language="qwen3_5_moe",
 )
 
-FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL)
+
+
+def _thinker(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Qwen2.5-Omni folder's thinker config (a thinker-only save's is the top level)."""
+    return config.get("thinker_config") or config
+
+
+def _omni_vision_wrapping(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``<|vision_bos|>`` / ``<|vision_eos|>``: the thinker config lacks them, the talker's
+    (a whole folder) has them; the released ids otherwise."""
+    return _ids({"vision_start_token_id": 151652, "vision_end_token_id": 151653,
+                 **(config.get("talker_config") or {})},
+                "vision_start_token_id", "vision_end_token_id")
+
+
+QWEN2_5_OMNI = dataclasses.replace(
+    QWEN2_5_VL, name="qwen2_5_omni", encoder_provider="qwen2_5_omni_vision",
+    architectures=("Qwen2_5OmniForConditionalGeneration",
+                   "Qwen2_5OmniThinkerForConditionalGeneration"),
+    # A whole folder's names, then a thinker-only save's (transformers 5 writes them bare).
+    tower_prefixes=("thinker.visual.", "visual."),
+    projector_prefixes=("thinker.visual.merger.mlp.", "visual.merger.mlp."),
+    tower_width=lambda config: _merged_width(_thinker(config)),
+    language_renames=((("model.", "thinker.model."), ("lm_head.", "thinker.lm_head.")),
+                      (("model.", "model."), ("lm_head.", "lm_head."))),
+    image_token_id=lambda config: int(_thinker(config).get("image_token_index", 151655)),
+    tower_layers=lambda config: int((_thinker(config).get("vision_config") or {}).get(
+        "depth", 32)),
+    top_level_text_fields=("tie_word_embeddings",),
+    sub_config="thinker_config",
+    item_wrapping=_omni_vision_wrapping,
+    carried=(r"talker\.", r"token2wav\."),
+    carried_what="the talker and token2wav",
+    extra_towers=(ExtraTower(
+        encoder_provider="qwen2_5_omni_audio", encoder_name="audio",
+        prefixes=("thinker.audio_tower.", "audio_tower."),
+        token_id=lambda config: int(_thinker(config).get("audio_token_index", 151646)),
+        wrapping=lambda config: _ids({"audio_start_token_id": 151647,
+                                      "audio_end_token_id": 151648, **_thinker(config)},
+                                     "audio_start_token_id", "audio_end_token_id"),
+        family="qwen2_5_omni_audio", config_key="audio_config"),),
+)
+
+FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL, QWEN2_5_OMNI)
 """Supported whole-VLM architectures."""
 
 
@@ -306,6 +398,9 @@ def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
     projection) are the projector's. Each part's names are under the first naming scheme the
     folder uses, so import, streaming and export name every tensor as the folder does. Tower
     layers past the feature layer are carried untrained (export copies them unchanged)."""
+    extra = next((t for t in vlm.extra_towers if t.family == tower.name), None)
+    if extra is not None:
+        return _extra_part_families(vlm, extra, tower, names)
     tower, projection = split_projection(tower)
     kept = vlm.tower_layers(config)
     layers = vlm.vision_config(config).get("num_hidden_layers", kept)
@@ -330,15 +425,47 @@ def part_families(vlm: VLMFamily, config: Mapping[str, Any], tower: Family,
                  for rule in projection or vlm.projector_rules), *vlm.projection_extras),
         megatron_args=lambda _: {}, hf_config=lambda args, vocab: dict(config),
         unused=(_outside(*vlm.projector_prefixes),))
+    return PartFamilies(tower_part, projector, _language_part(vlm, names))
+
+
+def _language_part(vlm: VLMFamily, names: set[str]) -> Family:
+    """The language model's family under the first naming scheme the folder uses; the carried
+    tensors (no module's) are its untrained ones, copied on export."""
     text = language_family(vlm)
     renames = next((scheme for scheme in vlm.language_renames
                     if all(_renamed(n, scheme) in names for n in text.rules[0].hf)),
                    vlm.language_renames[0])
-    language = dataclasses.replace(
+    return dataclasses.replace(
         text, architectures=vlm.architectures,
         rules=tuple(dataclasses.replace(rule, hf=tuple(_renamed(n, renames) for n in rule.hf))
                     for rule in text.rules),
         tied=tuple((_renamed(a, renames), _renamed(b, renames)) for a, b in text.tied),
         unused=(_outside(*(new for _, new in renames)),), untrained=vlm.carried,
         hf_prefixes=("",))
-    return PartFamilies(tower_part, projector, language)
+
+
+def _exactly(names: set[str]) -> str:
+    """A regex matching exactly the HF names ``names``."""
+    return "(?:" + "|".join(re.escape(n) + "$" for n in sorted(names)) + ")"
+
+
+def _extra_part_families(vlm: VLMFamily, extra: ExtraTower, tower: Family,
+                         names: set[str]) -> PartFamilies:
+    """An extra tower's families: its network's and its projection's (both under the tower
+    prefix the folder uses, the projection's tensors named exactly), and the language model's."""
+    network, projection = split_projection(tower)
+    prefix = _first(extra.prefixes, names, network.rules[0].hf)
+    projected = {prefix + n for rule in projection for n in rule.hf}
+    tower_part = dataclasses.replace(
+        network, name=f"{vlm.name}_{extra.encoder_name}", architectures=vlm.architectures,
+        hf_prefixes=("",),
+        rules=tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
+                    for rule in network.rules),
+        unused=(_outside(prefix), _exactly(projected)),
+        untrained=tuple(re.escape(prefix) + pattern for pattern in network.untrained))
+    projector = dataclasses.replace(
+        tower_part, name=f"{vlm.name}_{extra.encoder_name}_projector",
+        rules=tuple(dataclasses.replace(rule, hf=tuple(prefix + n for n in rule.hf))
+                    for rule in projection),
+        unused=(f"(?!{_exactly(projected)})",), untrained=())
+    return PartFamilies(tower_part, projector, _language_part(vlm, names))

@@ -1,0 +1,261 @@
+"""A tiny random whole Qwen2.5-Omni on disk (thinker: a 2-layer audio tower in 2-chunk windows,
+a 2-block Qwen2.5-VL vision tower, a 2-layer mrope Qwen2; a 1-layer talker and token2wav carried
+beside it, and a ``spk_dict.pt``), clips of different lengths, and transformers' audio features
+and logits on them.
+
+Every weight is redrawn so a mapping that swaps or misses a tensor changes the outputs. Its
+token ids lie inside the tiny vocabulary, below its top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.models.hf_vision import QWEN_PIXELS, QWEN_VISION, qwen_processor, redraw
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 64
+AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN = 50, 51, 52
+AUDIO_WRAPPING = (53, 54)
+"""``<|audio_bos|>`` / ``<|audio_eos|>`` around every clip's run."""
+VISION_WRAPPING = (55, 56)
+"""``<|vision_bos|>`` / ``<|vision_eos|>`` around every image's run (the talker config's ids)."""
+RATE = 16000
+MEL_BINS = 16
+TEXT = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2],
+                             "rope_theta": 10000.0})
+AUDIO = dict(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=2,
+             encoder_ffn_dim=32, d_model=16, max_source_positions=1500, n_window=25,
+             output_dim=TEXT["hidden_size"])
+"""Chunks of 50 mel frames (0.5 s), so the clips below span two to four chunks."""
+CLIPS = (13000, 21111)
+"""Samples of the sample's two clips at 16 kHz: 82 and 132 mel frames, 20 and 33 tokens."""
+
+
+def _talker_and_token2wav() -> dict[str, Any]:
+    talker = dict(vocab_size=40, embedding_size=TEXT["hidden_size"], hidden_size=16,
+                  intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, audio_token_index=AUDIO_TOKEN,
+                  image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
+                  vision_start_token_id=VISION_WRAPPING[0], vision_end_token_id=VISION_WRAPPING[1],
+                  audio_start_token_id=AUDIO_WRAPPING[0], audio_end_token_id=AUDIO_WRAPPING[1],
+                  rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                   "rope_theta": 10000.0})
+    dit = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, ff_mult=1,
+               emb_dim=8, enc_emb_dim=8, enc_dim=8, mel_dim=8, num_embeds=40, repeats=2,
+               enc_channels=[8, 8, 8, 8, 24], enc_kernel_sizes=[5, 3, 3, 3, 1],
+               enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8, enc_res2net_scale=2,
+               enc_se_channels=8, block_size=4, look_ahead_layers=[0], look_backward_layers=[0])
+    bigvgan = dict(mel_dim=8, upsample_initial_channel=16, resblock_kernel_sizes=[3],
+                   resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[2],
+                   upsample_kernel_sizes=[4])
+    return {"talker_config": talker,
+            "token2wav_config": {"dit_config": dit, "bigvgan_config": bigvgan}}
+
+
+def save_tiny_omni(folder: str | Path, seed: int = 0, thinker_only: bool = False) -> Path:
+    """A tiny random ``Qwen2_5OmniForConditionalGeneration`` (or its thinker alone) with a
+    preprocessor_config.json holding the image processor's and the feature extractor's fields,
+    as the released folder's does, and (whole model) a ``spk_dict.pt``."""
+    import transformers
+
+    thinker = dict(text_config=TEXT, audio_config=AUDIO,
+                   vision_config={**QWEN_VISION, "out_hidden_size": TEXT["hidden_size"]},
+                   audio_token_index=AUDIO_TOKEN, image_token_index=IMAGE_TOKEN,
+                   video_token_index=VIDEO_TOKEN, audio_start_token_id=AUDIO_WRAPPING[0],
+                   audio_end_token_id=AUDIO_WRAPPING[1])
+    config = transformers.Qwen2_5OmniConfig(thinker_config=thinker, **_talker_and_token2wav())
+    torch.manual_seed(seed)
+    model = redraw(transformers.Qwen2_5OmniForConditionalGeneration(config))
+    folder = Path(folder)
+    if thinker_only:
+        model.thinker.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder)
+        torch.save({"speaker": {"cond": torch.arange(4.0)}}, folder / "spk_dict.pt")
+    qwen_processor(**QWEN_PIXELS).save_pretrained(folder)
+    path = folder / "preprocessor_config.json"
+    extractor = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=RATE)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **extractor.to_dict()},
+                               indent=2))
+    return folder
+
+
+def clips(seed: int = 5) -> list[np.ndarray]:
+    """The sample's float32 clips at 16 kHz (:data:`CLIPS`): noise and a tone."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(CLIPS[1]) / RATE
+    return [(0.3 * rng.standard_normal(CLIPS[0])).astype(np.float32),
+            (0.4 * np.sin(2 * np.pi * 660 * t) + 0.05 * rng.standard_normal(t.size)
+             ).astype(np.float32)]
+
+
+def hf_audio_inputs(clips_: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """The Omni processor's audio inputs: Whisper features padded to 30 s (``max_length``) and
+    the feature attention mask."""
+    import transformers
+
+    extractor = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=RATE)
+    out = extractor(clips_, sampling_rate=RATE, padding="max_length", return_attention_mask=True,
+                    return_tensors="pt")
+    return {"input_features": out["input_features"],
+            "feature_attention_mask": out["attention_mask"]}
+
+
+IMAGE_SIZES = ((24, 40), (16, 16))
+"""(height, width) of the sample's two images."""
+ENCODERS = ("image", "audio")
+"""The MiMo encoders ``--hf-model`` makes of the folder, in the order items feed them."""
+
+
+def images(seed: int = 3) -> list[np.ndarray]:
+    """The sample's uint8 RGB images (:data:`IMAGE_SIZES`)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), np.uint8) for h, w in IMAGE_SIZES]
+
+
+def sample(folder: str | Path) -> torch.Tensor:
+    """``[1, S]`` ids as the Omni processor lays them out: text, each image's run between the
+    vision bos / eos, each clip's between the audio bos / eos, as long as HF makes them."""
+    from megatron_plugins.encoders.qwen2_5_omni_audio import audio_tokens, mel_frames
+
+    grids = qwen_processor(folder)(images(), return_tensors="pt")["image_grid_thw"]
+    image_runs = [[VISION_WRAPPING[0], *[IMAGE_TOKEN] * (int(g.prod()) // 4), VISION_WRAPPING[1]]
+                  for g in grids]
+    audio_runs = [[AUDIO_WRAPPING[0], *[AUDIO_TOKEN] * audio_tokens(mel_frames(n, 160, 480000)),
+                   AUDIO_WRAPPING[1]] for n in CLIPS]
+    ids = [5, 17, *image_runs[0], 42, 8, *audio_runs[0], 23, *image_runs[1], 9, 30,
+           *audio_runs[1], 12, 3]
+    return torch.tensor([ids])
+
+
+def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
+    """transformers' thinker forward on the sample (fp32) at the TMRoPE positions of its
+    ``get_rope_index``, given the ``vision_start_token_id`` the thinker config lacks (its
+    forward, without it, does not find the images' starts)."""
+    import transformers
+
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    model.config.vision_start_token_id = VISION_WRAPPING[0]
+    pixels = qwen_processor(folder)(images(), return_tensors="pt")
+    audio = hf_audio_inputs(clips())
+    positions, _ = model.model.get_rope_index(
+        ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
+        audio["feature_attention_mask"].sum(-1), None)
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=pixels["pixel_values"],
+                     image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
+                     **audio).logits.numpy()
+
+
+def _encoder_inputs(session: Any, name: str) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    from megatron_plugins.media.codec import Waveform
+
+    plugin = session.run.plugins[name]
+    items = images() if name == "image" else [Waveform(c, RATE) for c in clips()]
+    preprocessor = plugin.preprocessor()
+    return preprocessor.collate([preprocessor(item) for item in items]), items
+
+
+def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """One forward of the sample over the grids: each encoder's TP rank 0 sends its rows to
+    every language rank, the first stage takes them, the last returns the whole logits."""
+    import torch.distributed as dist
+
+    from megatron_plugins.data.positions import item_layout, mrope_position_ids
+    from megatron_plugins.media.codec import media_size
+    from tests.models.hf import hand_on
+
+    [module] = session.topology.active_modules
+    mimo.eval()
+    topology, length = session.topology, ids.shape[1]
+    pgc, grid = topology.module_pgs[module], topology.grids["language"]
+    result = {"special_token_ids": dict(mimo.special_token_ids)}
+    with torch.no_grad():
+        if module != "language":
+            inputs, _ = _encoder_inputs(session, module)
+            outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
+            if pgc.tp.rank() == 0:
+                for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
+                    dist.send(outputs[module].contiguous(), dst=rank)
+            return result
+        layouts, features = {}, {}
+        for name in ENCODERS:
+            plugin = session.run.plugins[name]
+            items = _encoder_inputs(session, name)[1]
+            layouts[mimo.special_token_ids[name]] = [item_layout(plugin, media_size(i))
+                                                     for i in items]
+            rows = sum(plugin.item_tokens(media_size(i)) for i in items)
+            features[name] = torch.empty(rows, mimo.language_model.config.hidden_size)
+            dist.recv(features[name], src=topology.grids[name].rank_offset)
+        positions = mrope_position_ids(ids[0], layouts).unsqueeze(1)
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None]
+        stage, ranks = pgc.pp.rank(), dist.get_process_group_ranks(pgc.pp)
+        if stage == 0:
+            mimo.set_input_tensor(features)
+        else:
+            received = torch.empty(length, 1, mimo.language_model.config.hidden_size)
+            dist.recv(received, src=ranks[stage - 1], group=pgc.pp)
+            mimo.set_input_tensor({"language": received})
+        output, _ = mimo(input_ids=ids, position_ids=positions, attention_mask=mask)
+        if isinstance(output, dict):
+            output = output["language"]
+        return {**result, "logits": hand_on(output, pgc)}
+
+
+def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
+    import io
+
+    from megatron_plugins.weights.local_view import unwrap
+    from megatron_plugins.weights.streaming import iter_whole_weights
+
+    result = _forward(session, mimo, ids)
+    args, plugins = session.run.args, session.run.plugins
+    buffer = io.BytesIO()
+    torch.save([piece for module in session.topology.active_modules
+                for piece in iter_whole_weights(
+                    unwrap(mimo), module, session.topology.module_pgs[module], args.hf_model,
+                    plugins[module if module in plugins else "image"].hf_family,
+                    args.vocab_size)], buffer)
+    return {**result, "pieces": buffer.getvalue()}
+
+
+def omni_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
+    """A MiMo launch from the whole folder; no encoder, shape or weights flags."""
+    from tests.models.hf import MIMO_FLAGS
+
+    return [*MIMO_FLAGS, "--seq-length", "1600", "--hf-model", str(folder),
+            *(part for grid in grids for part in ("--grid", grid))]
+
+
+def forward_rank(argv: list[str], ids: torch.Tensor) -> dict[str, Any]:
+    """One rank of the MiMo model built from ``--hf-model``: logits, streamed pieces."""
+    import functools
+
+    from tests.models.hf import built_then
+
+    return built_then(argv, functools.partial(_forward_and_stream, ids=ids))
+
+
+def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor
+            ) -> list[dict[str, Any]]:
+    """:func:`forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
+    from tests.harness.multiprocess import run_in_processes
+    from tests.models.hf import pieces_from
+
+    results = run_in_processes(forward_rank, nproc, args=(omni_flags(folder, grids), ids),
+                               timeout=300, simulated=True)
+    for result in results:
+        result["pieces"] = pieces_from(result["pieces"])
+    return results

@@ -26,6 +26,7 @@ from megatron_plugins.media.mock import (
     MOCK_KINDS,
     NUM_CLASSES,
     largest_video_size,
+    longest_clip_size,
     mock_media,
     mock_size,
 )
@@ -64,14 +65,25 @@ def _takes_video(plugin: EncoderPlugin) -> bool:
     return getattr(plugin.preprocessor(), "takes_video", False)
 
 
+def _varied_clips(plugin: EncoderPlugin) -> bool:
+    """Whether the mock draws this encoder's clip lengths: audio whose tokens follow them."""
+    return plugin.preprocessor().media == "audio" and not plugin.fixed_item_tokens
+
+
+def _most_item_tokens(plugin: EncoderPlugin, video_frames: int) -> int:
+    """The most positions one mock item of ``plugin`` fills."""
+    if _varied_clips(plugin):
+        return plugin.item_tokens(longest_clip_size(plugin.preprocessor().sample_rate))
+    return max(plugin.tokens_per_item, plugin.item_tokens(largest_video_size(video_frames))
+               if video_frames and _takes_video(plugin) else 0)
+
+
 def max_encoder_tokens(plugins: Sequence[EncoderPlugin], items_per_sample: int,
                        video_frames: int = 0) -> int:
     """The most positions the encoders' placeholder runs can take in one sample (with
-    ``video_frames``, the mock's videos counted at their largest)."""
-    most = [max(plugin.tokens_per_item,
-                plugin.item_tokens(largest_video_size(video_frames))
-                if video_frames and _takes_video(plugin) else 0) for plugin in plugins]
-    return items_per_sample * sum(most)
+    ``video_frames``, the mock's videos counted at their largest; clips whose tokens follow
+    their length at the longest the mock draws)."""
+    return items_per_sample * sum(_most_item_tokens(plugin, video_frames) for plugin in plugins)
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,8 @@ class MockSource:
         count = int(torch.randint(fewest, most + 1, (1,), generator=generator))
         preprocessor = self.plugins[name].preprocessor()
         frames = self.video_frames if getattr(preprocessor, "takes_video", False) else 0
-        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate, frames)
+        varied = _varied_clips(self.plugins[name])
+        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate, frames, varied)
                 for _ in range(count)]
 
     def item_tokens(self, split: str, index: int) -> dict[str, tuple[int, ...]]:

@@ -11,8 +11,8 @@ import torch
 
 from megatron_plugins.media.codec import DEFAULT_VIDEO_FPS, Video, Waveform
 
-__all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "largest_video_size", "mock_media",
-           "mock_size"]
+__all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "largest_video_size", "longest_clip_size",
+           "mock_media", "mock_size"]
 
 NUM_CLASSES = 8
 """Mock samples belong to one of these classes; encoders see it, text depends on it."""
@@ -24,6 +24,10 @@ as in real data, and encoders resize them as they would a real image."""
 AUDIO_RATE = 16000
 AUDIO_SAMPLES = 1600
 """Mock audio: 1600 samples (0.1 s at 16 kHz), a tone of ``400 x (class + 1)`` Hz in noise."""
+AUDIO_SECONDS = (0.1, 0.3, 0.7, 1.3)
+"""Mock clip lengths drawn for encoders whose tokens follow a clip's length (Qwen2.5-Omni's
+audio tower), so their runs, chunks and pooling vary as real clips make them; others get
+:data:`AUDIO_SAMPLES`."""
 
 MOCK_VIDEO_FPS = DEFAULT_VIDEO_FPS
 """Mock videos' frames per second."""
@@ -33,17 +37,28 @@ MOCK_KINDS = ("image", "audio")
 
 
 def mock_size(kind: str, generator: torch.Generator, rate: int | None,
-              video_frames: int = 0) -> tuple[int | float, ...]:
+              video_frames: int = 0, varied_clips: bool = False) -> tuple[int | float, ...]:
     """One item's size (:func:`~megatron_plugins.media.codec.media_size`), drawn from
     ``generator``: the language ranks draw it too, to lay out the item's placeholder run. With
-    ``video_frames``, an image item is, one time in two, a video of that many frames."""
+    ``video_frames``, an image item is, one time in two, a video of that many frames; with
+    ``varied_clips``, a clip's length is one of :data:`AUDIO_SECONDS`."""
     if kind == "image":
         sides = torch.randint(len(IMAGE_SIDES), (2,), generator=generator).tolist()
         size = (IMAGE_SIDES[sides[0]], IMAGE_SIDES[sides[1]])
         if video_frames and int(torch.randint(2, (1,), generator=generator)):
             return (video_frames, *size, MOCK_VIDEO_FPS)
         return size
-    return (AUDIO_SAMPLES, rate or AUDIO_RATE)
+    rate = rate or AUDIO_RATE
+    if varied_clips:
+        seconds = AUDIO_SECONDS[int(torch.randint(len(AUDIO_SECONDS), (1,), generator=generator))]
+        return (round(seconds * rate), rate)
+    return (AUDIO_SAMPLES, rate)
+
+
+def longest_clip_size(rate: int | None) -> tuple[int, int]:
+    """The mock's longest clip with ``varied_clips`` (:data:`AUDIO_SECONDS`) at ``rate``."""
+    rate = rate or AUDIO_RATE
+    return (round(AUDIO_SECONDS[-1] * rate), rate)
 
 
 def largest_video_size(video_frames: int) -> tuple[int | float, ...]:

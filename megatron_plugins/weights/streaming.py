@@ -44,9 +44,12 @@ class AssembleError(ValueError):
 
 
 def _owner(pg_collection: object, expert: bool) -> bool:
-    """The first data-parallel replica (of the experts, for expert parameters) yields."""
-    group = getattr(pg_collection, "expt_dp" if expert else "dp", None)
-    return group is None or group.rank() == 0
+    """The first data-parallel replica (of the experts, for expert parameters) yields; of a
+    dense parameter, its first context-parallel rank too (Megatron's dp group leaves CP out,
+    the expert dp group holds it)."""
+    groups = ("expt_dp",) if expert else ("dp", "cp")
+    return all(getattr(pg_collection, name, None) is None
+               or getattr(pg_collection, name).rank() == 0 for name in groups)
 
 
 def pieces_of(p: LocalParam, tensor: torch.Tensor, heads: Heads | None,

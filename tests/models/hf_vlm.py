@@ -150,20 +150,20 @@ def vlm_forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: tor
 
 
 def whole_pieces(mimo: Any, session: Any) -> bytes:
-    """This rank's streamed pieces of the ``--hf-model`` folder (of each module it runs),
-    serialized."""
+    """This rank's streamed pieces of the ``--hf-model`` folder (of each module it runs: an
+    encoder by its own provider's family, the language model by the vision tower's), serialized."""
     import io
 
     from megatron_plugins.weights.local_view import unwrap
     from megatron_plugins.weights.streaming import iter_whole_weights
 
-    args = session.run.args
+    args, plugins = session.run.args, session.run.plugins
     buffer = io.BytesIO()
     torch.save([piece for module in session.topology.active_modules
                 for piece in iter_whole_weights(unwrap(mimo), module,
                                                 session.topology.module_pgs[module],
                                                 args.hf_model,
-                                                session.run.plugins[ENCODER].hf_family,
+                                                plugins.get(module, plugins[ENCODER]).hf_family,
                                                 args.vocab_size)], buffer)
     return buffer.getvalue()
 
@@ -190,6 +190,12 @@ def vlm_train(nproc: int, folder: str | Path, grids: tuple[str, ...], extra: tup
     return [pieces_from(result["pieces"]) for result in results]
 
 
+REFERENCE = (("image:dp=1", "language:dp=1"), 2)
+"""One rank per module of a one-tower VLM: (``--grid`` values, ranks)."""
+RESAVED = (("image:tp=2", "language:pp=2"), 4)
+"""Encoder TP 2 + language PP 2 of a one-tower VLM: (``--grid`` values, ranks)."""
+
+
 def train_and_export(folder: str | Path, root: Path, extra: tuple[str, ...] = ()
                      ) -> list[list[Any]]:
     """Trained 2 steps on the mock data at one rank per module and saved under ``root/first``
@@ -197,10 +203,10 @@ def train_and_export(folder: str | Path, root: Path, extra: tuple[str, ...] = ()
     PP 2 (:func:`resave`) under ``root/second``; both exported to ``root/out_first``,
     ``root/out_second``. Returns the first run's streamed pieces of the trained model.
     ``extra``: flags of both runs."""
-    pieces = vlm_train(2, folder, ("image:dp=1", "language:dp=1"), (
+    pieces = vlm_train(REFERENCE[1], folder, REFERENCE[0], (
         *extra, "--train-iters", "2", "--save", str(root / "first"), "--save-interval", "2",
         "--tensorboard-dir", str(root / "tensorboard")))
-    resave(folder, root, "second", 4, ("image:tp=2", "language:pp=2"), extra)
+    resave(folder, root, "second", RESAVED[1], RESAVED[0], extra)
     export(root, ("first", "second"))
     return pieces
 
@@ -303,8 +309,8 @@ SGD_TRAIN = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005", "--train
 """Plain SGD (see test_mimo_layout_invariance: Adam would hide a wrongly scaled gradient)."""
 
 
-def _sgd_run(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple[str, ...],
-             extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+def sgd_run(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple[str, ...],
+            extra: tuple[str, ...] = ()) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """Per-iteration ``lm loss`` and every trained tensor of a short SGD run of ``folder``."""
     from megatron_plugins.weights.streaming import assemble
     from tests.harness.tensorboard_scalars import read_scalars
@@ -314,19 +320,24 @@ def _sgd_run(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple
     return read_scalars(root / name, "lm loss"), assemble(p for rank in pieces for p in rank)
 
 
+def assert_trains_like(reference: tuple[dict[int, float], dict[str, torch.Tensor]],
+                       run: tuple[dict[int, float], dict[str, torch.Tensor]], name: str) -> None:
+    """:func:`sgd_run`'s results ``run`` are ``reference``'s: the same per-iteration losses
+    (1e-5) and the same trained tensors."""
+    import pytest
+
+    assert sorted(reference[0]) == [1, 2, 3]
+    assert run[0] == pytest.approx(reference[0], rel=1e-5), name
+    assert run[1].keys() == reference[1].keys()
+    for key, value in reference[1].items():
+        torch.testing.assert_close(run[1][key], value, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
 def assert_trains_identically(folder: str | Path, root: Path,
                               cases: tuple[tuple[str, int, tuple[str, ...], tuple[str, ...]], ...]
                               ) -> None:
     """Each case (name, ranks, ``--grid`` values, extra flags) trains ``folder`` as one rank per
     module does: the same per-iteration losses (1e-5) and the same trained tensors."""
-    import pytest
-
-    reference = _sgd_run(folder, root, "reference", 2, ("image:dp=1", "language:dp=1"))
-    assert sorted(reference[0]) == [1, 2, 3]
+    reference = sgd_run(folder, root, "reference", REFERENCE[1], REFERENCE[0])
     for name, nproc, grids, extra in cases:
-        losses, weights = _sgd_run(folder, root, name, nproc, grids, extra)
-        assert losses == pytest.approx(reference[0], rel=1e-5), name
-        assert weights.keys() == reference[1].keys()
-        for key, value in reference[1].items():
-            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7,
-                                       msg=f"{name}: {key}")
+        assert_trains_like(reference, sgd_run(folder, root, name, nproc, grids, extra), name)

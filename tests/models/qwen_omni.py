@@ -215,20 +215,9 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
 
 
 def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
-    import io
+    from tests.models.hf_vlm import whole_pieces
 
-    from megatron_plugins.weights.local_view import unwrap
-    from megatron_plugins.weights.streaming import iter_whole_weights
-
-    result = _forward(session, mimo, ids)
-    args, plugins = session.run.args, session.run.plugins
-    buffer = io.BytesIO()
-    torch.save([piece for module in session.topology.active_modules
-                for piece in iter_whole_weights(
-                    unwrap(mimo), module, session.topology.module_pgs[module], args.hf_model,
-                    plugins[module if module in plugins else "image"].hf_family,
-                    args.vocab_size)], buffer)
-    return {**result, "pieces": buffer.getvalue()}
+    return {**_forward(session, mimo, ids), "pieces": whole_pieces(mimo, session)}
 
 
 def omni_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
@@ -259,3 +248,49 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
     for result in results:
         result["pieces"] = pieces_from(result["pieces"])
     return results
+
+
+def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                        items_per_sample: tuple[int, int], seed: int) -> float:
+    """transformers' thinker loss on the first ``samples`` mock samples of a run from the folder
+    (the first global batch): the mock rebuilt here gives the run's tokens, labels, loss mask,
+    images and clips of drawn lengths; positions are transformers' ``get_rope_index``; the loss
+    is the masked token loss summed over the batch over its token count, as the run reports it."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from megatron_plugins.data.mock import MockSource
+    from megatron_plugins.weights.flags import checkpoint_item_wrapping
+    from tests.models.hf_vision import plugin
+
+    plugins = {"image": plugin("qwen2_5_omni_vision", folder),
+               "audio": plugin("qwen2_5_omni_audio", folder)}
+    source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB, plugins=plugins,
+                        items_per_sample=items_per_sample, mrope=True,
+                        placeholder_ids={"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN},
+                        wrapping=checkpoint_item_wrapping(SimpleNamespace(
+                            hf_model=str(folder),
+                            encoder_hf_weights=[f"{name}={folder}" for name in plugins])))
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    model.config.vision_start_token_id = VISION_WRAPPING[0]
+    processor = qwen_processor(folder)
+    total, tokens = 0.0, 0.0
+    for index in range(samples):
+        text = source.text("train", index)
+        ids = text["tokens"].unsqueeze(0)
+        pixels = processor(source.media("image", "train", index), return_tensors="pt")
+        audio = hf_audio_inputs([clip.samples for clip in source.media("audio", "train", index)])
+        positions, _ = model.model.get_rope_index(
+            ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
+            audio["feature_attention_mask"].sum(-1), None)
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=pixels["pixel_values"],
+                           image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
+                           **audio).logits[0]
+        losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
+                                                   reduction="none")
+        total += float((losses * text["loss_mask"]).sum())
+        tokens += float(text["loss_mask"].sum())
+    return total / tokens

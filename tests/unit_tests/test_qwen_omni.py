@@ -89,3 +89,152 @@ def test_the_folder_splits_into_five_parts_and_carried_tensors(omni):
     assert {n.split(".")[0] for n in carried} == {"talker", "token2wav", "thinker"}
     assert [n for n in carried if n.startswith("thinker.")] == [
         "thinker.audio_tower.audio_bos_eos_token.weight"]
+
+
+ONE_RANK_EACH = (("image:dp=1", "audio:dp=1", "language:dp=1"), 3)
+OMNI_TRAIN = ("--seq-length", "256")
+"""Rows of twice the longest mock sample (two images and two clips of up to 1.3 s), so packed
+rows of two samples cut no text and train as unpacked ones do."""
+UNTRAINED = ("talker.", "token2wav.", "thinker.audio_tower.audio_bos_eos_token.")
+"""Tensors of no module here: the talker, token2wav and the audio bos / eos embedding the
+thinker's forward never reads; carried unchanged."""
+LORA = ("--lora", "image:rank=4,alpha=8", "--lora", "audio:rank=4,alpha=8",
+        "--lora", "language:rank=4,alpha=8")
+
+
+@pytest.fixture(scope="module")
+def trained(omni, tmp_path_factory):
+    """Three SGD steps on the mock data (images, clips of 0.1 to 1.3 s) at one rank per module,
+    saved; its losses, trained tensors and streamed pieces."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vlm import SGD_TRAIN, vlm_train
+
+    root = tmp_path_factory.mktemp("qwen_omni_training")
+    folder = omni[0]
+    pieces = vlm_train(ONE_RANK_EACH[1], folder, ONE_RANK_EACH[0], (
+        *SGD_TRAIN, *OMNI_TRAIN, "--tensorboard-dir", str(root / "reference"),
+        "--save", str(root / "first"), "--save-interval", "3"))
+    reference = (read_scalars(root / "reference", "lm loss"),
+                 assemble(p for rank in pieces for p in rank))
+    return root, folder, pieces, reference
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multirank
+def test_training_starts_from_transformers_loss_on_the_first_batch(trained):
+    """Step 1 (the folder's weights) is transformers' thinker loss on the same first global
+    batch: its images, its clips of drawn lengths and transformers' own TMRoPE positions."""
+    from tests.models.qwen_omni import hf_first_batch_loss
+
+    _, folder, _, (losses, _) = trained
+    want = hf_first_batch_loss(folder, 4, 256, (1, 2), 1234)
+    assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_both_encoders_on_grids_of_their_own_colocated_packed_and_language_cp_train_identically(
+        trained):
+    """The audio tower at TP 2 and the vision tower at DP 2 on ranks of their own with language
+    PP 2; the audio tower colocated on the language's DP 2 ranks beside the vision tower on its
+    own; packed rows; language CP 2 (TMRoPE positions split by CP): each trains as one rank per
+    module does, losses and every trained tensor."""
+    from tests.models.hf_vlm import assert_trains_like, sgd_run
+
+    root, folder, _, reference = trained
+    cases = (
+        ("audio-tp2-vision-dp2-language-pp2", 6,
+         ("image:dp=2", "audio:tp=2", "language:pp=2"), ()),
+        ("audio-colocated-vision-own", 3, ("image:dp=1", "audio:dp=2@language", "language:dp=2"),
+         ()),
+        ("packed", 3, ONE_RANK_EACH[0], ("--pack-sequences",)),
+        ("language-cp2", 5, ("image:dp=1", "audio:tp=2", "language:cp=2"), ()))
+    for name, nproc, grids, extra in cases:
+        assert_trains_like(reference, sgd_run(folder, root, name, nproc, grids,
+                                              (*OMNI_TRAIN, *extra)), name)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp_path):
+    """LoRA on the vision tower, the audio tower and the language model (the towers'
+    projections trained fully) trains the same with both towers at TP 2, the audio tower
+    colocated on the language's DP 2 ranks; only adapted linears and the projections move."""
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import assert_trains_like, sgd_run
+
+    folder = omni[0]
+    reference = sgd_run(folder, tmp_path, "reference", ONE_RANK_EACH[1], ONE_RANK_EACH[0],
+                        (*OMNI_TRAIN, *LORA))
+    colocated = sgd_run(folder, tmp_path, "colocated", 4,
+                        ("image:tp=2", "audio:tp=2@language", "language:dp=2"),
+                        (*OMNI_TRAIN, *LORA))
+    assert_trains_like(reference, colocated, "lora-colocated")
+    original = safetensors_of(folder)
+    moved = {name for name, tensor in reference[1].items()
+             if not torch.equal(tensor, original[name])}
+    adapted = re.compile(r"thinker\.(audio_tower\.layers\.\d\.(fc\d|self_attn\.\w+_proj)|"
+                         r"visual\.blocks\.\d\.(attn\.(q|k|v|proj)|mlp\.\w+_proj)|"
+                         r"model\.layers\.\d\.(self_attn|mlp)\.\w_?\w*_proj)\.weight$")
+    projections = re.compile(r"thinker\.(audio_tower\.(ln_post|proj)|visual\.merger\.mlp)\.")
+    assert moved == {n for n in reference[1] if adapted.match(n) or projections.match(n)}
+    assert any(n.startswith("thinker.audio_tower.layers.") for n in moved)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(trained):
+    """The trained checkpoint (one rank per module) and the same weights re-saved with the
+    audio tower at TP 2 and the language at PP 2 export one folder, byte for byte: the trained
+    thinker as the run streamed it, the talker, token2wav and spk_dict.pt unchanged, loaded by
+    transformers as the same class."""
+    import transformers
+
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import check_export, export, identical_exports, resave
+
+    root, folder, pieces, _ = trained
+    resave(folder, root, "second", 5, ("image:dp=1", "audio:tp=2", "language:pp=2"), OMNI_TRAIN)
+    export(root, ("first", "second"))
+    out = root / "out_first"
+    assert {"model.safetensors", "spk_dict.pt"} <= set(identical_exports(root))
+    assert (out / "spk_dict.pt").read_bytes() == (folder / "spk_dict.pt").read_bytes()
+    written, original = check_export(out, folder, pieces, UNTRAINED), safetensors_of(folder)
+    for name in ("thinker.audio_tower.layers.0.self_attn.q_proj.weight",
+                 "thinker.audio_tower.proj.weight", "thinker.audio_tower.conv1.weight",
+                 "thinker.visual.blocks.0.attn.q.weight", "thinker.visual.merger.mlp.0.weight",
+                 "thinker.model.layers.1.mlp.up_proj.weight", "thinker.lm_head.weight"):
+        assert not torch.equal(written[name], original[name]), name  # it trained
+    model = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32)
+    loaded = model.state_dict()  # transformers' in-memory names
+    for name, file_name in (
+            ("thinker.model.audio_tower.layers.1.fc2.weight",
+             "thinker.audio_tower.layers.1.fc2.weight"),
+            ("thinker.model.visual.blocks.2.attn.v.bias", "thinker.visual.blocks.2.attn.v.bias"),
+            ("thinker.model.language_model.embed_tokens.weight",
+             "thinker.model.embed_tokens.weight"),
+            ("thinker.lm_head.weight", "thinker.lm_head.weight")):
+        assert torch.equal(loaded[name], written[file_name]), name
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_a_zero_learning_rate_run_exports_the_folder_s_own_bytes(trained):
+    """Imported at lr 0 with the audio tower at TP 2 colocated on the language's DP 2 ranks,
+    saved and exported: every tensor and spk_dict.pt are the folder's own, bit for bit."""
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import export, vlm_train
+
+    root, folder, _, _ = trained
+    vlm_train(3, folder, ("image:dp=1", "audio:tp=2@language", "language:dp=2"), (
+        *OMNI_TRAIN, "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--save",
+        str(root / "still"), "--save-interval", "1"))
+    export(root, ("still",))
+    written, original = safetensors_of(root / "out_still"), safetensors_of(folder)
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(written[name], tensor), name
+    assert (root / "out_still" / "spk_dict.pt").read_bytes() == (
+        folder / "spk_dict.pt").read_bytes()

@@ -36,7 +36,7 @@ FLAGS = ("--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005",
 ONE_RANK_EACH = ("--grid", "vision:", "--grid", "audio:", "--grid", "language:")
 AUDIO_DP2 = ("--grid", "vision:", "--grid", "audio:dp=2", "--grid", "language:")
 PADDING = re.compile(r"padding share of language DP replica 0's training rows \((\d+) "
-                     r"microbatches of (\d+) samples, --seq-length 128\): ([\d.]+)% unpacked "
+                     r"microbatches of (\d+) samples, --seq-length \d+\): ([\d.]+)% unpacked "
                      r"\(\d+ rows\), ([\d.]+)% packed")
 
 
@@ -64,9 +64,13 @@ def swift_folder() -> Path:
     Image.fromarray(np.full((16, 16, 3), (220, 30, 30), np.uint8)).save(root / "square.png")
     records = [_record(index) for index in range(RECORDS)]
     (root / "swift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    texts = [turn["content"].replace("<image>", "").replace("<audio>", "")
-             for record in records for turn in record["messages"]]
-    return convert_by_the_readme(root, root / "swift.jsonl", texts, "--split", "80,10,10")
+    return convert_by_the_readme(root, root / "swift.jsonl", _texts(), "--split", "80,10,10")
+
+
+def _texts() -> list[str]:
+    """The records' turns without their tags: what the tokenizers are trained on."""
+    return [turn["content"].replace("<image>", "").replace("<audio>", "")
+            for record in map(_record, range(RECORDS)) for turn in record["messages"]]
 
 
 def _flags() -> tuple[str, ...]:
@@ -110,3 +114,49 @@ def test_the_audio_encoder_at_dp2_on_ranks_of_its_own_trains_identically() -> No
     counts = [len(c) for r in results if r["module"] == "audio"
               for step in r["item_tokens"] for c in step["audio"]]
     assert set(counts) == {0, 1, 2, 3}
+
+
+OMNI_GRIDS = {"one-rank-each": (3, ("--grid", "image:", "--grid", "audio:", "--grid",
+                                    "language:")),
+              "audio-dp2-balanced": (4, ("--grid", "image:", "--grid", "audio:dp=2", "--grid",
+                                         "language:"))}
+
+
+@once_per_run
+def omni_runs() -> dict[str, tuple[dict[int, float], str]]:
+    """A tiny whole Qwen2.5-Omni (its tokenizer in its folder, as released) trained on the
+    converted folder through the entry point, packed, at each of :data:`OMNI_GRIDS`: ``lm
+    loss`` per iteration and the output, by layout."""
+    from tests.models.hf import MIMO_FLAGS
+    from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
+
+    root = swift_folder()
+    folder = save_omni_tokenizer(save_tiny_omni(Path(tempfile.mkdtemp(prefix="mimo-omni-"))
+                                                / "omni"), _texts())
+    runs = {}
+    for name, (nproc, grids) in OMNI_GRIDS.items():
+        logdir = tempfile.mkdtemp(prefix=f"mimo-omni-{name}-")
+        run = run_preforked(SCRIPT, [
+            *MIMO_FLAGS, "--hf-model", str(folder), "--seq-length", "160", "--optimizer", "sgd",
+            "--lr", "0.05", "--chat-template", str(TEMPLATE), "--pack-sequences",
+            "--balance-encoder-work", *energon_flags(root), "--tokenizer-model", str(folder),
+            *grids, "--tensorboard-dir", logdir], nproc=nproc, timeout=300)
+        assert run.returncode == 0, run.output[-4000:]
+        runs[name] = read_scalars(logdir, "lm loss"), run.output
+    return runs
+
+
+def test_a_whole_qwen2_5_omni_trains_on_the_conversations_at_two_layouts_identically() -> None:
+    """The audio markers become the checkpoint's own runs (``<|audio_bos|>``, one
+    ``<|AUDIO|>`` per token of the clip's length, ``<|audio_eos|>``), which the Omni audio
+    tower fills from the decoded, resampled files (else the alignment guard stops the run);
+    with that tower at DP 2 sharing the clips by work the losses are the same."""
+    runs = omni_runs()
+    reference, output = runs["one-rank-each"]
+    assert sorted(reference) == [1, 2, 3, 4]
+    assert all(math.isfinite(value) for value in reference.values())
+    assert PADDING.search(output) is not None
+    losses, _ = runs["audio-dp2-balanced"]
+    worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
+    print(f"Omni, audio dp2 balanced: max relative lm loss difference {worst:.2e}")
+    assert worst <= 1e-5, (reference, losses)

@@ -294,3 +294,30 @@ def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
         total += float((losses * text["loss_mask"]).sum())
         tokens += float(text["loss_mask"].sum())
     return total / tokens
+
+
+OMNI_SPECIAL_TOKENS = ("<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>", "<|audio_bos|>", "<|audio_eos|>",
+                       "<|vision_bos|>", "<|vision_eos|>")
+"""The released tokenizer's special tokens, in the order of the tiny folder's ids (50 to 56)."""
+
+
+def save_omni_tokenizer(folder: str | Path, texts: list[str]) -> Path:
+    """The folder's own tokenizer, as a released folder ships one: text tokens trained on
+    ``texts`` below the checkpoint's ids (unused ones filling up to them), then the Omni special
+    tokens at the ids the checkpoint marks items with."""
+    import tempfile
+
+    import transformers
+
+    from tools.train_tokenizer import train_tokenizer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        trained = train_tokenizer([*texts, "system : user : assistant :"], AUDIO_TOKEN,
+                                  Path(scratch) / "tokenizer")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(trained)
+    tokenizer.add_tokens([f"<unused_{i}>" for i in range(AUDIO_TOKEN - len(tokenizer))])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(OMNI_SPECIAL_TOKENS)})
+    ids = tokenizer.convert_tokens_to_ids(list(OMNI_SPECIAL_TOKENS))
+    assert ids == list(range(AUDIO_TOKEN, AUDIO_TOKEN + len(OMNI_SPECIAL_TOKENS))), ids
+    tokenizer.save_pretrained(folder)
+    return Path(folder)

@@ -323,3 +323,63 @@ def test_a_folder_prepared_by_stock_energon_prepare_with_audio_parts_reads_on_bo
                         "__class__": "ConversationSample"},
         "field_map": {"audios": "wav,flac,mp3", "conversation": "json"}}))
     check_dataset(shards, {"audio": plugins["audio"]}, args)
+
+
+def test_a_qwen2_5_omni_folder_s_clips_fill_runs_of_their_length_in_its_own_tokens(folder,
+                                                                                   tmp_path):
+    """With a whole Qwen2.5-Omni folder (``--hf-model``, its tokenizer inside) each clip's run
+    is ``<|audio_bos|>``, one ``<|AUDIO|>`` per token of the clip's length after resampling to
+    16 kHz (transformers' feature mask and output-length formula), ``<|audio_eos|>``; the audio
+    tower's side counts the same from the decoded clips, the image's run has the vision ids."""
+    import transformers
+
+    from megatron_plugins.data.samples import ConversationSample
+    from megatron_plugins.media.codec import decode_audio, resample
+    from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen_omni import (
+        AUDIO_TOKEN, AUDIO_WRAPPING, IMAGE_TOKEN, MEL_BINS, RATE, VISION_WRAPPING,
+        save_omni_tokenizer, save_tiny_omni)
+
+    omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
+    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
+               "audio": plugin("qwen2_5_omni_audio", omni)}
+    args = argparse.Namespace(hf_model=str(omni), encoder_hf_weights=[
+        f"{name}={omni}" for name in plugins])
+    tokenizer = PromptTokenizer.load(str(omni), list(plugins), 64, None, TEMPLATE,
+                                     checkpoint_image_token(args), checkpoint_item_wrapping(args))
+    clips = [(folder / name).read_bytes() for name in (MP3, WAV, FLAC)]
+    turns = [{"role": "user", "content": "<audio> what <image> and <audio><audio>"},
+             {"role": "assistant", "content": "a tone"}]
+    sample = ConversationSample(__key__="k", __restore_key__=(), __subflavors__={},
+                                images=[(folder / "red.png").read_bytes()], audios=clips,
+                                conversation=json.dumps(turns))
+    markers = tuple((name, media_marker(p.preprocessor().media)) for name, p in plugins.items())
+    fields, counts, _ = TextInputs(tokenizer, plugins, markers, 128)(sample)
+    extractor = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=RATE)
+    model_type = transformers.models.qwen2_5_omni.modeling_qwen2_5_omni
+    want = []
+    for clip in clips:
+        waveform = resample(decode_audio(clip, "k"), RATE)
+        mask = extractor([waveform.samples], sampling_rate=RATE, return_attention_mask=True,
+                         padding="max_length", return_tensors="pt")["attention_mask"]
+        _, tokens = model_type.Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(
+            None, mask.sum(-1))
+        want.append(int(tokens))
+    assert counts["audio"] == tuple(want) and len(set(want)) > 1, want
+    ids = fields["tokens"][: int(fields["length"])].tolist()
+    runs, index = [], 0
+    while index < len(ids):  # each item's run: (start id, placeholder, count, end id)
+        if ids[index] in (AUDIO_WRAPPING[0], VISION_WRAPPING[0]):
+            end = ids.index(ids[index] + 1, index)
+            body = ids[index + 1:end]
+            assert len(set(body)) == 1
+            runs.append((ids[index], body[0], len(body), ids[end]))
+            index = end
+        index += 1
+    image = (VISION_WRAPPING[0], IMAGE_TOKEN, counts["image"][0], VISION_WRAPPING[1])
+    assert runs == [(AUDIO_WRAPPING[0], AUDIO_TOKEN, want[0], AUDIO_WRAPPING[1]), image,
+                    *[(AUDIO_WRAPPING[0], AUDIO_TOKEN, n, AUDIO_WRAPPING[1]) for n in want[1:]]]
+    items, encoder_counts, _ = EncoderInputs(plugins["audio"], plugins["audio"].preprocessor())(
+        sample)
+    assert encoder_counts == tuple(want) and len(items) == 3

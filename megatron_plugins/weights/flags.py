@@ -27,6 +27,7 @@ from megatron_plugins.weights.vlm_families import (
     HF_MODEL_FLAG,
     ExtraTower,
     language_family,
+    part_families,
     projector_prefix,
     read_vlm,
 )
@@ -322,9 +323,37 @@ def check_hf_model(args: argparse.Namespace, plugins: Mapping[str, Any],
             raise HFWeightsError(f"{HF_MODEL_FLAG} {folder}: projector {hf_name} {side} size "
                                  f"{have} does not meet {what}, {want}; the tower and language "
                                  "model are not this projector's pair")
+    _check_every_tensor_handled(args, plugins, vlm, config, checkpoint.names())
     carried = sorted(n for n in checkpoint.names() if any(re.match(p, n) for p in vlm.carried))
     if carried and os.environ.get("RANK", "0") == "0":
         print(f"pretrain_mimo.py: notice: {HF_MODEL_FLAG} {folder}: {len(carried)} tensors of no "
               f"module here ({carried[0].split('.')[0]}.*, {vlm.carried_what}) are "
               "not trained; tools/export_hf writes them back unchanged", file=sys.stderr,
               flush=True)
+
+
+def _check_every_tensor_handled(args: argparse.Namespace, plugins: Mapping[str, Any], vlm: Any,
+                                config: Mapping[str, Any], names: set[str]) -> None:
+    """Every tensor of ``--hf-model`` is a module's here or carried: one that no part maps and
+    none carries is a part of the model this import does not handle, which training would leave
+    out and the export would drop, so it is one line naming it."""
+    parts = []
+    for name in hf_model_towers(args):
+        found = part_families(vlm, config, encoder_family(plugins[name]), names)
+        parts += [found.tower, found.projector, found.language]
+
+    def left_out(hf_name: str, part: Family) -> bool:
+        return (any(re.match(p, hf_name) for p in part.unused)
+                and not any(re.match(p, hf_name) for p in part.untrained))
+
+    candidates = [n for n in names if all(left_out(n, part) for part in parts)]
+    # A rule may map a tensor outside its part's prefix (LLaVA-NeXT's image_newline).
+    mapped = [re.compile(re.escape(n).replace(r"\{layer\}", r"\d+")) for part in parts
+              for rule in part.rules for n in rule.hf] if candidates else []
+    unhandled = sorted(n for n in candidates if not any(m.fullmatch(n) for m in mapped))
+    if unhandled:
+        raise HFWeightsError(
+            f"{HF_MODEL_FLAG} {args.hf_model}: {len(unhandled)} tensors belong to no part this "
+            f"{vlm.name} import handles (e.g. {unhandled[0]}); training would leave them out and "
+            "tools/export_hf would drop them: give a folder of the supported architecture "
+            f"({', '.join(vlm.architectures)}) as transformers saves it")

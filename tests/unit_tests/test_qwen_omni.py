@@ -238,3 +238,29 @@ def test_a_zero_learning_rate_run_exports_the_folder_s_own_bytes(trained):
         assert torch.equal(written[name], tensor), name
     assert (root / "out_still" / "spk_dict.pt").read_bytes() == (
         folder / "spk_dict.pt").read_bytes()
+
+
+def test_an_omni_folder_with_a_part_not_handled_is_one_line(omni, tmp_path, monkeypatch):
+    """A tensor no part maps or carries (a head this import does not know), and an audio
+    tower setting Megatron's layers would compute differently, each stop the run in one line
+    before any process group."""
+    import json
+
+    from tests.models.hf_vlm import bad_input, edited, vlm_flags
+
+    folder = omni[0]
+    grids = ONE_RANK_EACH[0]
+    extra = edited(folder, tmp_path / "extra", tensors={"thinker.extra_head.weight":
+                                                        torch.zeros(2, 2)})
+    assert bad_input([*vlm_flags(extra, grids), *OMNI_TRAIN], monkeypatch, 3) == (
+        f"--hf-model {extra}: 1 tensors belong to no part this qwen2_5_omni import handles "
+        "(e.g. thinker.extra_head.weight); training would leave them out and tools/export_hf "
+        "would drop them: give a folder of the supported architecture "
+        "(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniThinkerForConditionalGeneration) as "
+        "transformers saves it")
+    thinker = json.loads((folder / "config.json").read_text())["thinker_config"]
+    relu = edited(folder, tmp_path / "relu", config={"thinker_config": {
+        **thinker, "audio_config": {**thinker["audio_config"], "activation_function": "relu"}}})
+    assert bad_input([*vlm_flags(relu, grids), *OMNI_TRAIN], monkeypatch, 3) == (
+        f"--encoder-hf-weights audio={relu}: config.json audio_config activation_function "
+        "'relu' / scale_embedding False is not supported; supported: gelu, false")

@@ -30,7 +30,11 @@ from megatron_plugins.media.mock import (
     mock_media,
     mock_size,
 )
-from megatron_plugins.data.positions import item_layout, mrope_position_ids
+from megatron_plugins.data.positions import (
+    item_layout,
+    mrope_position_ids,
+    text_after_time_ids,
+)
 from megatron_plugins.data.streams import (
     LENGTH, POSITIONS, SPLITS, Microbatch, collate_items, collate_text
 )
@@ -215,7 +219,8 @@ class MockSource:
         return mrope_position_ids(tokens, {
             self.special_token_ids[name]: [item_layout(plugin, size)
                                            for size in self.item_sizes(name, split, index)]
-            for name, plugin in self.plugins.items()})
+            for name, plugin in self.plugins.items()},
+            text_after_time_ids(self.plugins, self.special_token_ids))
 
     def media(self, name: str, split: str, index: int) -> list[object]:
         """One encoder's decoded items of one sample (encoder ranks)."""

@@ -6,20 +6,22 @@ grid's positions (:meth:`EncoderPlugin.item_grid`, row-major, width fastest), ea
 position after the preceding text, and the text after it starts ``max(h, w)`` past that offset
 (an image's largest position + 1). A video's grid carries a fourth entry, the time interval:
 its temporal positions are ``floor(index * interval)`` (float32), so they count seconds, not
-steps, and may pass the text after it, as transformers has them. An item without a grid takes
+steps, and may pass the text after it, as transformers' Qwen2.5-VL has them; Qwen2.5-Omni's
+TMRoPE starts the text after a video past its last temporal position too (its encoder's
+:attr:`EncoderPlugin.text_after_time`). An item without a grid takes
 consecutive positions, as text does. Language ranks compute them from the tokens and the items'
 sizes alone (no media decoded), on every pipeline stage, for the mock and Energon sources alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
 from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError
 
-__all__ = ["Grid", "ItemLayout", "item_layout", "mrope_position_ids"]
+__all__ = ["Grid", "ItemLayout", "item_layout", "mrope_position_ids", "text_after_time_ids"]
 
 Grid = tuple[int, int, int] | tuple[int, int, int, float]
 """An item's ``(t, h, w)`` token layout, with a video's time interval (temporal positions per
@@ -47,6 +49,13 @@ def item_layout(plugin: EncoderPlugin, size: tuple[int, ...]) -> ItemLayout:
     return count, grid
 
 
+def text_after_time_ids(plugins: Mapping[str, EncoderPlugin],
+                        placeholder_ids: Mapping[str, int]) -> set[int]:
+    """The placeholder ids of the encoders whose videos' text follows their last time step
+    (:attr:`EncoderPlugin.text_after_time`), for :func:`mrope_position_ids`."""
+    return {placeholder_ids[name] for name, plugin in plugins.items() if plugin.text_after_time}
+
+
 def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
     """``[3, t * h * w]``: each axis' index offset by ``start``, width fastest; a video's
     temporal index scaled by its time interval first."""
@@ -57,11 +66,13 @@ def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
     return torch.stack(axes).reshape(3, -1) + start
 
 
-def mrope_position_ids(tokens: torch.Tensor,
-                       items: Mapping[int, Sequence[ItemLayout]]) -> torch.Tensor:
+def mrope_position_ids(tokens: torch.Tensor, items: Mapping[int, Sequence[ItemLayout]],
+                       after_time: Collection[int] = ()) -> torch.Tensor:
     """``[3, len(tokens)]`` position ids of one sample's tokens (padding included, positioned as
     text). ``items`` maps each encoder's placeholder id to its items in order; each run of that
-    id is consumed item by item (runs side by side are told apart by the items' counts).
+    id is consumed item by item (runs side by side are told apart by the items' counts). The
+    text after a run of a placeholder id in ``after_time`` starts past its largest position on
+    any axis (Qwen2.5-Omni), else past its rows and columns.
 
     Raises ``ValueError`` when the runs do not hold exactly the items' tokens.
     """
@@ -90,7 +101,8 @@ def mrope_position_ids(tokens: torch.Tensor,
             current += count
         else:
             pieces.append(_grid_positions(grid, current))
-            current += max(grid[1], grid[2])
+            current = (int(pieces[-1].max()) + 1 if token in after_time
+                       else current + max(grid[1], grid[2]))
         index += count
         text_start = index
     left = {token: len(layouts) for token, layouts in pending.items() if layouts}

@@ -281,6 +281,10 @@ class EncoderPlugin(abc.ABC):
         DeepStack); 0 by default."""
         return 0
 
+    text_after_time: ClassVar[bool] = False
+    """Whether the text after a video's run starts past its last temporal position too
+    (Qwen2.5-Omni's TMRoPE), not only past its rows and columns (Qwen2-VL, Qwen2.5-VL)."""
+
     @property
     def fixed_item_tokens(self) -> bool:
         """Every item fills :attr:`tokens_per_item` positions, whatever its size; true unless

@@ -186,3 +186,11 @@ class Qwen2_5OmniVisionEncoder(Qwen2_5VisionEncoder):
     model_types = ("qwen2_5_omni", "qwen2_5_omni_thinker")
     config_class = "Qwen2_5OmniVisionEncoderConfig"
     sub_config = "thinker_config"
+    text_after_time = True
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The thinker config's ``position_id_per_seconds`` (TMRoPE's temporal positions per
+        second, 25 in the released folder; the vision config has none)."""
+        config = self._read_json("config.json") or {}
+        return float((config.get(self.sub_config) or config).get("position_id_per_seconds", 25))

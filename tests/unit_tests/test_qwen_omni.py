@@ -14,7 +14,10 @@ import torch
 
 from tests.models.qwen_omni import (
     AUDIO_TOKEN,
+    AUDIO_WRAPPING,
     IMAGE_TOKEN,
+    VIDEO_TOKEN,
+    VISION_WRAPPING,
     VOCAB,
     forward,
     hf_thinker_logits,
@@ -264,3 +267,57 @@ def test_an_omni_folder_with_a_part_not_handled_is_one_line(omni, tmp_path, monk
     assert bad_input([*vlm_flags(relu, grids), *OMNI_TRAIN], monkeypatch, 3) == (
         f"--encoder-hf-weights audio={relu}: config.json audio_config activation_function "
         "'relu' / scale_embedding False is not supported; supported: gelu, false")
+
+
+OMNI_ITEMS = [("text", 3), ("video", (4, 16, 16, 2.0)), ("text", 2), ("audio", 13000),
+              ("image", (24, 40)), ("video", (3, 21, 30, 3.0)), ("text", 1),
+              ("video", (12, 8, 8, 2.0)), ("audio", 1600), ("text", 2)]
+"""Text, videos of several frame counts and rates (one whose time passes its rows and columns),
+clips and an image, each run between its bos / eos as the Omni processor lays them out."""
+
+
+def test_tmrope_positions_of_videos_images_and_clips_equal_get_rope_index(omni):
+    """Our positions for Qwen2.5-Omni's items (a video's temporal positions at the thinker's
+    ``position_id_per_seconds``, the text after it past its last temporal position) equal the
+    thinker's ``get_rope_index`` on the same items."""
+    import transformers
+
+    from megatron_plugins.data.positions import item_layout, mrope_position_ids
+    from megatron_plugins.encoders.qwen2_5_omni_audio import audio_tokens, mel_frames
+    from tests.models.hf_vision import plugin
+
+    folder = omni[0]
+    vision, audio = plugin("qwen2_5_omni_vision", folder), plugin("qwen2_5_omni_audio", folder)
+    ours, theirs, layouts, images, videos, seconds, frames = [], [], {IMAGE_TOKEN: [],
+                                                                    AUDIO_TOKEN: []}, [], [], [], []
+    for kind, value in OMNI_ITEMS:
+        if kind == "text":
+            ours += list(range(5, 5 + value))
+            theirs += list(range(5, 5 + value))
+            continue
+        encoder, token = (audio, AUDIO_TOKEN) if kind == "audio" else (vision, IMAGE_TOKEN)
+        size = (value, 16000) if kind == "audio" else value
+        count, grid = item_layout(encoder, size)
+        layouts[token].append((count, grid))
+        start, end = AUDIO_WRAPPING if kind == "audio" else VISION_WRAPPING
+        hf_token = {"audio": AUDIO_TOKEN, "image": IMAGE_TOKEN, "video": VIDEO_TOKEN}[kind]
+        ours += [start, *[token] * count, end]
+        theirs += [start, *[hf_token] * count, end]
+        if kind == "audio":
+            frames.append(mel_frames(value, 160, 480000))
+            assert count == audio_tokens(frames[-1])
+            continue
+        merged = torch.tensor([grid[0], grid[1] * 2, grid[2] * 2])
+        (videos if kind == "video" else images).append(merged)
+        if kind == "video":
+            seconds.append(2 / value[3])
+    got = mrope_position_ids(torch.tensor(ours), layouts,
+                             {IMAGE_TOKEN} if vision.text_after_time else ())
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(folder)
+    model.config.vision_start_token_id = VISION_WRAPPING[0]
+    ids = torch.tensor([theirs])
+    want, _ = model.model.get_rope_index(ids, torch.stack(images), torch.stack(videos),
+                                         torch.ones_like(ids), False, torch.tensor(frames),
+                                         torch.tensor(seconds))
+    assert torch.equal(got, want[:, 0])
+    assert layouts[IMAGE_TOKEN][3][1][3] == 25.0  # 1 s per step at 25 positions a second

@@ -13,7 +13,11 @@ import torch
 from megatron.energon import DefaultTaskEncoder, stateless
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.positions import item_layout, mrope_position_ids
+from megatron_plugins.data.positions import (
+    item_layout,
+    mrope_position_ids,
+    text_after_time_ids,
+)
 from megatron_plugins.data.samples import sample_kind
 from megatron_plugins.data.streams import (
     POSITIONS,
@@ -94,7 +98,8 @@ class TextInputs:
                      item_layout(plugin, size) for _, size in _header_sizes(plugin, sample)]
                  for name, plugin in self.plugins.items()}
         try:
-            return mrope_position_ids(tokens, items)
+            return mrope_position_ids(tokens, items, text_after_time_ids(
+                self.plugins, self.tokenizer.placeholder_ids))
         except ValueError as error:
             raise BadSampleError(sample.__key__, "tokens", f"has placeholder runs that do not "
                                  f"match its items ({error})") from None

@@ -329,6 +329,10 @@ def assert_trains_like(reference: tuple[dict[int, float], dict[str, torch.Tensor
     assert sorted(reference[0]) == [1, 2, 3]
     assert run[0] == pytest.approx(reference[0], rel=1e-5), name
     assert run[1].keys() == reference[1].keys()
+    losses = max(abs(run[0][i] - value) / abs(value) for i, value in reference[0].items())
+    weights = max(float((run[1][k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
+                  for k, v in reference[1].items())
+    print(f"{name}: max relative difference, lm loss {losses:.1e}, trained tensors {weights:.1e}")
     for key, value in reference[1].items():
         torch.testing.assert_close(run[1][key], value, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
 

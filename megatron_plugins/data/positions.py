@@ -16,12 +16,14 @@ sizes alone (no media decoded), on every pipeline stage, for the mock and Energo
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError
 
-__all__ = ["Grid", "ItemLayout", "item_layout", "mrope_position_ids", "text_after_time_ids"]
+__all__ = ["Grid", "ItemLayout", "WithSound", "grid_times", "item_layout", "mrope_position_ids",
+           "text_after_time_ids"]
 
 Grid = tuple[int, int, int] | tuple[int, int, int, float]
 """An item's ``(t, h, w)`` token layout, with a video's time interval (temporal positions per
@@ -29,6 +31,21 @@ step) as a fourth entry."""
 
 ItemLayout = tuple[int, Grid | None]
 """An item's token count and its grid (None: consecutive positions)."""
+
+
+@dataclass(frozen=True)
+class WithSound:
+    """A video whose sound track's tokens are interleaved with its own
+    (:mod:`~megatron_plugins.data.audio_in_video`): the bos pair before it and the eos pair
+    after it each share one position, the sound's tokens count on from where the video starts."""
+
+    video: ItemLayout
+    sound_id: int
+    """The audio encoder's placeholder id, marking the sound's tokens."""
+    sound_tokens: int
+    order: tuple[tuple[bool, int], ...]
+    """``(is_video, count)`` runs in sequence order
+    (:func:`~megatron_plugins.data.audio_in_video.interleaving`)."""
 
 
 def item_layout(plugin: EncoderPlugin, size: tuple[int, ...]) -> ItemLayout:
@@ -56,6 +73,11 @@ def text_after_time_ids(plugins: Mapping[str, EncoderPlugin],
     return {placeholder_ids[name] for name, plugin in plugins.items() if plugin.text_after_time}
 
 
+def grid_times(grid: Grid) -> torch.Tensor:
+    """Each token's temporal position of an item's grid (row-major, width fastest), from 0."""
+    return _grid_positions(grid, 0)[0]
+
+
 def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
     """``[3, t * h * w]``: each axis' index offset by ``start``, width fastest; a video's
     temporal index scaled by its time interval first."""
@@ -66,7 +88,35 @@ def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
     return torch.stack(axes).reshape(3, -1) + start
 
 
-def mrope_position_ids(tokens: torch.Tensor, items: Mapping[int, Sequence[ItemLayout]],
+def _with_sound(ids: list[int], index: int, token: int, layout: WithSound, current: int,
+                pieces: list[torch.Tensor]) -> tuple[int, int]:
+    """The positions of a video with its sound (its runs from ``index``, after its bos pair,
+    which the text before it ends with, at ``current - 1``) and of its eos pair; returns the
+    index and the position after that pair."""
+    count, grid = layout.video
+    runs = {True: (token, _grid_positions(grid, current)),
+            False: (layout.sound_id, torch.arange(current, current + layout.sound_tokens
+                                                  ).expand(3, -1))}
+    taken = {True: 0, False: 0}
+    for is_video, size in layout.order:
+        want, positions = runs[is_video]
+        if ids[index:index + size] != [want] * size:
+            raise ValueError(f"the video with sound at position {index} does not hold {size} "
+                             f"{'video' if is_video else 'sound'} tokens ({want}) there")
+        if size:
+            pieces.append(positions[:, taken[is_video]:taken[is_video] + size])
+        taken[is_video] += size
+        index += size
+    if taken != {True: count, False: layout.sound_tokens} or index + 2 > len(ids):
+        raise ValueError(f"the video with sound ending at position {index} is not its "
+                         f"{count} + {layout.sound_tokens} tokens and an eos pair")
+    end = int(pieces[-1].max()) + 1
+    pieces.append(torch.full((3, 2), end))
+    return index + 2, end + 1
+
+
+def mrope_position_ids(tokens: torch.Tensor,
+                       items: Mapping[int, Sequence[ItemLayout | WithSound]],
                        after_time: Collection[int] = ()) -> torch.Tensor:
     """``[3, len(tokens)]`` position ids of one sample's tokens (padding included, positioned as
     text). ``items`` maps each encoder's placeholder id to its items in order; each run of that
@@ -88,7 +138,18 @@ def mrope_position_ids(tokens: torch.Tensor, items: Mapping[int, Sequence[ItemLa
         if not pending[token]:
             raise ValueError(f"placeholder token {token} at position {index} has no item left "
                              "to fill it")
-        count, grid = pending[token].pop(0)
+        layout = pending[token].pop(0)
+        if isinstance(layout, WithSound):  # text ends with its bos pair, which shares a position
+            text = index - text_start
+            if text < 2:
+                raise ValueError(f"the video with sound at position {index} has no bos pair "
+                                 "before it")
+            pieces.append(torch.arange(current, current + text - 1).expand(3, -1))
+            pieces.append(torch.full((3, 1), current + text - 2))
+            index, current = _with_sound(ids, index, token, layout, current + text - 1, pieces)
+            text_start = index
+            continue
+        count, grid = layout
         run = ids[index:index + count]
         if len(run) != count or any(other != token for other in run):
             raise ValueError(f"placeholder token {token}: the run at position {index} is shorter "

@@ -6,12 +6,13 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
+from megatron_plugins.data.audio_in_video import AudioInVideo
 from megatron_plugins.data.mock import MockSource, max_encoder_tokens
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
 
-__all__ = ["add_data_args", "build_source"]
+__all__ = ["add_data_args", "audio_in_video", "build_source"]
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                             "least-loaded replica) instead of in fixed slices; the language puts "
                             "the received rows back in sample order. Encoders with as many DP "
                             "replicas as the language or fewer have nothing to balance.")
+    group.add_argument("--use-audio-in-video", action="store_true",
+                       help="Feed each video's sound track to the audio encoder too, its tokens "
+                            "interleaved with the video's by time as the --hf-model checkpoint "
+                            "does (Qwen2.5-Omni: 2-second chunks, each chunk's video tokens "
+                            "then its sound's); every video must have a sound track. Needs "
+                            "--data-path and such a --hf-model.")
     group.add_argument("--pack-sequences", action="store_true",
                        help="Pack each language microbatch's --micro-batch-size samples into "
                             "one --seq-length row, end to end, each with its own positions and "
@@ -75,6 +82,25 @@ def _checkpoint_placeholders(args: argparse.Namespace) -> dict[str, int]:
     return checkpoint_image_token(args)
 
 
+def audio_in_video(args: argparse.Namespace) -> AudioInVideo | None:
+    """``--use-audio-in-video``'s encoders and chunks, checked before any process group."""
+    if not getattr(args, "use_audio_in_video", False):
+        return None
+    from megatron_plugins.weights.flags import checkpoint_audio_in_video
+
+    if not args.data_path:
+        raise DataFlagError("--use-audio-in-video needs --data-path: the mock data's videos "
+                            "have no sound track")
+    found = checkpoint_audio_in_video(args)
+    if found is None:
+        given = (f"--hf-model {args.hf_model} does not" if getattr(args, "hf_model", None)
+                 else "no --hf-model is given, so no checkpoint does")
+        raise DataFlagError("--use-audio-in-video interleaves each video's sound with its "
+                            "frames as the checkpoint's family does (Qwen2.5-Omni); "
+                            f"{given}; drop the flag or give such a folder")
+    return AudioInVideo(*found)
+
+
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
@@ -93,6 +119,7 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
             f"--seq-length {args.seq_length} leaves no room for text: with {per} the encoders "
             f"fill up to {encoder_tokens} positions per sample; raise --seq-length above "
             f"{encoder_tokens + 1}")
+    sounds = audio_in_video(args)
     if not args.data_path:
         return MockSource(seed=args.seed, seq_length=args.seq_length,
                           vocab_size=args.vocab_size, plugins=dict(plugins),
@@ -106,4 +133,4 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
             f"that blends several); got {len(args.data_path)} values")
     from megatron_plugins.data.energon.loader import open_source
 
-    return open_source(Path(args.data_path[0]), args, dict(plugins))
+    return open_source(Path(args.data_path[0]), args, dict(plugins), sounds)

@@ -12,7 +12,8 @@ agree with the ids :class:`~megatron_plugins.data.tokenizer.PromptTokenizer` lay
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from megatron_plugins.errors import FlagError
 
 __all__ = [
     "ROLES", "Conversation", "SampleText", "check_tokenizer_folder", "load_hf_tokenizer",
-    "media_marker", "placeholder_token", "read_chat_template", "special_tokens_flag"
+    "marker_sequence", "media_marker", "place_markers", "placeholder_token", "read_chat_template",
+    "special_tokens_flag"
 ]
 
 _EXPECTED_FILES = "tokenizer.json and/or tokenizer_config.json (as save_pretrained writes them)"
@@ -61,6 +63,36 @@ def placeholder_token(encoder: str) -> str:
 def media_marker(media: str) -> str:
     """The text marking where a conversation's item of ``media`` sits (LLaVA's ``<image>``)."""
     return f"<{media}>"
+
+
+def place_markers(turns: Sequence[tuple[str, str]], markers: Mapping[str, str],
+                  items: Mapping[str, int]) -> list[tuple[str, str]]:
+    """The turns with each encoder's markers (``markers``: encoder -> marker) where its
+    ``items`` sit: as many markers as it has items, or none, and then that many put at the start
+    of the first user turn (encoder by encoder, each before the ones put already). ValueError
+    naming the marker when the counts differ or there is no user turn to put them in."""
+    placed = [list(turn) for turn in turns]
+    for name, marker in markers.items():
+        count, wanted = sum(content.count(marker) for _, content in placed), items.get(name, 0)
+        if count and count != wanted:
+            raise ValueError(f"it holds {count} {marker} marker{'s' * (count != 1)} for "
+                             f"{wanted} item{'s' * (wanted != 1)} of that kind; give one "
+                             "marker per item (or none)")
+        if wanted and not count:
+            first_user = next((turn for turn in placed if turn[0] == "user"), None)
+            if first_user is None:
+                raise ValueError(f"it has no {marker} marker and no user turn to put its "
+                                 f"{wanted} item{'s' * (wanted != 1)} in")
+            first_user[1] = f"{marker}\n" * wanted + first_user[1]
+    return [(role, content) for role, content in placed]
+
+
+def marker_sequence(turns: Sequence[tuple[str, str]], markers: Mapping[str, str]) -> list[str]:
+    """The encoders whose markers the (placed) turns hold, in the order the text holds them:
+    the order of every encoder's items in the sequence."""
+    by_marker = {marker: name for name, marker in markers.items()}
+    pattern = "|".join(map(re.escape, by_marker))
+    return [by_marker[found] for _, content in turns for found in re.findall(pattern, content)]
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -18,6 +18,7 @@ from megatron_plugins.data.text import (
     Conversation,
     SampleText,
     load_hf_tokenizer,
+    place_markers,
     placeholder_token,
     special_tokens_flag,
 )
@@ -206,23 +207,13 @@ class PromptTokenizer:
         """The turns as chat messages, each encoder's markers replaced by its placeholder token:
         as many markers as the sample has ``items`` of that encoder, or none (then that many put
         at the start of the first user turn)."""
-        turns = [list(turn) for turn in conversation.turns]
         for name in markers:
             token = self._marker_text(name)
-            if token != markers[name] and any(token in content for _, content in turns):
+            if token != markers[name] and any(token in content
+                                              for _, content in conversation.turns):
                 raise ValueError(f"a turn holds {token} as text")
+        turns = [list(turn) for turn in place_markers(conversation.turns, markers, items)]
         for name, marker in markers.items():
-            count, wanted = sum(content.count(marker) for _, content in turns), items.get(name, 0)
-            if count and count != wanted:
-                raise ValueError(f"it holds {count} {marker} marker{'s' * (count != 1)} for "
-                                 f"{wanted} item{'s' * (wanted != 1)} of that kind; give one "
-                                 "marker per item (or none)")
-            if wanted and not count:
-                first_user = next((turn for turn in turns if turn[0] == "user"), None)
-                if first_user is None:
-                    raise ValueError(f"it has no {marker} marker and no user turn to put its "
-                                     f"{wanted} item{'s' * (wanted != 1)} in")
-                first_user[1] = f"{marker}\n" * wanted + first_user[1]
             for turn in turns:
                 turn[1] = turn[1].replace(marker, self._marker_text(name))
         return [{"role": role, "content": content} for role, content in turns]
@@ -245,18 +236,19 @@ class PromptTokenizer:
         return spans
 
     def encode_conversation(self, conversation: Conversation,
-                            encoder_blocks: Sequence[tuple[str, int]],
+                            encoder_blocks: Sequence[tuple[str, int | tuple[int, ...]]],
                             markers: Mapping[str, str], seq_length: int) -> EncodedText:
         """A conversation rendered with the chat template, each item's placeholder run at its
         marker (``encoder_blocks``: ``(encoder, tokens)`` per item, each encoder's in marker
-        order; ``markers``: encoder -> marker); the loss on assistant tokens only.
+        order; ``tokens`` a count, or a run's explicit ids, kept whole: a video with its sound
+        interleaved); ``markers``: encoder -> marker); the loss on assistant tokens only.
 
         Too-long text is cut at the end, never inside a placeholder run: text past the row is
         dropped until every run fits (``truncated`` set; no loss across a cut). ValueError when
         the runs alone do not fit, or when the turns cannot be rendered.
         """
         self.require_chat_template("a conversation dataset")
-        runs: dict[str, list[int]] = {name: [] for name in markers}
+        runs: dict[str, list[int | tuple[int, ...]]] = {name: [] for name in markers}
         for name, count in encoder_blocks:
             runs.setdefault(name, []).append(count)
         messages = self._messages(conversation, markers,
@@ -280,13 +272,14 @@ class PromptTokenizer:
                     raise ValueError(f"the chat template rendered more {markers[name]} markers "
                                      f"than its {len(runs[name])} items")
                 count = pending[name].pop(0)
-                run = self._wrapped(name, [token_id] * count)
+                explicit = not isinstance(count, int)
+                run = self._wrapped(name, list(count) if explicit else [token_id] * count)
                 if name in self.wrapping:  # text that already wraps the marker keeps its own
                     following = rendered_ids[index + 1: index + 2]
                     run = run[(ids[-1:] == run[:1]):len(run) - (following == run[-1:])]
                 ids += run
                 trained += [False] * len(run)
-                in_run += [token == token_id for token in run]
+                in_run += [explicit or token == token_id for token in run]
             else:
                 ids.append(token_id)
                 # Overlap, not containment: a first content token may carry the space before it.

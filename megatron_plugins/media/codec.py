@@ -33,7 +33,8 @@ from megatron_plugins.media.video import (
 __all__ = [
     "BadSampleError", "DECODERS", "DEFAULT_VIDEO_FPS", "MEDIA_KINDS", "VIDEO_SAMPLING", "Video",
     "Waveform",
-    "decode_audio", "decode_image", "decode_item", "decode_text", "decode_video", "encode_jpeg",
+    "decode_audio", "decode_image", "decode_item", "decode_sound", "decode_text", "decode_video",
+    "encode_jpeg",
     "encode_png", "encode_wav", "is_video", "media_size", "probe_item", "probe_size", "resample"
 ]
 
@@ -67,14 +68,12 @@ class Waveform:
 class Video:
     """Frames sampled from a clip: ``frames`` uint8 ``[T, H, W, 3]`` RGB, ``fps`` of the sampled
     frames (what a model's temporal positions count time by). From a video file also each
-    frame's ``timestamps`` (seconds) and its sound track as ``audio`` (None: the file has none),
-    kept for models that interleave a video's sound with its frames (Qwen-Omni's
-    ``use_audio_in_video``); no model reads them yet."""
+    frame's ``timestamps`` (seconds). Its sound track is :func:`decode_sound`'s, read only where
+    an audio encoder takes it (``--use-audio-in-video``)."""
 
     frames: np.ndarray
     fps: float = DEFAULT_VIDEO_FPS
     timestamps: np.ndarray | None = None
-    audio: Waveform | None = None
 
 
 def _first_line(error: Exception) -> str:
@@ -228,12 +227,19 @@ def decode_video(data: object, key: str, field: str) -> Video:
     different sizes, stop naming the field."""
     if (file := _video_file(data, key, field)) is not None:
         frames, fps, timestamps = _read_video(read_frames, file, key, field, VIDEO_SAMPLING)
-        sound = _read_video(read_sound, file, key, field)
-        return Video(frames, fps, timestamps, sound and Waveform(*sound))
+        return Video(frames, fps, timestamps)
     parts, fps = _video_parts(data, key, field)
     frames = [decode_image(part, key, f"{field}[{index}]") for index, part in enumerate(parts)]
     _check_frame_sizes([frame.shape[:2] for frame in frames], key, field)
     return Video(np.stack(frames), fps)
+
+
+def decode_sound(data: object, key: str, field: str) -> Waveform | None:
+    """A video item's sound track (:func:`~megatron_plugins.media.video.read_sound`: mono, at
+    its own rate); None for a file without one or a video given as frames."""
+    file = _video_file(data, key, field)
+    sound = None if file is None else _read_video(read_sound, file, key, field)
+    return None if sound is None else Waveform(*sound)
 
 
 DECODERS = {"image": decode_image, "audio": decode_audio}

@@ -33,7 +33,8 @@ from megatron_plugins.weights.vlm_families import (
 )
 
 __all__ = [
-    "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args", "check_hf_model",
+    "ENCODER_FLAG", "HF_MODEL_FLAG", "LANGUAGE_FLAG", "add_weights_args",
+    "checkpoint_audio_in_video", "check_hf_model",
     "checkpoint_image_token", "checkpoint_item_wrapping", "check_encoder_names",
     "check_safetensors", "encoder_family", "encoder_folders",
     "expand_hf_model", "fill_layout_flags", "hf_model_encoder", "hf_model_towers",
@@ -144,6 +145,19 @@ def checkpoint_image_token(args: argparse.Namespace) -> dict[str, int]:
         return {}
     _, config = read_vlm(args.hf_model)
     return {name: tower.token_id(config) for name, tower in towers.items()}
+
+
+def checkpoint_audio_in_video(args: argparse.Namespace) -> tuple[str, str, int] | None:
+    """(video encoder, audio encoder, temporal positions per chunk) where ``--hf-model``'s
+    family interleaves a video's sound track with its frames (Qwen2.5-Omni); else None."""
+    towers = hf_model_towers(args)
+    if not towers:
+        return None
+    vlm, config = read_vlm(args.hf_model)
+    audio = [name for name, tower in towers.items() if tower.config_key == "audio_config"]
+    if vlm.audio_in_video is None or not audio:
+        return None
+    return next(iter(towers)), audio[0], vlm.audio_in_video(config)
 
 
 def checkpoint_item_wrapping(args: argparse.Namespace) -> dict[str, tuple[int, int]]:

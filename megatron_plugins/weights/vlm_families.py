@@ -102,6 +102,9 @@ class VLMFamily:
     ``<|vision_end|>``), None where it has none."""
     extra_towers: tuple["ExtraTower", ...] = ()
     """Encoders beside the vision tower (Qwen2.5-Omni's audio tower), each its own module."""
+    audio_in_video: Callable[[Mapping[str, Any]], int] | None = None
+    """config.json -> the temporal positions per chunk by which a video's sound is interleaved
+    with its frames (``--use-audio-in-video``); None: the family does not interleave."""
 
     def root(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The config holding the parts' configs (:attr:`sub_config`'s, else the top level)."""
@@ -318,6 +321,8 @@ QWEN2_5_OMNI = dataclasses.replace(
     item_wrapping=_omni_vision_wrapping,
     carried=(r"talker\.", r"token2wav\."),
     carried_what="the talker and token2wav",
+    audio_in_video=lambda config: int(_thinker(config).get("position_id_per_seconds", 25)
+                                      * _thinker(config).get("seconds_per_chunk", 2)),
     extra_towers=(ExtraTower(
         encoder_provider="qwen2_5_omni_audio", encoder_name="audio",
         prefixes=("thinker.audio_tower.", "audio_tower."),

@@ -160,3 +160,67 @@ def test_a_whole_qwen2_5_omni_trains_on_the_conversations_at_two_layouts_identic
     worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
     print(f"Omni, audio dp2 balanced: max relative lm loss difference {worst:.2e}")
     assert worst <= 1e-5, (reference, losses)
+
+
+def _video_record(index: int) -> dict:
+    """A video with sound one record in two (an mp4 with AAC, a webm with Opus, in turn),
+    ``index % 3`` clips and an image every third record; the video's tag between the others."""
+    video = ["talk.mp4", "talk.webm"][index // 2 % 2] if index % 2 == 0 else None
+    clips = list(CLIPS)[: index % 3]
+    images = ["square.png"] if index % 3 == 0 else []
+    question = ("<image>" * len(images) + ("<video>" if video else "") + "<audio>" * len(clips)
+                + "what do you hear")
+    return {"id": f"v{index:03d}", "images": images, "videos": [video] if video else [],
+            "audios": clips, "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": "a talk" if video else "nothing"}]}
+
+
+@once_per_run
+def omni_video_runs() -> dict[str, dict[int, float]]:
+    """The tiny Qwen2.5-Omni with ``--use-audio-in-video`` on a converted folder of videos with
+    sound (2.5 s mp4 + AAC, 1.5 s webm + Opus), clips and an image, packed, at one rank per
+    module and with the audio tower at DP 2 (balanced): ``lm loss`` per iteration by layout."""
+    from tests.harness.video_files import write_video
+    from tests.models.hf import MIMO_FLAGS
+    from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
+
+    root = Path(tempfile.mkdtemp(prefix="mimo-omni-video-"))
+    write_clips(root, 330.0)
+    Image.fromarray(np.full((16, 16, 3), (30, 220, 30), np.uint8)).save(root / "square.png")
+    write_video(root / "talk.mp4", seconds=2.5, fps=8, sound_rate=16000)
+    write_video(root / "talk.webm", seconds=1.5, fps=8, sound_rate=48000)
+    records = [_video_record(index) for index in range(40)]
+    (root / "swift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    texts = ["what do you hear", "a talk", "nothing"]
+    convert_by_the_readme(root, root / "swift.jsonl", texts, "--split", "80,10,10",
+                          in_process=True)
+    folder = save_omni_tokenizer(save_tiny_omni(root / "omni"), texts)
+    runs = {}
+    for name, (nproc, grids) in OMNI_GRIDS.items():
+        logdir = tempfile.mkdtemp(prefix=f"mimo-omni-video-{name}-")
+        run = run_preforked(SCRIPT, [
+            *MIMO_FLAGS, "--hf-model", str(folder), "--seq-length", "256", "--optimizer", "sgd",
+            "--lr", "0.05", "--chat-template", str(TEMPLATE), "--pack-sequences",
+            "--balance-encoder-work", "--use-audio-in-video", *energon_flags(root),
+            "--tokenizer-model", str(folder), *grids, "--tensorboard-dir", logdir],
+            nproc=nproc, timeout=300)
+        assert run.returncode == 0, run.output[-4000:]
+        runs[name] = read_scalars(logdir, "lm loss")
+    return runs
+
+
+def test_videos_with_their_sound_train_a_whole_qwen2_5_omni_identically_at_two_layouts() -> None:
+    """``--use-audio-in-video``: each video's sound track (decoded from the file on both sides)
+    is the audio tower's item where the video is, its tokens interleaved with the frames' in
+    2-s chunks (else the alignment guard stops the run); with the audio tower at DP 2 sharing
+    the clips and sounds, the losses are the same."""
+    runs = omni_video_runs()
+    reference = runs["one-rank-each"]
+    assert sorted(reference) == [1, 2, 3, 4]
+    assert all(math.isfinite(value) for value in reference.values())
+    losses = runs["audio-dp2-balanced"]
+    worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
+    print(f"Omni, audio in video, audio dp2 balanced: max relative lm loss difference "
+          f"{worst:.2e}")
+    assert worst <= 1e-5, (reference, losses)

@@ -7,10 +7,12 @@ reads the same way, and every bad input is one line naming the record or sample 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from megatron_plugins.data.energon.inputs import EncoderInputs, TextInputs
@@ -383,3 +385,121 @@ def test_a_qwen2_5_omni_folder_s_clips_fill_runs_of_their_length_in_its_own_toke
     items, encoder_counts, _ = EncoderInputs(plugins["audio"], plugins["audio"].preprocessor())(
         sample)
     assert encoder_counts == tuple(want) and len(items) == 3
+
+
+def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_positions_it(
+        folder, tmp_path):
+    """``--use-audio-in-video``: a video with a 3-s sound track between an image and a clip
+    becomes ``<|vision_bos|><|audio_bos|>`` + 2-s chunks (each chunk's video tokens, then its
+    sound's, as transformers' processor lays them out) + ``<|audio_eos|><|vision_eos|>``; the
+    audio encoder's items are the clip and the sound in that order on both sides, and the
+    positions equal the thinker's ``get_rope_index(use_audio_in_video=True)``."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from megatron_plugins.data.audio_in_video import AudioInVideo
+    from megatron_plugins.data.energon.inputs import SoundOrder
+    from megatron_plugins.encoders.qwen2_5_omni_audio import mel_frames
+    from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
+    from tests.harness.video_files import write_video
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen_omni import (
+        AUDIO_TOKEN, AUDIO_WRAPPING, IMAGE_TOKEN, VIDEO_TOKEN, VISION_WRAPPING,
+        save_omni_tokenizer, save_tiny_omni)
+
+    omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
+    write_video(folder / "talk.mp4", seconds=3.0, fps=8, size=(32, 32), sound_rate=16000)
+    record = _swift(0, images=["red.png"], videos=["talk.mp4"], audios=[WAV], messages=[
+        {"role": "user", "content": "<image> then <video> then <audio>: what do you hear"},
+        {"role": "assistant", "content": "a tone"}])
+    (folder / "video.jsonl").write_text(json.dumps(record) + "\n" + "".join(
+        json.dumps(_swift(i, images=[], audios=[], messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a tone"}]))
+        + "\n" for i in range(1, 10)))
+    sample = _load_all(make_dataset(folder, folder / "video.jsonl", "conversation",
+                                    tmp_path / "energon", split=(80, 10, 10)))["s0"]
+    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
+               "audio": plugin("qwen2_5_omni_audio", omni)}
+    args = argparse.Namespace(hf_model=str(omni), encoder_hf_weights=[
+        f"{name}={omni}" for name in plugins])
+    tokenizer = PromptTokenizer.load(str(omni), list(plugins), 64, None, TEMPLATE,
+                                     checkpoint_image_token(args), checkpoint_item_wrapping(args))
+    sounds = SoundOrder(AudioInVideo("image", "audio", 50), plugins)
+    markers = tuple((name, media_marker(p.preprocessor().media)) for name, p in plugins.items())
+    fields, counts, _ = TextInputs(tokenizer, plugins, markers, 512, True, sounds)(sample)
+    items, encoder_counts, _ = EncoderInputs(plugins["audio"], plugins["audio"].preprocessor(),
+                                             sounds)(sample)
+    assert counts["audio"] == encoder_counts == (75, 12)  # the sound (3 s), then the clip
+    assert counts["image"][1] == 3 * 16  # 3 temporal steps of 4 x 4 merged tokens
+    ids = fields["tokens"][: int(fields["length"])].tolist()
+
+    # transformers' processor's layout of that video with its sound
+    layout = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), video_token="V",
+                             audio_token="A", audio_bos_token="<", audio_eos_token=">")
+    layout.get_chunked_index = functools.partial(
+        transformers.Qwen2_5OmniProcessor.get_chunked_index, layout)
+    text = transformers.Qwen2_5OmniProcessor.replace_video_with_audio_token(
+        layout, {"video_grid_thw": [torch.tensor([3, 8, 8])], "video_second_per_grid": [1.0]},
+        0, {"num_audio_tokens": [75]}, 0, position_id_per_seconds=25, seconds_per_chunk=2.0)
+    by_char = {"V": IMAGE_TOKEN, "A": AUDIO_TOKEN, "<": AUDIO_WRAPPING[0], ">": AUDIO_WRAPPING[1]}
+    composite = [VISION_WRAPPING[0], *[by_char[c] for c in text], VISION_WRAPPING[1]]
+    start = ids.index(VISION_WRAPPING[0], ids.index(VISION_WRAPPING[1]) + 1)
+    assert ids[start:start + len(composite)] == composite
+    assert text.count("V") == 48 and text.index("A") == 1 + 32  # chunk 0: 2 steps, then sound
+
+    # ... and its TMRoPE positions
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni)
+    model.config.vision_start_token_id = VISION_WRAPPING[0]
+    hf_ids = torch.tensor([ids])
+    hf_ids[0, start + 1:start + len(composite) - 1][
+        hf_ids[0, start + 1:start + len(composite) - 1] == IMAGE_TOKEN] = VIDEO_TOKEN
+    image_grid = torch.tensor([[1, 4, 4]])  # the 16 x 16 red square
+    assert counts["image"][0] == 4
+    want, _ = model.model.get_rope_index(
+        hf_ids, image_grid, torch.tensor([[3, 8, 8]]), torch.ones_like(hf_ids), True,
+        torch.tensor([300, mel_frames(int(0.5 * 16000), 160, 480000)]), torch.tensor([1.0]))
+    assert torch.equal(fields["position_ids"][:, :len(ids)], want[:, 0])
+    assert len(items) == 2
+
+
+def test_use_audio_in_video_refusals_are_one_line(folder, tmp_path):
+    """A video without a sound track names the sample and the file; the flag without real data
+    or without a checkpoint that interleaves names what it needs (before any process group)."""
+    from megatron_plugins.data.audio_in_video import AudioInVideo
+    from megatron_plugins.data.energon.inputs import SoundOrder
+    from megatron_plugins.data.sources import audio_in_video
+    from megatron_plugins.errors import DataFlagError
+    from tests.harness.video_files import write_video
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen_omni import save_tiny_omni
+
+    omni = save_tiny_omni(tmp_path / "omni")
+    write_video(folder / "silent.mp4", seconds=1.0, fps=8, sound_rate=None)
+    records = [_swift(i, images=[], audios=[], videos=["silent.mp4"], messages=[
+        {"role": "user", "content": "<video> what"}, {"role": "assistant", "content": "a"}])
+        for i in range(10)]
+    (folder / "silent.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    sample = _load_all(make_dataset(folder, folder / "silent.jsonl", "conversation",
+                                    tmp_path / "energon", split=(80, 10, 10)))["s0"]
+    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
+               "audio": plugin("qwen2_5_omni_audio", omni)}
+    sounds = SoundOrder(AudioInVideo("image", "audio", 50), plugins)
+    with pytest.raises(BadSampleError) as error:
+        EncoderInputs(plugins["audio"], plugins["audio"].preprocessor(), sounds)(sample)
+    assert str(error.value) == (
+        "sample 's0': field 'images[0]' is a video without a sound track, but --use-audio-in-video "
+        "feeds each video's sound to encoder audio; give videos with sound or drop "
+        "--use-audio-in-video")
+    flags = dict(use_audio_in_video=True, encoder_hf_weights={"image": str(omni)},
+                 mimo_encoders={"image": "qwen2_5_vl"})
+    with pytest.raises(DataFlagError) as error:
+        audio_in_video(argparse.Namespace(data_path=None, hf_model=str(omni), **flags))
+    assert str(error.value) == ("--use-audio-in-video needs --data-path: the mock data's "
+                                "videos have no sound track")
+    with pytest.raises(DataFlagError) as error:
+        audio_in_video(argparse.Namespace(data_path=["d"], hf_model=None, **flags))
+    assert str(error.value) == (
+        "--use-audio-in-video interleaves each video's sound with its frames as the "
+        "checkpoint's family does (Qwen2.5-Omni); no --hf-model is given, so no checkpoint "
+        "does; drop the flag or give such a folder")

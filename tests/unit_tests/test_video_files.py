@@ -19,6 +19,7 @@ from megatron_plugins.media.codec import (
     BadSampleError,
     Video,
     decode_item,
+    decode_sound,
     media_size,
     probe_item,
     resample,
@@ -93,7 +94,7 @@ def test_the_sound_track_comes_with_the_video_mono_at_its_rate_or_none(clips):
     resampled to an encoder's rate as clips are; a file without an audio stream: None."""
     for name in ("sound.mp4", "sound.webm"):
         seconds, _, rate = CLIPS[name]
-        audio = decode_item("image", _item(clips / "clips" / name), "k", "images[0]").audio
+        audio = decode_sound(_item(clips / "clips" / name), "k", "images[0]")
         assert audio.sample_rate == rate and audio.samples.dtype == np.float32
         want = tone(rate, seconds)
         assert len(audio.samples) == len(want)
@@ -101,7 +102,7 @@ def test_the_sound_track_comes_with_the_video_mono_at_its_rate_or_none(clips):
         assert np.abs(audio.samples[middle] - want[middle]).max() < 0.02
         assert len(resample(audio, 16000).samples) == int(seconds * 16000)
     for name in ("long.mp4", "silent.mkv"):
-        assert decode_item("image", _item(clips / "clips" / name), "k", "images[0]").audio is None
+        assert decode_sound(_item(clips / "clips" / name), "k", "images[0]") is None
 
 
 def _audio_only_mp4(path: Path) -> bytes:
@@ -213,7 +214,8 @@ def test_records_with_video_files_convert_to_file_parts_both_sides_agree_on(conv
                          seconds=[2 / (4 / 12 * 8), None])[:, 0]
     assert torch.equal(fields["position_ids"][:, :length], want)
     video = decode_item("image", swift.images[0], "swift", "images[0]")
-    assert isinstance(video, Video) and video.audio.sample_rate == 16000
+    assert isinstance(video, Video)
+    assert decode_sound(swift.images[0], "swift", "images[0]").sample_rate == 16000
     assert text(llava)[1] == {"vision": (2 * 16,)} and encoder(llava)[1] == (32,)
 
 

@@ -13,7 +13,10 @@ import torch
 from megatron.energon import DefaultTaskEncoder, stateless
 
 from megatron_plugins.data.addressing import RankSlice
+from megatron_plugins.data.audio_in_video import AudioInVideo, interleaving
 from megatron_plugins.data.positions import (
+    ItemLayout,
+    WithSound,
     item_layout,
     mrope_position_ids,
     text_after_time_ids,
@@ -26,18 +29,24 @@ from megatron_plugins.data.streams import (
     collate_items,
     collate_text,
 )
-from megatron_plugins.data.text import Conversation, media_marker
+from megatron_plugins.data.text import (
+    Conversation,
+    marker_sequence,
+    media_marker,
+    place_markers,
+)
 from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.media.codec import (
     BadSampleError,
     decode_item,
+    decode_sound,
     is_video,
     media_size,
     probe_item,
 )
 
-__all__ = ["EncoderInputs", "RankSliceEncoder", "TextInputs"]
+__all__ = ["EncoderInputs", "RankSliceEncoder", "SoundOrder", "TextInputs"]
 
 
 def _item_tokens(plugin: EncoderPlugin, size: tuple[int, ...], key: str, field: str) -> int:
@@ -76,6 +85,79 @@ def _header_item_tokens(plugin: EncoderPlugin, sample: Any) -> tuple[int, ...]:
                  for field, size in _header_sizes(plugin, sample))
 
 
+def _video_turns(turns: tuple[tuple[str, str], ...], marker: str) -> list[tuple[str, str]]:
+    """The turns with each ``<video>`` marker as the video-taking encoder's ``marker``."""
+    video = media_marker("video")
+    return [(role, content.replace(video, marker)) for role, content in turns]
+
+
+@dataclasses.dataclass(frozen=True)
+class SoundOrder:
+    """``--use-audio-in-video``: the audio encoder's items are its clips and the videos' sound
+    tracks, in the order the conversation holds them (each sound where its video is)."""
+
+    audio_in_video: AudioInVideo
+    plugins: dict[str, EncoderPlugin]
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The video-taking encoder's name and the audio encoder's."""
+        return self.audio_in_video.vision, self.audio_in_video.audio
+
+    @property
+    def audio(self) -> EncoderPlugin:
+        return self.plugins[self.audio_in_video.audio]
+
+    @property
+    def vision(self) -> EncoderPlugin:
+        return self.plugins[self.audio_in_video.vision]
+
+    def items(self, sample: Any) -> list[tuple[str, Any, bool]]:
+        """The audio encoder's undecoded items in sequence order: ``(field, data, is_sound)``,
+        a sound's data its video item's."""
+        visual, clips = _media_items(self.vision, sample), _media_items(self.audio, sample)
+        text = sample_kind(sample).text(sample)
+        if not isinstance(text, Conversation):
+            return [(field, data, False) for field, data in clips]
+        markers = {name: media_marker(plugin.preprocessor().media)
+                   for name, plugin in self.plugins.items()}
+        vision = self.audio_in_video.vision
+        turns = _video_turns(text.turns, markers[vision])
+        try:
+            placed = place_markers(turns, markers, {vision: len(visual),
+                                                    self.audio_in_video.audio: len(clips)})
+        except ValueError as error:
+            raise BadSampleError(sample.__key__, "conversation", str(error)) from None
+        order, pending = [], {vision: iter(visual), self.audio_in_video.audio: iter(clips)}
+        for name in marker_sequence(placed, markers):
+            if name not in pending:
+                continue
+            field, data = next(pending[name])
+            if name == self.audio_in_video.audio:
+                order.append((field, data, False))
+            elif is_video(data):
+                order.append((field, data, True))
+        return order
+
+    def sound(self, data: Any, key: str, field: str) -> Any:
+        """A video item's sound track; a video without one stops naming it."""
+        sound = decode_sound(data, key, field)
+        if sound is None:
+            raise BadSampleError(key, field, "is a video without a sound track, but "
+                                 "--use-audio-in-video feeds each video's sound to encoder "
+                                 f"{self.audio_in_video.audio}; give videos with sound or drop "
+                                 "--use-audio-in-video")
+        return sound
+
+    def sizes(self, sample: Any) -> list[tuple[str, tuple[int, ...], bool]]:
+        """Each audio item's field, size (a clip's from its header, a sound's decoded) and
+        whether it is a sound."""
+        key = sample.__key__
+        return [(field, media_size(self.sound(data, key, field)) if sound
+                 else probe_item("audio", data, key, field), sound)
+                for field, data, sound in self.items(sample)]
+
+
 @dataclasses.dataclass(frozen=True)
 class TextInputs:
     """Language ranks: a sample's text, tokenized and laid out after the encoders' placeholder
@@ -87,16 +169,69 @@ class TextInputs:
     seq_length: int
     mrope: bool = False
     """The language model uses multimodal RoPE: ``position_ids`` are ``[3, seq_length]``."""
+    sounds: SoundOrder | None = None
+    """``--use-audio-in-video``: the videos' sound tracks among the audio encoder's items."""
 
-    def item_tokens(self, sample: Any) -> dict[str, tuple[int, ...]]:
-        """Each encoder's item token counts, from the media parts' headers (never decoded)."""
-        return {name: _header_item_tokens(plugin, sample) for name, plugin in self.plugins.items()}
+    def _counts(self, sample: Any, sounds: list[tuple[str, tuple[int, ...], bool]] | None
+                ) -> dict[str, tuple[int, ...]]:
+        """Each encoder's item token counts, from the media parts' headers (never decoded);
+        with :attr:`sounds`, the audio encoder's from ``sounds`` (its :meth:`SoundOrder.sizes`)."""
+        counts = {name: _header_item_tokens(plugin, sample)
+                  for name, plugin in self.plugins.items()}
+        if sounds is not None:
+            audio = self.sounds.audio
+            counts[self.sounds.audio_in_video.audio] = tuple(
+                _item_tokens(audio, size, sample.__key__, field)
+                                       for field, size, _ in sounds)
+        return counts
 
-    def _mrope_position_ids(self, sample: Any, tokens: torch.Tensor) -> torch.Tensor:
-        """``[3, seq_length]`` positions from the tokens and the items' grids (headers only)."""
-        items = {self.tokenizer.placeholder_ids[name]: [
-                     item_layout(plugin, size) for _, size in _header_sizes(plugin, sample)]
+    def _layouts(self, sample: Any, sounds: list[tuple[str, tuple[int, ...], bool]] | None
+                 ) -> dict[str, list[ItemLayout | WithSound]]:
+        """Each encoder's items' layouts (headers only); with ``sounds``, each video with its
+        sound interleaved (:class:`WithSound`) and the audio encoder's clips alone."""
+        sizes = {name: [size for _, size in _header_sizes(plugin, sample)]
                  for name, plugin in self.plugins.items()}
+        layouts = {name: [item_layout(self.plugins[name], size) for size in items]
+                   for name, items in sizes.items()}
+        if sounds is None:
+            return layouts
+        audio, (vision, audio_name) = self.sounds.audio, self.sounds.names
+        sound_tokens = iter([audio.item_tokens(size) for _, size, sound in sounds if sound])
+        per_chunk = self.sounds.audio_in_video.tokens_per_chunk
+        merged: list[ItemLayout | WithSound] = []
+        for size, layout in zip(sizes[vision], layouts[vision]):
+            if len(size) != 4:  # an image
+                merged.append(layout)
+                continue
+            tokens = next(sound_tokens)
+            merged.append(WithSound(layout, self.tokenizer.placeholder_ids[audio_name], tokens,
+                                    interleaving(layout[1], tokens, per_chunk)))
+        layouts[vision] = merged
+        layouts[audio_name] = [item_layout(audio, size) for _, size, sound in sounds
+                               if not sound]
+        return layouts
+
+    def _blocks(self, layouts: dict[str, list[ItemLayout | WithSound]]
+                ) -> tuple[tuple[str, int | tuple[int, ...]], ...]:
+        """Each item's placeholder run for the tokenizer: its token count, or a video with its
+        sound as its explicit ids (``<|audio_bos|>``, the interleaved runs, ``<|audio_eos|>``)."""
+        blocks = []
+        for name, items in layouts.items():
+            for layout in items:
+                if not isinstance(layout, WithSound):
+                    blocks.append((name, layout[0]))
+                    continue
+                video_id = self.tokenizer.placeholder_ids[name]
+                start, end = self.tokenizer.wrapping[self.sounds.names[1]]
+                runs = [token for is_video, size in layout.order
+                        for token in [video_id if is_video else layout.sound_id] * size]
+                blocks.append((name, (start, *runs, end)))
+        return tuple(blocks)
+
+    def _mrope_position_ids(self, sample: Any, tokens: torch.Tensor,
+                            layouts: dict[str, list[ItemLayout | WithSound]]) -> torch.Tensor:
+        """``[3, seq_length]`` positions from the tokens and the items' layouts."""
+        items = {self.tokenizer.placeholder_ids[name]: items for name, items in layouts.items()}
         try:
             return mrope_position_ids(tokens, items, text_after_time_ids(
                 self.plugins, self.tokenizer.placeholder_ids))
@@ -142,16 +277,18 @@ class TextInputs:
                                      f"has the markers {' '.join(found)} for the items "
                                      f"{' '.join(kinds) or '(none)'}; give one marker per item "
                                      f"in order, {video} at each video")
-            return Conversation(tuple((role, content.replace(video, marker))
-                                      for role, content in conversation.turns))
+            return Conversation(tuple(_video_turns(conversation.turns, marker)))
         return conversation
 
     def __call__(self, sample: Any) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]],
                                              bool]:
         text = sample_kind(sample).text(sample)
-        counts = self.item_tokens(sample)
+        sounds = None if self.sounds is None else self.sounds.sizes(sample)
+        counts = self._counts(sample, sounds)
         self._check_room(sample, counts)
-        blocks = tuple((name, count) for name, items in counts.items() for count in items)
+        layouts = self._layouts(sample, sounds) if self.mrope or sounds is not None else {}
+        blocks = (self._blocks(layouts) if self.sounds is not None
+                  else tuple((name, count) for name, items in counts.items() for count in items))
         if isinstance(text, Conversation):
             text = self._video_markers(sample, text)
             try:
@@ -163,7 +300,7 @@ class TextInputs:
             encoded = self.tokenizer.encode(text, blocks, self.seq_length)
         fields = encoded.as_batch_fields()
         if self.mrope:
-            fields["position_ids"] = self._mrope_position_ids(sample, encoded.tokens)
+            fields["position_ids"] = self._mrope_position_ids(sample, encoded.tokens, layouts)
         return fields, counts, encoded.truncated
 
 
@@ -174,13 +311,39 @@ class EncoderInputs:
 
     plugin: EncoderPlugin
     preprocessor: Any
+    sounds: SoundOrder | None = None
+    """``--use-audio-in-video`` on the audio encoder: the videos' sound tracks among its items."""
+
+    def _items(self, sample: Any) -> list[tuple[str, Any, bool]]:
+        """The encoder's undecoded items with their fields, in sequence order; whether each is
+        a video's sound track."""
+        if self.sounds is not None:
+            return self.sounds.items(sample)
+        return [(field, data, False) for field, data in _media_items(self.plugin, sample)]
+
+    def _sized(self, sample: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """Each item's field and size (headers only, but a video's sound track decoded)."""
+        if self.sounds is not None:
+            return [(field, size) for field, size, _ in self.sounds.sizes(sample)]
+        return _header_sizes(self.plugin, sample)
+
+    def sizes(self, sample: Any) -> list[tuple[int, ...]]:
+        """Each item's size, as :meth:`__call__` embeds the items."""
+        return [size for _, size in self._sized(sample)]
+
+    def item_tokens(self, sample: Any) -> tuple[int, ...]:
+        """Each item's token count from its size: what balancing weighs, as the language side
+        weighs the same sample's items."""
+        return tuple(_item_tokens(self.plugin, size, sample.__key__, field)
+                     for field, size in self._sized(sample))
 
     def __call__(self, sample: Any) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...],
                                              bool]:
         media_kind = self.preprocessor.media
         items, counts = [], []
-        for field, data in _media_items(self.plugin, sample):
-            media = decode_item(media_kind, data, sample.__key__, field)
+        for field, data, sound in self._items(sample):
+            media = (self.sounds.sound(data, sample.__key__, field) if sound
+                     else decode_item(media_kind, data, sample.__key__, field))
             counts.append(_item_tokens(self.plugin, media_size(media), sample.__key__, field))
             try:
                 items.append(self.preprocessor(media))
@@ -210,15 +373,13 @@ class RankSliceEncoder(DefaultTaskEncoder):
         microbatches = []
         for first in range(0, len(samples), self._slice.global_batch):
             positions = self._slice.held_positions(
-                lambda position, first=first: _header_item_tokens(
-                    self._inputs.plugin, samples[first + position]))
+                lambda position, first=first: self._inputs.item_tokens(samples[first + position]))
             mine = [samples[first + position] for position in positions]
             prepared = [self._inputs(sample) for sample in mine]
             inputs = [fields for fields, _, _ in prepared]
             counts = [count for _, count, _ in prepared]
             if isinstance(self._inputs, EncoderInputs):
-                sizes = [[size for _, size in _header_sizes(self._inputs.plugin, sample)]
-                         for sample in mine]
+                sizes = [self._inputs.sizes(sample) for sample in mine]
                 batch = collate_items(self._slice.module, self._inputs.preprocessor, inputs,
                                       counts, sizes)
             else:

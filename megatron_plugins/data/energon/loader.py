@@ -21,7 +21,13 @@ from megatron.energon import (
 
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.data.energon.dataset import DataPathError, check_dataset, split_sizes
-from megatron_plugins.data.energon.inputs import EncoderInputs, RankSliceEncoder, TextInputs
+from megatron_plugins.data.audio_in_video import AudioInVideo
+from megatron_plugins.data.energon.inputs import (
+    EncoderInputs,
+    RankSliceEncoder,
+    SoundOrder,
+    TextInputs,
+)
 from megatron_plugins.data.samples import ConversationKind, SampleKind
 from megatron_plugins.data.streams import Microbatch, data_state_path
 from megatron_plugins.data.text import media_marker, read_chat_template
@@ -88,6 +94,8 @@ class EnergonSource:
     """The folder's sample kind; None for a metadataset (its datasets' kinds are not known)."""
     mrope: bool = False
     """The language model uses multimodal RoPE (:mod:`.positions`)."""
+    audio_in_video: AudioInVideo | None = None
+    """``--use-audio-in-video``: the videos' sound tracks feed the audio encoder too."""
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -104,9 +112,15 @@ class EnergonSource:
             markers = tuple((name, media_marker(p.preprocessor().media))
                             for name, p in self.plugins.items())
             return TextInputs(self.tokenizer, self.plugins, markers, self.seq_length,
-                              self.mrope)
+                              self.mrope, self._sounds())
         plugin = self.plugins[module]
-        return EncoderInputs(plugin, plugin.preprocessor())
+        sounds = (self._sounds() if self.audio_in_video is not None
+                  and module == self.audio_in_video.audio else None)
+        return EncoderInputs(plugin, plugin.preprocessor(), sounds)
+
+    def _sounds(self) -> SoundOrder | None:
+        return None if self.audio_in_video is None else SoundOrder(self.audio_in_video,
+                                                                   self.plugins)
 
     def open(self, split: str, rank_slice: RankSlice, start: int,
              resume: Path | None) -> Iterator[Microbatch] | None:
@@ -143,7 +157,8 @@ class EnergonSource:
         return _GlobalBatches(loader)
 
 
-def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> EnergonSource:
+def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin],
+                audio_in_video: AudioInVideo | None = None) -> EnergonSource:
     """The Energon source of a run, every configuration problem raised as one line first."""
     if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
         raise DataPathError(
@@ -165,4 +180,4 @@ def open_source(path: Path, args: Any, plugins: dict[str, EncoderPlugin]) -> Ene
         tokenizer.require_chat_template(f"--data-path {path}")
     return EnergonSource(path, args.seed, args.num_workers, args.seq_length,
                          args.global_batch_size, tokenizer, plugins, kind,
-                         args.position_embedding_type == "mrope")
+                         args.position_embedding_type == "mrope", audio_in_video)

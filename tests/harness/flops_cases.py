@@ -134,6 +134,7 @@ def encoder_rows(folder: str) -> list[Row]:
     from tests.models.hf_whisper import plugin as whisper_plugin
     from tests.models.hf_whisper import save_tiny as save_whisper
     from tests.models.llava_next import save_tiny_llava_next
+    from tests.models.qwen_omni import save_tiny_omni
     from tests.models.qwen3_5_whole import TEXT as QWEN3_5_TEXT
     from tests.models.qwen3_5_whole import save_whole
     from tests.models.qwen3_vlm import TEXT as QWEN3_TEXT
@@ -182,6 +183,12 @@ def encoder_rows(folder: str) -> list[Row]:
     whisper = whisper_plugin(save_whisper(root / "whisper"))
     rows.append(_encoder_row("whisper", "2 clips, 100 mel frames", whisper,
                              [_audio(0.4), _audio(1.3, seed=1)], 24))
+    omni = save_tiny_omni(root / "qwen2_5_omni", thinker_only=True)
+    rows.append(_encoder_row("qwen2_5_omni_vision", "2 images + a 3-frame video",
+                             plugin("qwen2_5_omni_vision", omni), [*qwen_media[:2], video], 24))
+    rows.append(_encoder_row("qwen2_5_omni_audio", "2 clips of 2 and 3 chunks (82, 132 frames)",
+                             plugin("qwen2_5_omni_audio", omni),
+                             [_audio(13000 / 16000), _audio(21111 / 16000, seed=1)], 24))
     rows.append(_sensor_row())
     return rows
 

@@ -242,9 +242,9 @@ class Qwen3OmniAudioEncoder(Qwen2_5OmniAudioEncoder):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        hf = self.hf_config
-        return ModuleSpec(module=AuTNetwork, params={
-            "config": config, "num_mel_bins": hf.num_mel_bins,
-            "channels": hf.downsample_hidden_size, "window": self.window,
-            "window_tokens": self.window_tokens,
-            "max_source_positions": hf.max_source_positions, "pg_collection": pg_collection})
+        return ModuleSpec(module=AuTNetwork, params=dict(
+            config=config, num_mel_bins=self.hf_config.num_mel_bins,
+            channels=self.hf_config.downsample_hidden_size, window=self.window,
+            window_tokens=self.window_tokens,
+            max_source_positions=self.hf_config.max_source_positions,
+            pg_collection=pg_collection))

@@ -93,8 +93,8 @@ class AuTNetwork(MegatronModule):
     position's channels x mel bins, the sinusoidal positions from 0; the layers attending within
     each clip's windows of ``window_tokens`` positions: ``[tokens, d_model]``.
 
-    The convolutions are replicated on the tp ranks (the first layer's column-parallel linear
-    all-reduces their gradient). Chunks run batched by padded length; the padded positions are
+    The convolutions and ``conv_out`` are replicated on the tp ranks (the first layer's
+    column-parallel linear all-reduces their gradient). Chunks run batched by padded length; the padded positions are
     dropped before ``conv_out``, whose output there transformers drops too."""
 
     def __init__(self, config: TransformerConfig, num_mel_bins: int, channels: int, window: int,

@@ -135,6 +135,9 @@ def encoder_rows(folder: str) -> list[Row]:
     from tests.models.hf_whisper import save_tiny as save_whisper
     from tests.models.llava_next import save_tiny_llava_next
     from tests.models.qwen_omni import save_tiny_omni
+    from tests.models.qwen3_omni import FLOPS_CASES as QWEN3_OMNI_CASES
+    from tests.models.qwen3_omni import flops_rows as qwen3_omni_audio_rows
+    from tests.models.qwen3_omni import save_tiny as save_qwen3_omni
     from tests.models.qwen3_5_whole import TEXT as QWEN3_5_TEXT
     from tests.models.qwen3_5_whole import save_whole
     from tests.models.qwen3_vlm import TEXT as QWEN3_TEXT
@@ -189,6 +192,8 @@ def encoder_rows(folder: str) -> list[Row]:
     rows.append(_encoder_row("qwen2_5_omni_audio", "2 clips of 2 and 3 chunks (82, 132 frames)",
                              plugin("qwen2_5_omni_audio", omni),
                              [_audio(13000 / 16000), _audio(21111 / 16000, seed=1)], 24))
+    rows += qwen3_omni_audio_rows(str(save_qwen3_omni(root / "qwen3_omni")[0]),
+                                  QWEN3_OMNI_CASES[:1])
     rows.append(_sensor_row())
     return rows
 

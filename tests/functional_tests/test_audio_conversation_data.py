@@ -2,7 +2,9 @@
 a 44.1 kHz FLAC and an MP3, 0..3 clips and 0..1 image per record, tags in the text or none)
 converted by the README's commands trains a vision + audio + language MiMo through the entry
 point with packed rows, reporting the padding share; the audio encoder at dp2 on ranks of its own
-(its replicas sharing the clips by work) trains identically, every clip keyed and consumed."""
+(its replicas sharing the clips by work) trains identically, every clip keyed and consumed. A tiny
+whole Qwen2.5-Omni with ``--use-audio-in-video`` trains on a folder of such clips, an image and
+videos with sound tracks, identically with its audio tower at dp2."""
 
 from __future__ import annotations
 
@@ -64,13 +66,9 @@ def swift_folder() -> Path:
     Image.fromarray(np.full((16, 16, 3), (220, 30, 30), np.uint8)).save(root / "square.png")
     records = [_record(index) for index in range(RECORDS)]
     (root / "swift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return convert_by_the_readme(root, root / "swift.jsonl", _texts(), "--split", "80,10,10")
-
-
-def _texts() -> list[str]:
-    """The records' turns without their tags: what the tokenizers are trained on."""
-    return [turn["content"].replace("<image>", "").replace("<audio>", "")
-            for record in map(_record, range(RECORDS)) for turn in record["messages"]]
+    texts = [turn["content"].replace("<image>", "").replace("<audio>", "")
+             for record in records for turn in record["messages"]]
+    return convert_by_the_readme(root, root / "swift.jsonl", texts, "--split", "80,10,10")
 
 
 def _flags() -> tuple[str, ...]:
@@ -122,46 +120,6 @@ OMNI_GRIDS = {"one-rank-each": (3, ("--grid", "image:", "--grid", "audio:", "--g
                                          "language:"))}
 
 
-@once_per_run
-def omni_runs() -> dict[str, tuple[dict[int, float], str]]:
-    """A tiny whole Qwen2.5-Omni (its tokenizer in its folder, as released) trained on the
-    converted folder through the entry point, packed, at each of :data:`OMNI_GRIDS`: ``lm
-    loss`` per iteration and the output, by layout."""
-    from tests.models.hf import MIMO_FLAGS
-    from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
-
-    root = swift_folder()
-    folder = save_omni_tokenizer(save_tiny_omni(Path(tempfile.mkdtemp(prefix="mimo-omni-"))
-                                                / "omni"), _texts())
-    runs = {}
-    for name, (nproc, grids) in OMNI_GRIDS.items():
-        logdir = tempfile.mkdtemp(prefix=f"mimo-omni-{name}-")
-        run = run_preforked(SCRIPT, [
-            *MIMO_FLAGS, "--hf-model", str(folder), "--seq-length", "160", "--optimizer", "sgd",
-            "--lr", "0.05", "--chat-template", str(TEMPLATE), "--pack-sequences",
-            "--balance-encoder-work", *energon_flags(root), "--tokenizer-model", str(folder),
-            *grids, "--tensorboard-dir", logdir], nproc=nproc, timeout=300)
-        assert run.returncode == 0, run.output[-4000:]
-        runs[name] = read_scalars(logdir, "lm loss"), run.output
-    return runs
-
-
-def test_a_whole_qwen2_5_omni_trains_on_the_conversations_at_two_layouts_identically() -> None:
-    """The audio markers become the checkpoint's own runs (``<|audio_bos|>``, one
-    ``<|AUDIO|>`` per token of the clip's length, ``<|audio_eos|>``), which the Omni audio
-    tower fills from the decoded, resampled files (else the alignment guard stops the run);
-    with that tower at DP 2 sharing the clips by work the losses are the same."""
-    runs = omni_runs()
-    reference, output = runs["one-rank-each"]
-    assert sorted(reference) == [1, 2, 3, 4]
-    assert all(math.isfinite(value) for value in reference.values())
-    assert PADDING.search(output) is not None
-    losses, _ = runs["audio-dp2-balanced"]
-    worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
-    print(f"Omni, audio dp2 balanced: max relative lm loss difference {worst:.2e}")
-    assert worst <= 1e-5, (reference, losses)
-
-
 def _video_record(index: int) -> dict:
     """A video with sound one record in two (an mp4 with AAC, a webm with Opus, in turn),
     ``index % 3`` clips and an image every third record; the video's tag between the others."""
@@ -177,10 +135,11 @@ def _video_record(index: int) -> dict:
 
 
 @once_per_run
-def omni_video_runs() -> dict[str, dict[int, float]]:
+def omni_video_runs() -> dict[str, tuple[dict[int, float], str]]:
     """The tiny Qwen2.5-Omni with ``--use-audio-in-video`` on a converted folder of videos with
     sound (2.5 s mp4 + AAC, 1.5 s webm + Opus), clips and an image, packed, at one rank per
-    module and with the audio tower at DP 2 (balanced): ``lm loss`` per iteration by layout."""
+    module and with the audio tower at DP 2 (balanced): ``lm loss`` per iteration and the
+    output, by layout."""
     from tests.harness.video_files import write_video
     from tests.models.hf import MIMO_FLAGS
     from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
@@ -206,21 +165,25 @@ def omni_video_runs() -> dict[str, dict[int, float]]:
             "--tokenizer-model", str(folder), *grids, "--tensorboard-dir", logdir],
             nproc=nproc, timeout=300)
         assert run.returncode == 0, run.output[-4000:]
-        runs[name] = read_scalars(logdir, "lm loss")
+        runs[name] = read_scalars(logdir, "lm loss"), run.output
     return runs
 
 
 def test_videos_with_their_sound_train_a_whole_qwen2_5_omni_identically_at_two_layouts() -> None:
-    """``--use-audio-in-video``: each video's sound track (decoded from the file on both sides)
-    is the audio tower's item where the video is, its tokens interleaved with the frames' in
-    2-s chunks (else the alignment guard stops the run); with the audio tower at DP 2 sharing
-    the clips and sounds, the losses are the same."""
+    """``--use-audio-in-video`` with the folder's own tokenizer: each clip's run is the
+    checkpoint's ``<|AUDIO|>`` run of its resampled length and each video's sound track
+    (decoded from the file on both sides) the audio tower's item where the video is, its tokens
+    interleaved with the frames' in 2-s chunks (else the alignment guard stops the run); packed
+    rows report their padding; with the audio tower at DP 2 sharing clips and sounds by work the
+    losses are the same."""
     runs = omni_video_runs()
-    reference = runs["one-rank-each"]
+    reference, output = runs["one-rank-each"]
     assert sorted(reference) == [1, 2, 3, 4]
     assert all(math.isfinite(value) for value in reference.values())
-    losses = runs["audio-dp2-balanced"]
+    [(_, _, unpacked, packed)] = PADDING.findall(output)
+    assert float(packed) < float(unpacked)
+    losses, _ = runs["audio-dp2-balanced"]
     worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
     print(f"Omni, audio in video, audio dp2 balanced: max relative lm loss difference "
-          f"{worst:.2e}")
+          f"{worst:.2e}; padding {unpacked}% unpacked, {packed}% packed")
     assert worst <= 1e-5, (reference, losses)

@@ -112,6 +112,60 @@ def hf_audio_inputs(clips_: list[np.ndarray]) -> dict[str, torch.Tensor]:
             "feature_attention_mask": out["attention_mask"]}
 
 
+VIDEO_FRAMES = 6
+"""The sample's video: 6 frames of 32 x 32 at 2 per second (3 temporal steps of 1 s: time
+positions 0, 25, 50, so two 2-s chunks), with a 3-s sound track (75 tokens, two chunks)."""
+SOUND_SAMPLES = 48000
+
+
+def video() -> Any:
+    """The sample's :class:`~megatron_plugins.media.codec.Video` (2 frames per second)."""
+    from megatron_plugins.media.codec import Video
+
+    rng = np.random.default_rng(7)
+    return Video(rng.integers(0, 256, (VIDEO_FRAMES, 32, 32, 3), np.uint8), 2.0)
+
+
+def sound() -> np.ndarray:
+    """The video's float32 sound track at 16 kHz: a falling tone in noise."""
+    rng = np.random.default_rng(8)
+    t = np.arange(SOUND_SAMPLES) / RATE
+    return (0.3 * np.sin(2 * np.pi * (500 - 60 * t) * t)
+            + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def video_with_sound_ids(grid_thw: torch.Tensor, second_per_grid: float,
+                         sound_tokens: int) -> list[int]:
+    """transformers' processor's run of a video with its sound (``replace_video_with_audio_
+    token``: ``<|audio_bos|>``, per 2-s chunk the video's then the sound's tokens,
+    ``<|audio_eos|>``) between the vision bos / eos, the video tokens as ``<|VIDEO|>``."""
+    import functools
+    from types import SimpleNamespace
+
+    import transformers
+
+    processor = transformers.Qwen2_5OmniProcessor
+    layout = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), video_token="V",
+                             audio_token="A", audio_bos_token="<", audio_eos_token=">")
+    layout.get_chunked_index = functools.partial(processor.get_chunked_index, layout)
+    text = processor.replace_video_with_audio_token(
+        layout, {"video_grid_thw": [grid_thw], "video_second_per_grid": [second_per_grid]}, 0,
+        {"num_audio_tokens": [sound_tokens]}, 0, position_id_per_seconds=25,
+        seconds_per_chunk=2.0)
+    by_char = {"V": VIDEO_TOKEN, "A": AUDIO_TOKEN, "<": AUDIO_WRAPPING[0],
+               ">": AUDIO_WRAPPING[1]}
+    return [VISION_WRAPPING[0], *[by_char[c] for c in text], VISION_WRAPPING[1]]
+
+
+def _video_inputs(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The video's pixel values and grid as our preprocessor makes them (equal to transformers'
+    video processor: tests/unit_tests/test_qwen_vision.py)."""
+    from tests.models.hf_vision import plugin
+
+    preprocessor = plugin("qwen2_5_omni_vision", folder).preprocessor()
+    return preprocessor.collate([preprocessor(video())])
+
+
 IMAGE_SIZES = ((24, 40), (16, 16))
 """(height, width) of the sample's two images."""
 ENCODERS = ("image", "audio")
@@ -126,7 +180,8 @@ def images(seed: int = 3) -> list[np.ndarray]:
 
 def sample(folder: str | Path) -> torch.Tensor:
     """``[1, S]`` ids as the Omni processor lays them out: text, each image's run between the
-    vision bos / eos, each clip's between the audio bos / eos, as long as HF makes them."""
+    vision bos / eos, each clip's between the audio bos / eos, as long as HF makes them, and
+    the video with its sound interleaved (``use_audio_in_video``; its tokens ``<|VIDEO|>``)."""
     from megatron_plugins.encoders.qwen2_5_omni_audio import audio_tokens, mel_frames
 
     grids = qwen_processor(folder)(images(), return_tensors="pt")["image_grid_thw"]
@@ -134,8 +189,10 @@ def sample(folder: str | Path) -> torch.Tensor:
                   for g in grids]
     audio_runs = [[AUDIO_WRAPPING[0], *[AUDIO_TOKEN] * audio_tokens(mel_frames(n, 160, 480000)),
                    AUDIO_WRAPPING[1]] for n in CLIPS]
+    composite = video_with_sound_ids(_video_inputs(folder)["grid_thw"][0], 1.0,
+                                     audio_tokens(mel_frames(SOUND_SAMPLES, 160, 480000)))
     ids = [5, 17, *image_runs[0], 42, 8, *audio_runs[0], 23, *image_runs[1], 9, 30,
-           *audio_runs[1], 12, 3]
+           *audio_runs[1], 12, *composite, 3, 4]
     return torch.tensor([ids])
 
 
@@ -149,13 +206,16 @@ def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
         folder, dtype=torch.float32)
     model.config.vision_start_token_id = VISION_WRAPPING[0]
     pixels = qwen_processor(folder)(images(), return_tensors="pt")
-    audio = hf_audio_inputs(clips())
+    audio = hf_audio_inputs([*clips(), sound()])  # the video's sound after the clips
+    videos = _video_inputs(folder)
     positions, _ = model.model.get_rope_index(
-        ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
-        audio["feature_attention_mask"].sum(-1), None)
+        ids, pixels["image_grid_thw"], videos["grid_thw"], torch.ones_like(ids), True,
+        audio["feature_attention_mask"].sum(-1), torch.tensor([1.0]))
     with torch.no_grad():
         return model(input_ids=ids, pixel_values=pixels["pixel_values"],
-                     image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
+                     image_grid_thw=pixels["image_grid_thw"],
+                     pixel_values_videos=videos["pixel_values"],
+                     video_grid_thw=videos["grid_thw"], position_ids=positions,
                      **audio).logits.numpy()
 
 
@@ -163,7 +223,8 @@ def _encoder_inputs(session: Any, name: str) -> tuple[dict[str, torch.Tensor], l
     from megatron_plugins.media.codec import Waveform
 
     plugin = session.run.plugins[name]
-    items = images() if name == "image" else [Waveform(c, RATE) for c in clips()]
+    items = ([*images(), video()] if name == "image"
+             else [Waveform(c, RATE) for c in (*clips(), sound())])
     preprocessor = plugin.preprocessor()
     return preprocessor.collate([preprocessor(item) for item in items]), items
 
@@ -173,7 +234,8 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
     every language rank, the first stage takes them, the last returns the whole logits."""
     import torch.distributed as dist
 
-    from megatron_plugins.data.positions import item_layout, mrope_position_ids
+    from megatron_plugins.data.audio_in_video import interleaving
+    from megatron_plugins.data.positions import WithSound, item_layout, mrope_position_ids
     from megatron_plugins.media.codec import media_size
     from tests.models.hf import hand_on
 
@@ -199,7 +261,14 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
             rows = sum(plugin.item_tokens(media_size(i)) for i in items)
             features[name] = torch.empty(rows, mimo.language_model.config.hidden_size)
             dist.recv(features[name], src=topology.grids[name].rank_offset)
-        positions = mrope_position_ids(ids[0], layouts).unsqueeze(1)
+        image, audio = (mimo.special_token_ids[name] for name in ENCODERS)
+        *clip_layouts, (sound_tokens, _) = layouts[audio]
+        video_layout = layouts[image].pop()
+        layouts[image].append(WithSound(video_layout, audio, sound_tokens, interleaving(
+            video_layout[1], sound_tokens, 50)))
+        layouts[audio] = clip_layouts
+        ours = torch.where(ids[0] == VIDEO_TOKEN, image, ids[0])  # the tower's one placeholder
+        positions = mrope_position_ids(ours, layouts, {image}).unsqueeze(1)
         mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None]
         stage, ranks = pgc.pp.rank(), dist.get_process_group_ranks(pgc.pp)
         if stage == 0:
@@ -208,7 +277,7 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
             received = torch.empty(length, 1, mimo.language_model.config.hidden_size)
             dist.recv(received, src=ranks[stage - 1], group=pgc.pp)
             mimo.set_input_tensor({"language": received})
-        output, _ = mimo(input_ids=ids, position_ids=positions, attention_mask=mask)
+        output, _ = mimo(input_ids=ours[None], position_ids=positions, attention_mask=mask)
         if isinstance(output, dict):
             output = output["language"]
         return {**result, "logits": hand_on(output, pgc)}

@@ -7,7 +7,6 @@ reads the same way, and every bad input is one line naming the record or sample 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from pathlib import Path
 
@@ -394,8 +393,6 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_po
     sound's, as transformers' processor lays them out) + ``<|audio_eos|><|vision_eos|>``; the
     audio encoder's items are the clip and the sound in that order on both sides, and the
     positions equal the thinker's ``get_rope_index(use_audio_in_video=True)``."""
-    from types import SimpleNamespace
-
     import transformers
 
     from megatron_plugins.data.audio_in_video import AudioInVideo
@@ -405,8 +402,8 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_po
     from tests.harness.video_files import write_video
     from tests.models.hf_vision import plugin
     from tests.models.qwen_omni import (
-        AUDIO_TOKEN, AUDIO_WRAPPING, IMAGE_TOKEN, VIDEO_TOKEN, VISION_WRAPPING,
-        save_omni_tokenizer, save_tiny_omni)
+        AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_WRAPPING, save_omni_tokenizer,
+        save_tiny_omni, video_with_sound_ids)
 
     omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
     write_video(folder / "talk.mp4", seconds=3.0, fps=8, size=(32, 32), sound_rate=16000)
@@ -435,18 +432,12 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_po
     ids = fields["tokens"][: int(fields["length"])].tolist()
 
     # transformers' processor's layout of that video with its sound
-    layout = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), video_token="V",
-                             audio_token="A", audio_bos_token="<", audio_eos_token=">")
-    layout.get_chunked_index = functools.partial(
-        transformers.Qwen2_5OmniProcessor.get_chunked_index, layout)
-    text = transformers.Qwen2_5OmniProcessor.replace_video_with_audio_token(
-        layout, {"video_grid_thw": [torch.tensor([3, 8, 8])], "video_second_per_grid": [1.0]},
-        0, {"num_audio_tokens": [75]}, 0, position_id_per_seconds=25, seconds_per_chunk=2.0)
-    by_char = {"V": IMAGE_TOKEN, "A": AUDIO_TOKEN, "<": AUDIO_WRAPPING[0], ">": AUDIO_WRAPPING[1]}
-    composite = [VISION_WRAPPING[0], *[by_char[c] for c in text], VISION_WRAPPING[1]]
+    composite = [IMAGE_TOKEN if token == VIDEO_TOKEN else token
+                 for token in video_with_sound_ids(torch.tensor([3, 8, 8]), 1.0, 75)]
     start = ids.index(VISION_WRAPPING[0], ids.index(VISION_WRAPPING[1]) + 1)
     assert ids[start:start + len(composite)] == composite
-    assert text.count("V") == 48 and text.index("A") == 1 + 32  # chunk 0: 2 steps, then sound
+    first_sound = composite.index(AUDIO_TOKEN)
+    assert composite.count(IMAGE_TOKEN) == 48 and first_sound == 2 + 32  # chunk 0: 2 steps
 
     # ... and its TMRoPE positions
     model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni)

@@ -1,8 +1,9 @@
 """``--hf-model DIR`` with a whole Qwen2.5-Omni folder: its audio tower (2-chunk windows, per-chunk
 positions, pooled), its vision tower and its TMRoPE language model, each a module on its own
-grid, give transformers' thinker logits on one sample of two images and two clips of different
-lengths; every tensor of the three modules streams back unchanged, the talker and token2wav are
-carried (no module's)."""
+grid, give transformers' thinker logits on one sample of two images, two clips of different
+lengths and a video with its sound interleaved (``use_audio_in_video``); every tensor of the
+three modules streams back unchanged, the talker and token2wav are carried (no module's). The
+folder trains identically across layouts, from transformers' loss, and exports back."""
 
 from __future__ import annotations
 
@@ -44,13 +45,14 @@ def omni(tmp_path_factory):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.multirank
-def test_whole_qwen2_5_omni_reproduces_transformers_logits_on_images_and_clips(
+def test_whole_qwen2_5_omni_reproduces_transformers_logits_on_images_clips_and_a_video_s_sound(
         omni, grids, nproc):
     from megatron_plugins.weights.streaming import assemble
     from tests.models.hf import rel_diff, safetensors_of
 
     folder, ids, want = omni
-    assert int((ids == AUDIO_TOKEN).sum()) == 20 + 33  # 82 and 132 mel frames
+    assert int((ids == AUDIO_TOKEN).sum()) == 20 + 33 + 75  # 82, 132 and 300 mel frames
+    assert int((ids == VIDEO_TOKEN).sum()) == 3 * 16  # 3 steps of 4 x 4 merged tokens
     results = forward(nproc, folder, grids, ids)
     logits, *others = [r["logits"] for r in results if r.get("logits") is not None]
     for other in others:

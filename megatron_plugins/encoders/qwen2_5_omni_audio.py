@@ -32,7 +32,6 @@ from megatron_plugins.encoders.base import (
     EncoderPlugin,
     EncoderPluginError,
     MediaPreprocessor,
-    encoder_config,
 )
 from megatron_plugins.encoders.hf_source import HFSource
 from megatron_plugins.encoders.whisper import (
@@ -42,6 +41,7 @@ from megatron_plugins.encoders.whisper import (
     drop_key_bias_grad,
     read_features,
     sinusoids,
+    whisper_layers_config,
 )
 from megatron_plugins.flops.count import EncoderFlops, Work, linear
 from megatron_plugins.flops.encoder import embedding, stem, tower
@@ -277,12 +277,7 @@ class Qwen2_5OmniAudioEncoder(EncoderPlugin):
         return Work(inner=linear(tokens, config.hidden_size, language_hidden_size)).leading()
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
-        hf = self.hf_config
-        return encoder_config(
-            language, self.grid, num_layers=hf.encoder_layers, hidden_size=hf.d_model,
-            num_attention_heads=hf.encoder_attention_heads, ffn_hidden_size=hf.encoder_ffn_dim,
-            activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True,
-            layernorm_epsilon=1e-5)
+        return whisper_layers_config(language, self.grid, self.hf_config)
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

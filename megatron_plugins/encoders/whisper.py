@@ -45,7 +45,7 @@ from megatron_plugins.weights.audio_families import WHISPER_ENCODER, WHISPER_MOD
 
 __all__ = ["CONV_KERNEL", "CONV_STRIDE", "EXTRACTOR_DEFAULTS", "WhisperEncoder", "WhisperFeatures",
            "WhisperNetwork", "drop_key_bias_grad",
-           "read_features", "sinusoids", "whisper_mel_filters"]
+           "read_features", "sinusoids", "whisper_layers_config", "whisper_mel_filters"]
 
 MEL_MAX_HZ = 8000.0
 """Whisper's mel filters span 0 to 8 kHz whatever the sampling rate (HF's feature extractor)."""
@@ -142,6 +142,18 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000) -> torch
     inv_timescales = torch.exp(-increment * torch.arange(channels // 2))
     scaled_time = torch.arange(length).view(-1, 1) * inv_timescales.view(1, -1)
     return torch.cat([scaled_time.sin(), scaled_time.cos()], dim=1)
+
+
+def whisper_layers_config(language: TransformerConfig, grid: Any,
+                          hf: Any) -> TransformerConfig:
+    """The layers of a Whisper-style encoder (Whisper's, Qwen2.5-Omni's and Qwen3-Omni's audio
+    towers) from its HF config: biased linears, exact GELU (``encoder_config`` keeps it
+    unfused), HF's nn.LayerNorm eps (given here: ``dataclasses.replace`` would drop the
+    ``--reference-attention`` choice)."""
+    return encoder_config(
+        language, grid, num_layers=hf.encoder_layers, hidden_size=hf.d_model,
+        num_attention_heads=hf.encoder_attention_heads, ffn_hidden_size=hf.encoder_ffn_dim,
+        activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True, layernorm_epsilon=1e-5)
 
 
 def drop_key_bias_grad(head_dim: int, grad: torch.Tensor) -> torch.Tensor:
@@ -258,14 +270,7 @@ class WhisperEncoder(EncoderPlugin):
                             self.projection_flops(positions, config, language_hidden_size))
 
     def transformer_config(self, language: TransformerConfig) -> TransformerConfig:
-        hf = self.hf_config
-        # HF's nn.LayerNorm default eps (given here: dataclasses.replace would drop the
-        # --reference-attention choice); encoder_config keeps the exact GELU unfused.
-        return encoder_config(
-            language, self.grid, num_layers=hf.encoder_layers, hidden_size=hf.d_model,
-            num_attention_heads=hf.encoder_attention_heads, ffn_hidden_size=hf.encoder_ffn_dim,
-            activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True,
-            layernorm_epsilon=1e-5)
+        return whisper_layers_config(language, self.grid, self.hf_config)
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:

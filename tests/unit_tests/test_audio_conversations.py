@@ -326,6 +326,23 @@ def test_a_folder_prepared_by_stock_energon_prepare_with_audio_parts_reads_on_bo
     check_dataset(shards, {"audio": plugins["audio"]}, args)
 
 
+def _omni(tmp_path: Path) -> tuple[Path, dict, PromptTokenizer]:
+    """A tiny whole Qwen2.5-Omni with its own tokenizer, its two towers' plugins and the
+    tokenizer as ``--hf-model`` makes it (the checkpoint's tokens and bos / eos ids)."""
+    from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
+
+    omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
+    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
+               "audio": plugin("qwen2_5_omni_audio", omni)}
+    args = argparse.Namespace(hf_model=str(omni), encoder_hf_weights=[
+        f"{name}={omni}" for name in plugins])
+    return omni, plugins, PromptTokenizer.load(
+        str(omni), list(plugins), 64, None, TEMPLATE, checkpoint_image_token(args),
+        checkpoint_item_wrapping(args))
+
+
 def test_a_qwen2_5_omni_folder_s_clips_fill_runs_of_their_length_in_its_own_tokens(folder,
                                                                                    tmp_path):
     """With a whole Qwen2.5-Omni folder (``--hf-model``, its tokenizer inside) each clip's run
@@ -336,19 +353,10 @@ def test_a_qwen2_5_omni_folder_s_clips_fill_runs_of_their_length_in_its_own_toke
 
     from megatron_plugins.data.samples import ConversationSample
     from megatron_plugins.media.codec import decode_audio, resample
-    from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
-    from tests.models.hf_vision import plugin
     from tests.models.qwen_omni import (
-        AUDIO_TOKEN, AUDIO_WRAPPING, IMAGE_TOKEN, MEL_BINS, RATE, VISION_WRAPPING,
-        save_omni_tokenizer, save_tiny_omni)
+        AUDIO_TOKEN, AUDIO_WRAPPING, IMAGE_TOKEN, MEL_BINS, RATE, VISION_WRAPPING)
 
-    omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
-    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
-               "audio": plugin("qwen2_5_omni_audio", omni)}
-    args = argparse.Namespace(hf_model=str(omni), encoder_hf_weights=[
-        f"{name}={omni}" for name in plugins])
-    tokenizer = PromptTokenizer.load(str(omni), list(plugins), 64, None, TEMPLATE,
-                                     checkpoint_image_token(args), checkpoint_item_wrapping(args))
+    _, plugins, tokenizer = _omni(tmp_path)
     clips = [(folder / name).read_bytes() for name in (MP3, WAV, FLAC)]
     turns = [{"role": "user", "content": "<audio> what <image> and <audio><audio>"},
              {"role": "assistant", "content": "a tone"}]
@@ -398,14 +406,11 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_po
     from megatron_plugins.data.audio_in_video import AudioInVideo
     from megatron_plugins.data.energon.inputs import SoundOrder
     from megatron_plugins.encoders.qwen2_5_omni_audio import mel_frames
-    from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
     from tests.harness.video_files import write_video
-    from tests.models.hf_vision import plugin
-    from tests.models.qwen_omni import (
-        AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_WRAPPING, save_omni_tokenizer,
-        save_tiny_omni, video_with_sound_ids)
+    from tests.models.qwen_omni import AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_WRAPPING
+    from tests.models.qwen_omni import video_with_sound_ids
 
-    omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
+    omni, plugins, tokenizer = _omni(tmp_path)
     write_video(folder / "talk.mp4", seconds=3.0, fps=8, size=(32, 32), sound_rate=16000)
     record = _swift(0, images=["red.png"], videos=["talk.mp4"], audios=[WAV], messages=[
         {"role": "user", "content": "<image> then <video> then <audio>: what do you hear"},
@@ -416,12 +421,6 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_po
         + "\n" for i in range(1, 10)))
     sample = _load_all(make_dataset(folder, folder / "video.jsonl", "conversation",
                                     tmp_path / "energon", split=(80, 10, 10)))["s0"]
-    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
-               "audio": plugin("qwen2_5_omni_audio", omni)}
-    args = argparse.Namespace(hf_model=str(omni), encoder_hf_weights=[
-        f"{name}={omni}" for name in plugins])
-    tokenizer = PromptTokenizer.load(str(omni), list(plugins), 64, None, TEMPLATE,
-                                     checkpoint_image_token(args), checkpoint_item_wrapping(args))
     sounds = SoundOrder(AudioInVideo("image", "audio", 50), plugins)
     markers = tuple((name, media_marker(p.preprocessor().media)) for name, p in plugins.items())
     fields, counts, _ = TextInputs(tokenizer, plugins, markers, 512, True, sounds)(sample)

@@ -22,11 +22,12 @@ from typing import Any
 
 from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
+from megatron_plugins.weights.language_families import QWEN3_OMNI_MOE as QWEN3_OMNI_MOE_LANGUAGE
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
 from megatron_plugins.weights.qwen3_5_language import FAMILIES as QWEN3_5_LANGUAGE_FAMILIES
 
 __all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_OMNI", "QWEN2_5_VL",
-           "QWEN3_5_MOE_VL", "ExtraTower",
+           "QWEN3_5_MOE_VL", "QWEN3_OMNI_MOE", "ExtraTower",
            "QWEN3_5_VL", "QWEN3_VL",
            "PartFamilies",
            "VLMFamily",
@@ -293,10 +294,11 @@ def _thinker(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _omni_vision_wrapping(config: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``<|vision_bos|>`` / ``<|vision_eos|>``: the thinker config lacks them, the talker's
-    (a whole folder) has them; the released ids otherwise."""
+    """``<|vision_bos|>`` / ``<|vision_eos|>`` (Qwen3-Omni's ``<|vision_start|>`` /
+    ``<|vision_end|>``): the thinker config's class lacks them, so a folder's thinker config
+    may hold them, else the talker's (a whole folder); the released ids otherwise."""
     return _ids({"vision_start_token_id": 151652, "vision_end_token_id": 151653,
-                 **(config.get("talker_config") or {})},
+                 **(config.get("talker_config") or {}), **_thinker(config)},
                 "vision_start_token_id", "vision_end_token_id")
 
 
@@ -328,7 +330,30 @@ QWEN2_5_OMNI = dataclasses.replace(
         family="qwen2_5_omni_audio", config_key="audio_config"),),
 )
 
-FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL, QWEN2_5_OMNI)
+QWEN3_OMNI_MOE = dataclasses.replace(
+    QWEN2_5_OMNI, name="qwen3_omni_moe", encoder_provider="qwen3_omni_vision",
+    architectures=("Qwen3OmniMoeForConditionalGeneration",
+                   "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    # The provider's family maps the merger and the DeepStack mergers (merger_list) as the
+    # projection; a whole folder's names, then a thinker-only save's.
+    projector_prefixes=("thinker.visual.merger.", "visual.merger.",
+                        "thinker.visual.merger_list.", "visual.merger_list."),
+    projector_input=("mlp.0.weight", 1),
+    projector_output=("mlp.2.weight", 0),
+    language="qwen3_omni_moe",
+    image_token_id=lambda config: int(_thinker(config).get("image_token_id", 151655)),
+    tower_layers=lambda config: int((_thinker(config).get("vision_config") or {}).get(
+        "depth", 27)),
+    carried=(r"talker\.", r"code2wav\."),
+    carried_what="the talker and code2wav",
+    extra_towers=(),
+)
+"""A whole Qwen3-Omni-MoE folder (or its thinker alone): Qwen3-VL-MoE's vision tower with
+DeepStack, the thinker's Qwen3-MoE language model with interleaved multimodal RoPE; the talker
+and code2wav carried."""
+
+FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL, QWEN2_5_OMNI,
+            QWEN3_OMNI_MOE)
 """Supported whole-VLM architectures."""
 
 
@@ -352,7 +377,8 @@ def read_vlm(folder: str) -> tuple[VLMFamily, dict[str, Any]]:
 
 def language_family(vlm: VLMFamily) -> Family:
     """The language family the entry names, as HF names it on its own."""
-    return next(family for family in (*LANGUAGE_FAMILIES, *QWEN3_5_LANGUAGE_FAMILIES)
+    return next(family for family in (*LANGUAGE_FAMILIES, *QWEN3_5_LANGUAGE_FAMILIES,
+                                      QWEN3_OMNI_MOE_LANGUAGE)
                 if family.name == vlm.language)
 
 

@@ -114,8 +114,6 @@ def hf_audio_inputs(clips_: list[np.ndarray]) -> dict[str, torch.Tensor]:
 
 IMAGE_SIZES = ((24, 40), (16, 16))
 """(height, width) of the sample's two images."""
-ENCODERS = ("image", "audio")
-"""The MiMo encoders ``--hf-model`` makes of the folder, in the order items feed them."""
 
 
 def images(seed: int = 3) -> list[np.ndarray]:
@@ -159,18 +157,19 @@ def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
                      **audio).logits.numpy()
 
 
-def _encoder_inputs(session: Any, name: str) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def media() -> dict[str, list[Any]]:
+    """The sample's items per encoder ``--hf-model`` makes of the folder: its images, then its
+    clips."""
     from megatron_plugins.media.codec import Waveform
 
-    plugin = session.run.plugins[name]
-    items = images() if name == "image" else [Waveform(c, RATE) for c in clips()]
-    preprocessor = plugin.preprocessor()
-    return preprocessor.collate([preprocessor(item) for item in items]), items
+    return {"image": images(), "audio": [Waveform(c, RATE) for c in clips()]}
 
 
-def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
-    """One forward of the sample over the grids: each encoder's TP rank 0 sends its rows to
-    every language rank, the first stage takes them, the last returns the whole logits."""
+def _forward(session: Any, mimo: Any, ids: torch.Tensor,
+             items: dict[str, list[Any]]) -> dict[str, Any]:
+    """One forward of the sample (``ids``, each encoder's ``items``) over the grids: each
+    encoder's TP rank 0 sends its rows (DeepStack levels beside them) to every language rank,
+    the first stage takes them, the last returns the whole logits."""
     import torch.distributed as dist
 
     from megatron_plugins.data.positions import item_layout, mrope_position_ids
@@ -184,20 +183,21 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
     result = {"special_token_ids": dict(mimo.special_token_ids)}
     with torch.no_grad():
         if module != "language":
-            inputs, _ = _encoder_inputs(session, module)
+            preprocessor = session.run.plugins[module].preprocessor()
+            inputs = preprocessor.collate([preprocessor(item) for item in items[module]])
             outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
             if pgc.tp.rank() == 0:
                 for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
                     dist.send(outputs[module].contiguous(), dst=rank)
             return result
         layouts, features = {}, {}
-        for name in ENCODERS:
+        hidden = mimo.language_model.config.hidden_size
+        for name, media_items in items.items():
             plugin = session.run.plugins[name]
-            items = _encoder_inputs(session, name)[1]
             layouts[mimo.special_token_ids[name]] = [item_layout(plugin, media_size(i))
-                                                     for i in items]
-            rows = sum(plugin.item_tokens(media_size(i)) for i in items)
-            features[name] = torch.empty(rows, mimo.language_model.config.hidden_size)
+                                                     for i in media_items]
+            rows = sum(plugin.item_tokens(media_size(i)) for i in media_items)
+            features[name] = torch.empty(rows, (1 + plugin.deepstack_levels) * hidden)
             dist.recv(features[name], src=topology.grids[name].rank_offset)
         positions = mrope_position_ids(ids[0], layouts).unsqueeze(1)
         mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None]
@@ -214,10 +214,11 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
         return {**result, "logits": hand_on(output, pgc)}
 
 
-def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
+def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
+                        items: dict[str, list[Any]]) -> dict[str, Any]:
     from tests.models.hf_vlm import whole_pieces
 
-    return {**_forward(session, mimo, ids), "pieces": whole_pieces(mimo, session)}
+    return {**_forward(session, mimo, ids, items), "pieces": whole_pieces(mimo, session)}
 
 
 def omni_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
@@ -228,22 +229,25 @@ def omni_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
             *(part for grid in grids for part in ("--grid", grid))]
 
 
-def forward_rank(argv: list[str], ids: torch.Tensor) -> dict[str, Any]:
+def forward_rank(argv: list[str], ids: torch.Tensor,
+                 items: dict[str, list[Any]]) -> dict[str, Any]:
     """One rank of the MiMo model built from ``--hf-model``: logits, streamed pieces."""
     import functools
 
     from tests.models.hf import built_then
 
-    return built_then(argv, functools.partial(_forward_and_stream, ids=ids))
+    return built_then(argv, functools.partial(_forward_and_stream, ids=ids, items=items))
 
 
-def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor
-            ) -> list[dict[str, Any]]:
-    """:func:`forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
+def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
+            items: dict[str, list[Any]] | None = None) -> list[dict[str, Any]]:
+    """:func:`forward_rank` on ``nproc`` gloo ranks (``items``: each encoder's, by default
+    :func:`media`); pieces deserialized."""
     from tests.harness.multiprocess import run_in_processes
     from tests.models.hf import pieces_from
 
-    results = run_in_processes(forward_rank, nproc, args=(omni_flags(folder, grids), ids),
+    results = run_in_processes(forward_rank, nproc,
+                               args=(omni_flags(folder, grids), ids, items or media()),
                                timeout=300, simulated=True)
     for result in results:
         result["pieces"] = pieces_from(result["pieces"])

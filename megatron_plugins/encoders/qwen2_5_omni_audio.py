@@ -51,7 +51,8 @@ from megatron_plugins.ops.packed_attention import packed_seq_params
 from megatron_plugins.weights.audio_families import QWEN2_5_OMNI_AUDIO
 
 __all__ = ["OmniAudioFeatures", "OmniAudioNetwork", "OmniAudioProjection",
-           "Qwen2_5OmniAudioEncoder", "audio_tokens", "chunk_lengths", "mel_frames"]
+           "Qwen2_5OmniAudioEncoder", "audio_tokens", "chunk_lengths", "mel_frames",
+           "packed_whisper_block"]
 
 MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
 """A whole model's ``model_type`` (its ``thinker_config``) and a thinker-only save's."""
@@ -73,6 +74,19 @@ def chunk_lengths(frames: int, window: int) -> list[int]:
     """A clip's attention chunks in mel frames: full ``window``-frame chunks, then the rest."""
     full, rest = divmod(frames, window)
     return [window] * full + ([rest] if rest else [])
+
+
+def packed_whisper_block(config: TransformerConfig,
+                         pg_collection: ProcessGroupCollection | None) -> TransformerBlock:
+    """Whisper-style layers over packed segments, without a final norm (``ln_post`` is the
+    projection's); the fused qkv bias's key part keeps its imported value
+    (:func:`~megatron_plugins.encoders.whisper.drop_key_bias_grad`)."""
+    block = TransformerBlock(config, packed_layer_spec(config), post_layer_norm=False,
+                             pg_collection=pg_collection)
+    for layer in block.layers:
+        bias = layer.self_attention.linear_qkv.bias
+        bias.register_hook(functools.partial(drop_key_bias_grad, config.kv_channels))
+    return block
 
 
 @dataclass(frozen=True)
@@ -117,11 +131,7 @@ class OmniAudioNetwork(MegatronModule):
         # HF's positions are a buffer it does not save; float32 as HF computes them.
         self.register_buffer("positions", sinusoids(max_source_positions, hidden),
                              persistent=False)
-        self.decoder = TransformerBlock(config, packed_layer_spec(config), post_layer_norm=False,
-                                        pg_collection=pg_collection)
-        for layer in self.decoder.layers:
-            bias = layer.self_attention.linear_qkv.bias
-            bias.register_hook(functools.partial(drop_key_bias_grad, config.kv_channels))
+        self.decoder = packed_whisper_block(config, pg_collection)
 
     def _chunk(self, frames: torch.Tensor) -> torch.Tensor:
         """``[chunks, mel, frames]`` of one length -> ``[chunks, positions, hidden]``."""
@@ -179,10 +189,15 @@ class Qwen2_5OmniAudioEncoder(EncoderPlugin):
     provider: ClassVar[str] = "qwen2_5_omni_audio"
     hf_family = QWEN2_5_OMNI_AUDIO
     """The weight mapping (the tower, and ``ln_post`` + ``proj`` as the projection)."""
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    folder_kind: ClassVar[str] = "a Qwen2.5-Omni folder"
+    features_class: ClassVar[type[OmniAudioFeatures]] = OmniAudioFeatures
+    projection_class: ClassVar[type[MegatronModule]] = OmniAudioProjection
+    """Built with ``config`` and ``output_dim``."""
 
     def __init__(self, name: str, args: argparse.Namespace, grid: Any) -> None:
         super().__init__(name, args, grid)
-        source = HFSource.of(name, self.provider, args, "a Qwen2.5-Omni folder")
+        source = HFSource.of(name, self.provider, args, self.folder_kind)
         self.folder, self.where, self.source = source.folder, source.where, source
         self.hf_config = self._read_config()
         self._preprocessor = self._read_preprocessor()
@@ -191,28 +206,32 @@ class Qwen2_5OmniAudioEncoder(EncoderPlugin):
         """transformers' audio config of the folder (``thinker_config.audio_config`` of a whole
         model, ``audio_config`` of a thinker-only save)."""
         config = self.source.read_json("config.json")
-        if config is None or config.get("model_type") not in MODEL_TYPES:
+        if config is None or config.get("model_type") not in self.model_types:
             kind = None if config is None else config.get("model_type")
             raise EncoderPluginError(f"{self.where}: config.json is a {kind!r} model, not "
-                                     f"{' or '.join(MODEL_TYPES)}; use the provider matching "
-                                     "the model")
+                                     f"{' or '.join(self.model_types)}; use the provider "
+                                     "matching the model")
         audio = (config.get("thinker_config") or config).get("audio_config") or {}
         fields = {key: value for key, value in audio.items()
                   if key not in ("model_type", "architectures", "transformers_version")}
-        hf = self.source.hf_config(QWEN2_5_OMNI_AUDIO.model_type, fields)
+        hf = self.source.hf_config(self.hf_family.model_type, fields)
+        self._check_config(hf)
+        return hf
+
+    def _check_config(self, hf: Any) -> None:
+        """Refuse, in one line naming the field, what the network does not compute."""
         if hf.activation_function != "gelu" or hf.scale_embedding:
             raise EncoderPluginError(f"{self.where}: config.json audio_config activation_function "
                                      f"{hf.activation_function!r} / scale_embedding "
                                      f"{hf.scale_embedding} is not supported; supported: gelu, "
                                      "false")
-        return hf
 
     def _read_preprocessor(self) -> OmniAudioFeatures:
         """preprocessor_config.json's Whisper recipe (else the extractor's defaults), mel bins
         from the audio config as the Omni processor has them."""
         given = self.source.read_json("preprocessor_config.json") or {}
-        return read_features(OmniAudioFeatures, f"{self.where}: preprocessor_config.json", given,
-                             self.hf_config.num_mel_bins)
+        return read_features(self.features_class, f"{self.where}: preprocessor_config.json",
+                             given, self.hf_config.num_mel_bins)
 
     @property
     def window(self) -> int:
@@ -278,7 +297,7 @@ class Qwen2_5OmniAudioEncoder(EncoderPlugin):
             raise EncoderPluginError(f"{self.where}: config.json audio_config output_dim "
                                      f"{self.hf_config.output_dim} is not the language model's "
                                      f"hidden size {language_hidden_size}")
-        return ModuleSpec(module=OmniAudioProjection, params={
+        return ModuleSpec(module=self.projection_class, params={
             "config": config, "output_dim": self.hf_config.output_dim})
 
     def preprocessor(self) -> MediaPreprocessor:

@@ -94,11 +94,20 @@ class WhisperFeatures(MediaPreprocessor):
     def __call__(self, media: Waveform) -> dict[str, torch.Tensor]:
         """``{"input_features": float32 [num_mel_bins, num_frames]}`` of the clip resampled to
         ``sample_rate`` (HF's extractor refuses other rates; datasets mix them)."""
-        clip = resample(media, self.sample_rate)
-        samples = np.asarray(clip.samples, dtype=np.float32).reshape(-1)[:self.n_samples]
-        padded = np.full((1, self.n_samples), self.padding_value, dtype=np.float32)
-        padded[0, :len(samples)] = samples
-        waveform = torch.from_numpy(padded)
+        samples = self.samples(media)[:self.n_samples]
+        padded = np.full(self.n_samples, self.padding_value, dtype=np.float32)
+        padded[:len(samples)] = samples
+        return {"input_features": self.log_mel(padded)}
+
+    def samples(self, media: Waveform) -> np.ndarray:
+        """The clip's float32 samples at ``sample_rate``."""
+        return np.asarray(resample(media, self.sample_rate).samples,
+                          dtype=np.float32).reshape(-1)
+
+    def log_mel(self, samples: np.ndarray) -> torch.Tensor:
+        """float32 ``[num_mel_bins, len(samples) // hop_length]`` of the (already padded or
+        cut) float32 ``samples``: the extractor's steps after its padding."""
+        waveform = torch.from_numpy(samples).unsqueeze(0)
         stft = torch.stft(waveform, self.n_fft, self.hop_length,
                           window=torch.hann_window(self.n_fft), return_complex=True)
         magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
@@ -106,7 +115,7 @@ class WhisperFeatures(MediaPreprocessor):
             whisper_mel_filters(self.n_fft, self.num_mel_bins, self.sample_rate)).float()
         log_spec = torch.clamp(filters.T @ magnitudes, min=1e-10).log10()
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
-        return {"input_features": ((log_spec + 4.0) / 4.0)[0].contiguous()}
+        return ((log_spec + 4.0) / 4.0)[0].contiguous()
 
 
 def read_features(kind: type[WhisperFeatures], where: str, given: dict[str, Any],
@@ -136,9 +145,9 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000) -> torch
 
 
 def drop_key_bias_grad(head_dim: int, grad: torch.Tensor) -> torch.Tensor:
-    """The fused qkv bias gradient with its key part zeroed: HF has no key bias, and the softmax
-    makes that gradient zero up to rounding; exactly zero keeps the part at its imported zeros
-    (Adam would turn rounding noise into steps)."""
+    """The fused qkv bias gradient with its key part zeroed: the softmax makes that gradient zero
+    up to rounding; exactly zero keeps the part as imported (zeros where HF has no key bias, as
+    Whisper; Adam would turn rounding noise into steps)."""
     grad = grad.clone()
     grad.view(-1, 3, head_dim)[:, 1] = 0
     return grad

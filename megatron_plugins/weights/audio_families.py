@@ -1,5 +1,5 @@
 """Audio-encoder families: the HF Whisper encoder <-> :class:`~megatron_plugins.encoders.whisper.
-WhisperNetwork`.
+WhisperNetwork`, and the Qwen2.5-Omni and Qwen3-Omni audio towers with their projections.
 
 Megatron names are relative to the encoder network, local spec first; the Transformer Engine spec
 fuses the pre-attention / pre-MLP LayerNorms into ``linear_qkv`` / ``linear_fc1``, named here too.
@@ -27,8 +27,9 @@ from megatron_plugins.weights.mapping import (
     norm_rules,
 )
 
-__all__ = ["QWEN2_5_OMNI_AUDIO", "QWEN2_5_OMNI_AUDIO_MODEL_TYPE", "WHISPER_ENCODER",
-           "WHISPER_MODEL_TYPE", "whisper_source_config"]
+__all__ = ["QWEN2_5_OMNI_AUDIO", "QWEN2_5_OMNI_AUDIO_MODEL_TYPE", "QWEN3_OMNI_AUDIO",
+           "QWEN3_OMNI_AUDIO_MODEL_TYPE", "WHISPER_ENCODER", "WHISPER_MODEL_TYPE",
+           "whisper_source_config"]
 
 WHISPER_MODEL_TYPE = "whisper"
 
@@ -145,3 +146,42 @@ QWEN2_5_OMNI_AUDIO = Family(
 """Qwen2.5-Omni's audio tower (``Qwen2_5OmniAudioEncoder``): Whisper's layers, its two
 convolutions and, as the projection, ``ln_post`` + ``proj``; its sinusoidal positions are a
 buffer HF does not save."""
+
+
+QWEN3_OMNI_AUDIO_MODEL_TYPE = "qwen3_omni_moe_audio_encoder"
+
+
+def _qwen3_omni_audio_config(args: Any, vocab_size: int | None) -> dict[str, Any]:
+    """The tower lives inside a Qwen3-Omni folder, which export does not write yet."""
+    raise HFWeightsError("the Qwen3-Omni audio tower has no folder of its own to export to; its "
+                         "tensors stream under their names in the Qwen3-Omni folder")
+
+
+QWEN3_OMNI_AUDIO = Family(
+    name="qwen3_omni_audio",
+    architectures=("Qwen3OmniMoeForConditionalGeneration",
+                   "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    model_type=QWEN3_OMNI_AUDIO_MODEL_TYPE,
+    rules=(
+        *(dataclasses.replace(rule, megatron=TOWER + rule.megatron)
+          for rule in (*(Rule(f"conv2d{n}.{p}", (f"conv2d{n}.{p}",)) for n in (1, 2, 3)
+                         for p in ("weight", "bias")),
+                       Rule("conv_out.weight", ("conv_out.weight",)),
+                       # Unlike Whisper's, AuT's key projection has a bias.
+                       *(dataclasses.replace(rule, absent_zero=()) for rule in LAYER_RULES))),
+        # ln_post, proj1 and proj2 map the tower output to the language width: the projection.
+        *(dataclasses.replace(rule, megatron=PROJECTION + rule.megatron)
+          for rule in (*norm_rules("ln_post", "ln_post"),
+                       *(Rule(f"proj{n}.{p}", (f"proj{n}.{p}",)) for n in (1, 2)
+                         for p in ("weight", "bias")))),
+    ),
+    megatron_args=_no_stock_flags,
+    hf_config=_qwen3_omni_audio_config,
+    # The rest of the folder: the thinker's language model and vision tower, the talker, code2wav.
+    unused=(r"(?!(thinker\.)?audio_tower\.)",),
+    hf_prefixes=("thinker.audio_tower.", "audio_tower."),
+)
+"""Qwen3-Omni's audio tower (``Qwen3OmniMoeAudioEncoder``, AuT) as a whole Qwen3-Omni-MoE folder
+(``thinker.audio_tower.``) or a thinker-only save (``audio_tower.``) names it: three Conv2d and
+``conv_out``, Whisper's layers with a key bias and, as the projection, ``ln_post`` + ``proj1`` + ``proj2``; its
+sinusoidal positions are a buffer HF does not save."""

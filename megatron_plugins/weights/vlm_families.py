@@ -346,11 +346,19 @@ QWEN3_OMNI_MOE = dataclasses.replace(
         "depth", 27)),
     carried=(r"talker\.", r"code2wav\."),
     carried_what="the talker and code2wav",
-    extra_towers=(),
+    extra_towers=(ExtraTower(
+        encoder_provider="qwen3_omni_audio", encoder_name="audio",
+        prefixes=("thinker.audio_tower.", "audio_tower."),
+        token_id=lambda config: int(_thinker(config).get("audio_token_id", 151675)),
+        wrapping=lambda config: _ids({"audio_start_token_id": 151669,
+                                      "audio_end_token_id": 151670, **_thinker(config)},
+                                     "audio_start_token_id", "audio_end_token_id"),
+        family="qwen3_omni_audio", config_key="audio_config"),),
 )
 """A whole Qwen3-Omni-MoE folder (or its thinker alone): Qwen3-VL-MoE's vision tower with
-DeepStack, the thinker's Qwen3-MoE language model with interleaved multimodal RoPE; the talker
-and code2wav carried."""
+DeepStack, the AuT audio tower, the thinker's Qwen3-MoE language model with interleaved
+multimodal RoPE; the talker and code2wav carried. The released ids are the fallbacks: the
+thinker config's class defaults differ from them."""
 
 FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL, QWEN2_5_OMNI,
             QWEN3_OMNI_MOE)

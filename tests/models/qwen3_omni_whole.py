@@ -1,7 +1,7 @@
 """A tiny random whole Qwen3-Omni-MoE on disk (thinker: a 3-block Qwen3-VL-MoE vision tower with
-two DeepStack levels, a 2-layer AuT audio tower, a 4-layer Qwen3-MoE language model with
-interleaved multimodal RoPE; a 1-layer talker and code2wav carried beside it), a sample of two
-images, and transformers' thinker logits on it; our run over the grids is
+two DeepStack levels, :mod:`tests.models.qwen3_omni`'s 2-layer AuT audio tower, a 4-layer
+Qwen3-MoE language model with interleaved multimodal RoPE; a 1-layer talker and code2wav carried
+beside it), a sample of two images and two clips, and transformers' thinker logits on it; our run over the grids is
 :mod:`tests.models.qwen_omni`'s (``forward``), which serves any Omni folder.
 
 Every weight is redrawn so a mapping that swaps or misses a tensor changes the outputs. Its token
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tests.models.hf_vision import QWEN_PIXELS, redraw
+from tests.models.qwen3_omni import AUDIO, RATE, TEXT_HIDDEN, clips
 from tests.models.qwen3_vlm import VISION as QWEN3_VISION
 from tests.models.qwen3_vlm import processor
 
@@ -32,7 +33,6 @@ AUDIO_WRAPPING = (53, 54)
 """``<|audio_start|>`` / ``<|audio_end|>`` around every clip's run (the thinker config's)."""
 VISION_WRAPPING = (55, 56)
 """``<|vision_start|>`` / ``<|vision_end|>`` around every image's run (the talker config's)."""
-TEXT_HIDDEN = 24
 TEXT = dict(vocab_size=VOCAB, hidden_size=TEXT_HIDDEN, intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=2, num_key_value_heads=1, head_dim=12, moe_intermediate_size=8,
             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
@@ -42,11 +42,6 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=TEXT_HIDDEN, intermediate_size=32, num
 """Four layers: the first pipeline stage of two holds both DeepStack layers; four experts, two
 per token (renormalized), so EP 2 holds two each."""
 VISION = {**QWEN3_VISION, "out_hidden_size": TEXT_HIDDEN}
-AUDIO = dict(num_mel_bins=20, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=32,
-             d_model=16, n_window=50, n_window_infer=200, downsample_hidden_size=8,
-             output_dim=TEXT_HIDDEN)
-"""1-s chunks in 2-s attention windows (not the class default's), 20 mel bins."""
-RATE = 16000
 POSITIONS_PER_SECOND = 13
 """The released folders' ``position_id_per_seconds`` (the class default is 25)."""
 
@@ -112,17 +107,27 @@ def images(seed: int = 3) -> list[np.ndarray]:
 
 
 def media() -> dict[str, list[Any]]:
-    """The sample's items per encoder ``--hf-model`` makes of the folder."""
-    return {"image": images()}
+    """The sample's items per encoder ``--hf-model`` makes of the folder: its images, then its
+    clips (:func:`tests.models.qwen3_omni.clips`: 258 and 73 mel frames)."""
+    from megatron_plugins.media.codec import Waveform
+
+    return {"image": images(), "audio": [Waveform(clip, RATE) for clip in clips()]}
 
 
 def sample(folder: str | Path) -> torch.Tensor:
     """``[1, S]`` ids as the Omni processor lays them out: text, each image's run between the
-    vision start / end ids, as long as HF makes it."""
+    vision start / end ids, each clip's between the audio start / end ids, as long as HF makes
+    them."""
+    from tests.models.qwen3_omni import plugin
+
     grids = processor(folder)(images(), return_tensors="pt")["image_grid_thw"]
-    runs = [[VISION_WRAPPING[0], *[IMAGE_TOKEN] * (int(g.prod()) // 4), VISION_WRAPPING[1]]
-            for g in grids]
-    return torch.tensor([[5, 17, *runs[0], 42, 8, 23, *runs[1], 9, 30, 12, 3]])
+    image_runs = [[VISION_WRAPPING[0], *[IMAGE_TOKEN] * (int(g.prod()) // 4), VISION_WRAPPING[1]]
+                  for g in grids]
+    audio = plugin(folder)
+    audio_runs = [[AUDIO_WRAPPING[0], *[AUDIO_TOKEN] * audio.item_tokens((len(clip), RATE)),
+                   AUDIO_WRAPPING[1]] for clip in clips()]
+    return torch.tensor([[5, 17, *image_runs[0], 42, 8, *audio_runs[0], 23, *image_runs[1], 9,
+                          30, *audio_runs[1], 12, 3]])
 
 
 def hf_thinker(folder: str | Path) -> Any:
@@ -136,12 +141,43 @@ def hf_thinker(folder: str | Path) -> Any:
     return model.eval()
 
 
-def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
-    """transformers' thinker forward on the sample (fp32) at its own TMRoPE positions, its
-    DeepStack."""
-    model = hf_thinker(folder)
-    pixels = processor(folder)(images(), return_tensors="pt")
+def hf_thinker_forward(model: Any, folder: str | Path, ids: torch.Tensor,
+                       pictures: list[np.ndarray], sounds: list[np.ndarray]) -> torch.Tensor:
+    """The thinker's logits on one sample: its image inputs, each clip's audio features as
+    transformers computes a clip given alone (:func:`tests.models.qwen3_omni.hf_output`: a
+    batch would pad the shorter clip's waveform and chunks), its ``get_rope_index`` positions
+    (each clip's mel frames), its DeepStack."""
+    from tests.models.qwen3_omni import hf_features, hf_output
+
+    inputs = processor(folder)(pictures, return_tensors="pt") if pictures else {}
+    frames = None
     with torch.no_grad():
-        return model(input_ids=ids, pixel_values=pixels["pixel_values"],
-                     image_grid_thw=pixels["image_grid_thw"],
-                     attention_mask=torch.ones_like(ids)).logits.numpy()
+        embeds = model.get_input_embeddings()(ids)
+        if sounds:
+            embeds[ids == AUDIO_TOKEN] = torch.from_numpy(hf_output(folder, sounds))
+            frames = torch.tensor([hf_features(folder, [clip])[0].shape[1] for clip in sounds])
+        positions, _ = model.model.get_rope_index(ids, inputs.get("image_grid_thw"), None,
+                                                  torch.ones_like(ids), False, frames, None)
+        return model(input_ids=ids, inputs_embeds=embeds, position_ids=positions,
+                     pixel_values=inputs.get("pixel_values"),
+                     image_grid_thw=inputs.get("image_grid_thw")).logits
+
+
+def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
+    """transformers' thinker on the sample (:func:`hf_thinker_forward`), fp32."""
+    return hf_thinker_forward(hf_thinker(folder), folder, ids, images(), clips()).numpy()
+
+
+def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                        items_per_sample: tuple[int, int], seed: int) -> float:
+    """:func:`tests.models.qwen_omni.first_batch_loss` of transformers' Qwen3-Omni thinker
+    (:func:`hf_thinker_forward`)."""
+    from tests.models.qwen_omni import first_batch_loss
+
+    model = hf_thinker(folder)
+
+    def logits(ids: torch.Tensor, items: dict[str, list[Any]]) -> torch.Tensor:
+        return hf_thinker_forward(model, folder, ids, items["image"],
+                                  [clip.samples for clip in items["audio"]])[0]
+
+    return first_batch_loss(folder, samples, seq_length, items_per_sample, seed, logits)

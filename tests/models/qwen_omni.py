@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -254,50 +255,67 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
     return results
 
 
-def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
-                        items_per_sample: tuple[int, int], seed: int) -> float:
-    """transformers' thinker loss on the first ``samples`` mock samples of a run from the folder
+def first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                     items_per_sample: tuple[int, int], seed: int,
+                     logits: Callable[[torch.Tensor, dict[str, list[Any]]], torch.Tensor]
+                     ) -> float:
+    """transformers' loss on the first ``samples`` mock samples of a run from the Omni folder
     (the first global batch): the mock rebuilt here gives the run's tokens, labels, loss mask,
-    images and clips of drawn lengths; positions are transformers' ``get_rope_index``; the loss
-    is the masked token loss summed over the batch over its token count, as the run reports it."""
+    each tower's items (images, clips of drawn lengths) marked by the folder's own ids;
+    ``logits(ids, items)`` is the thinker's ``[S, vocab]`` on one sample; the loss is the masked
+    token loss summed over the batch over its token count, as the run reports it."""
     from types import SimpleNamespace
-
-    import transformers
 
     from megatron_plugins.data.mock import MockSource
     from megatron_plugins.weights.flags import checkpoint_item_wrapping
+    from megatron_plugins.weights.vlm_families import read_vlm
     from tests.models.hf_vision import plugin
 
-    plugins = {"image": plugin("qwen2_5_omni_vision", folder),
-               "audio": plugin("qwen2_5_omni_audio", folder)}
+    vlm, config = read_vlm(str(folder))
+    towers = {tower.encoder_name: tower for tower in vlm.towers}
+    plugins = {name: plugin(tower.encoder_provider, folder) for name, tower in towers.items()}
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB, plugins=plugins,
                         items_per_sample=items_per_sample, mrope=True,
-                        placeholder_ids={"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN},
+                        placeholder_ids={name: tower.token_id(config)
+                                         for name, tower in towers.items()},
                         wrapping=checkpoint_item_wrapping(SimpleNamespace(
                             hf_model=str(folder),
                             encoder_hf_weights=[f"{name}={folder}" for name in plugins])))
-    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32)
-    model.config.vision_start_token_id = VISION_WRAPPING[0]
-    processor = qwen_processor(folder)
     total, tokens = 0.0, 0.0
     for index in range(samples):
         text = source.text("train", index)
-        ids = text["tokens"].unsqueeze(0)
-        pixels = processor(source.media("image", "train", index), return_tensors="pt")
-        audio = hf_audio_inputs([clip.samples for clip in source.media("audio", "train", index)])
-        positions, _ = model.model.get_rope_index(
-            ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
-            audio["feature_attention_mask"].sum(-1), None)
+        items = {name: source.media(name, "train", index) for name in plugins}
         with torch.no_grad():
-            logits = model(input_ids=ids, pixel_values=pixels["pixel_values"],
-                           image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
-                           **audio).logits[0]
-        losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
+            out = logits(text["tokens"].unsqueeze(0), items)
+        losses = torch.nn.functional.cross_entropy(out.double(), text["labels"],
                                                    reduction="none")
         total += float((losses * text["loss_mask"]).sum())
         tokens += float(text["loss_mask"].sum())
     return total / tokens
+
+
+def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                        items_per_sample: tuple[int, int], seed: int) -> float:
+    """:func:`first_batch_loss` of transformers' Qwen2.5-Omni thinker, its positions from its
+    ``get_rope_index``."""
+    import transformers
+
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    model.config.vision_start_token_id = VISION_WRAPPING[0]
+    processor = qwen_processor(folder)
+
+    def logits(ids: torch.Tensor, items: dict[str, list[Any]]) -> torch.Tensor:
+        pixels = processor(items["image"], return_tensors="pt")
+        audio = hf_audio_inputs([clip.samples for clip in items["audio"]])
+        positions, _ = model.model.get_rope_index(
+            ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
+            audio["feature_attention_mask"].sum(-1), None)
+        return model(input_ids=ids, pixel_values=pixels["pixel_values"],
+                     image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
+                     **audio).logits[0]
+
+    return first_batch_loss(folder, samples, seq_length, items_per_sample, seed, logits)
 
 
 OMNI_SPECIAL_TOKENS = ("<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>", "<|audio_bos|>", "<|audio_eos|>",

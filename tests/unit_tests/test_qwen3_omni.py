@@ -164,3 +164,51 @@ def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(
                        torch.stack([torch.cat([written[f"{experts}.{e}.gate_proj.weight"],
                                                written[f"{experts}.{e}.up_proj.weight"]])
                                     for e in range(4)]))
+
+
+@pytest.mark.parametrize("thinker_only", [False, True], ids=["whole", "thinker-only"])
+def test_the_folder_splits_into_five_parts_and_carried_tensors(omni, tmp_path, thinker_only):
+    """Every tensor of a whole folder, or of a thinker-only save (no ``thinker.`` prefix), is
+    mapped by exactly one of the towers, their projections and the language model, or carried
+    (talker, code2wav); each part's names are the folder's."""
+    from megatron_plugins.weights.audio_families import QWEN3_OMNI_AUDIO
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+    from megatron_plugins.weights.vision_families import QWEN3_OMNI_VISION
+    from megatron_plugins.weights.vlm_families import QWEN3_OMNI_MOE, part_families, read_vlm
+
+    folder = (save_tiny_qwen3_omni(tmp_path / "thinker", thinker_only=True) if thinker_only
+              else omni[0])
+    vlm, config = read_vlm(str(folder))
+    assert vlm is QWEN3_OMNI_MOE
+    names = HFCheckpoint(folder, "--hf-model").names()
+    audio = part_families(vlm, config, QWEN3_OMNI_AUDIO, names)
+    vision = part_families(vlm, config, QWEN3_OMNI_VISION, names)
+    parts = (audio.tower, audio.projector, vision.tower, vision.projector, vision.language)
+    prefix = "" if thinker_only else "thinker."
+    assert vision.projector.bind("0.deepstack.1.mlp.encoder.linear_fc2.weight").hf == (
+        f"{prefix}visual.merger_list.1.mlp.2.weight",)
+    assert vision.language.bind("decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight"
+                                ).hf == (f"{prefix}model.layers.3.mlp.experts.2.gate_proj.weight",
+                                         f"{prefix}model.layers.3.mlp.experts.2.up_proj.weight")
+    assert audio.projector.bind("0.proj2.bias").hf == (f"{prefix}audio_tower.proj2.bias",)
+    assert any(CARRIED.match(name) for name in names) is not thinker_only
+    for name in names:
+        owners = [part.name for part in parts if not part.is_unused(name)]
+        assert len(owners) == (0 if CARRIED.match(name) else 1), (name, owners)
+
+
+def test_a_config_megatron_would_compute_differently_is_one_line(omni, tmp_path, monkeypatch):
+    """A thinker whose language model mixes dense MLP layers among its MoE layers is refused in
+    one line naming config.json's field."""
+    import json
+
+    from tests.models.hf_vlm import bad_input, edited, vlm_flags
+
+    folder = omni[0]
+    thinker = json.loads((folder / "config.json").read_text())["thinker_config"]
+    dense = edited(folder, tmp_path / "dense", config={"thinker_config": {
+        **thinker, "text_config": {**thinker["text_config"], "mlp_only_layers": [1]}}})
+    grids = ("image:dp=1", "audio:dp=1", "language:dp=1")
+    assert bad_input(vlm_flags(dense, grids), monkeypatch, world_size=3) == (
+        "config.json mlp_only_layers = [1] is not supported (every layer must be an MoE layer); "
+        "only [] can be imported")

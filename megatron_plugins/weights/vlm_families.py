@@ -302,6 +302,23 @@ def _omni_vision_wrapping(config: Mapping[str, Any]) -> tuple[int, int] | None:
                 "vision_start_token_id", "vision_end_token_id")
 
 
+def _omni_audio(provider: str, token: tuple[str, int], wrapping: tuple[int, int]) -> ExtraTower:
+    """An Omni thinker's audio tower under ``thinker.audio_tower.`` (a thinker-only save's
+    ``audio_tower.``), built by ``provider``, whose family has its name: its token id is the
+    thinker config's ``token`` field, its start / end ids the config's ``audio_start_token_id``
+    / ``audio_end_token_id``, the released ids (``token``'s, ``wrapping``) where it lacks
+    them."""
+    field, released = token
+    return ExtraTower(
+        encoder_provider=provider, encoder_name="audio",
+        prefixes=("thinker.audio_tower.", "audio_tower."),
+        token_id=lambda config: int(_thinker(config).get(field, released)),
+        wrapping=lambda config: _ids({"audio_start_token_id": wrapping[0],
+                                      "audio_end_token_id": wrapping[1], **_thinker(config)},
+                                     "audio_start_token_id", "audio_end_token_id"),
+        family=provider, config_key="audio_config")
+
+
 QWEN2_5_OMNI = dataclasses.replace(
     QWEN2_5_VL, name="qwen2_5_omni", encoder_provider="qwen2_5_omni_vision",
     architectures=("Qwen2_5OmniForConditionalGeneration",
@@ -320,14 +337,8 @@ QWEN2_5_OMNI = dataclasses.replace(
     item_wrapping=_omni_vision_wrapping,
     carried=(r"talker\.", r"token2wav\."),
     carried_what="the talker and token2wav",
-    extra_towers=(ExtraTower(
-        encoder_provider="qwen2_5_omni_audio", encoder_name="audio",
-        prefixes=("thinker.audio_tower.", "audio_tower."),
-        token_id=lambda config: int(_thinker(config).get("audio_token_index", 151646)),
-        wrapping=lambda config: _ids({"audio_start_token_id": 151647,
-                                      "audio_end_token_id": 151648, **_thinker(config)},
-                                     "audio_start_token_id", "audio_end_token_id"),
-        family="qwen2_5_omni_audio", config_key="audio_config"),),
+    extra_towers=(_omni_audio("qwen2_5_omni_audio", ("audio_token_index", 151646),
+                              (151647, 151648)),),
 )
 
 QWEN3_OMNI_MOE = dataclasses.replace(
@@ -346,14 +357,7 @@ QWEN3_OMNI_MOE = dataclasses.replace(
         "depth", 27)),
     carried=(r"talker\.", r"code2wav\."),
     carried_what="the talker and code2wav",
-    extra_towers=(ExtraTower(
-        encoder_provider="qwen3_omni_audio", encoder_name="audio",
-        prefixes=("thinker.audio_tower.", "audio_tower."),
-        token_id=lambda config: int(_thinker(config).get("audio_token_id", 151675)),
-        wrapping=lambda config: _ids({"audio_start_token_id": 151669,
-                                      "audio_end_token_id": 151670, **_thinker(config)},
-                                     "audio_start_token_id", "audio_end_token_id"),
-        family="qwen3_omni_audio", config_key="audio_config"),),
+    extra_towers=(_omni_audio("qwen3_omni_audio", ("audio_token_id", 151675), (151669, 151670)),),
 )
 """A whole Qwen3-Omni-MoE folder (or its thinker alone): Qwen3-VL-MoE's vision tower with
 DeepStack, the AuT audio tower, the thinker's Qwen3-MoE language model with interleaved

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,80 @@ def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.T
     for result in results:
         result["pieces"] = pieces_from(result["pieces"])
     return results
+
+
+def forward_diff(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
+                 want: np.ndarray, items: dict[str, list[Any]], tokens: dict[str, int],
+                 carried: str) -> float:
+    """Our logits' max relative difference from transformers' ``want`` over the grids, after
+    checking what every layout must give: each TP rank of the last stage the same logits, the
+    checkpoint's own ``tokens`` marking each encoder's items, and every tensor of the folder
+    but the ``carried`` ones (a regex) streamed back unchanged."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.models.hf import rel_diff, safetensors_of
+
+    results = forward(nproc, folder, grids, ids, items)
+    logits, *others = [r["logits"] for r in results if r.get("logits") is not None]
+    for other in others:
+        np.testing.assert_array_equal(other, logits)
+    for result in results:
+        assert result["special_token_ids"] == tokens
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    assert sorted(streamed) == sorted(n for n in original if not re.match(carried, n))
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+    return rel_diff(logits[..., :VOCAB], want)
+
+
+def train_reference(folder: Path, root: Path, grids: tuple[str, ...], nproc: int,
+                    extra: tuple[str, ...]) -> tuple[Path, Path, list[list[Any]],
+                                                     tuple[dict[int, float],
+                                                           dict[str, torch.Tensor]]]:
+    """Three SGD steps of ``folder`` on the mock data at ``grids``, saved under ``root/first``:
+    ``root``, ``folder``, every rank's streamed pieces, and the per-iteration ``lm loss`` and
+    trained tensors (:func:`tests.models.hf_vlm.assert_trains_like`'s reference)."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vlm import SGD_TRAIN, vlm_train
+
+    pieces = vlm_train(nproc, folder, grids, (
+        *SGD_TRAIN, *extra, "--tensorboard-dir", str(root / "reference"),
+        "--save", str(root / "first"), "--save-interval", "3"))
+    return root, folder, pieces, (read_scalars(root / "reference", "lm loss"),
+                                  assemble(p for rank in pieces for p in rank))
+
+
+def export_two_layouts(folder: Path, root: Path, pieces: list[list[Any]],
+                       resaved: tuple[tuple[str, ...], int], extra: tuple[str, ...],
+                       untrained: tuple[str, ...], moved: tuple[str, ...],
+                       loaded_as: tuple[tuple[str, str], ...]
+                       ) -> tuple[list[str], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`train_reference`'s checkpoint and the same weights re-saved at ``resaved``
+    (grids, ranks) exported to one folder, file for file the same bytes, holding the trained
+    tensors as the run streamed them (``pieces``) and the ``untrained`` ones (name prefixes)
+    unchanged, the ``moved`` ones trained; transformers loads it as the folder's class, its
+    in-memory tensors the written ones (``loaded_as``: (in-memory name, file name) pairs).
+    Returns the folder's files, its tensors and transformers' state dict."""
+    import transformers
+
+    from megatron_plugins.weights.vlm_families import read_vlm
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import check_export, export, identical_exports, resave
+
+    resave(folder, root, "second", resaved[1], resaved[0], extra)
+    export(root, ("first", "second"))
+    out = root / "out_first"
+    files = identical_exports(root)
+    written, original = check_export(out, folder, pieces, untrained), safetensors_of(folder)
+    for name in moved:
+        assert not torch.equal(written[name], original[name]), name
+    architecture = read_vlm(str(out))[1]["architectures"][0]
+    loaded = getattr(transformers, architecture).from_pretrained(
+        out, dtype=torch.float32).state_dict()
+    for name, file_name in loaded_as:
+        assert torch.equal(loaded[name], written[file_name]), name
+    return files, written, loaded
 
 
 def first_batch_loss(folder: str | Path, samples: int, seq_length: int,

@@ -8,60 +8,44 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
 from tests.models.qwen3_omni_whole import (
     AUDIO_TOKEN,
     IMAGE_TOKEN,
-    VOCAB,
     hf_thinker_logits,
     media,
     sample,
     save_tiny_qwen3_omni,
 )
+from tests.models.qwen_omni import export_two_layouts, forward_diff, train_reference
 
 TOLERANCE = 1e-5
-CARRIED = re.compile(r"talker\.|code2wav\.")
-
-LAYOUTS = {
-    "one-rank-per-module": (("image:dp=1", "audio:dp=1", "language:dp=1"), 3),
-    "vision-tp2-audio-tp2-language-pp2": (("image:tp=2", "audio:tp=2", "language:pp=2"), 6),
-    "language-dp2-ep2": (("image:dp=1", "audio:dp=1", "language:dp=2,ep=2"), 4),
-}
-
+CARRIED = r"talker\.|code2wav\."
+"""The tensors of no module here: the talker and code2wav."""
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
+    """The tiny folder, the sample and transformers' thinker logits on it."""
     folder = save_tiny_qwen3_omni(tmp_path_factory.mktemp("qwen3_omni") / "omni")
     ids = sample(folder)
+    assert int((ids == AUDIO_TOKEN).sum()) == 34 + 10  # 258 and 73 mel frames
     return folder, ids, hf_thinker_logits(folder, ids)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("grids, nproc", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("grids, nproc", [
+    pytest.param(("image:dp=1", "audio:dp=1", "language:dp=1"), 3, id="one-rank-per-module"),
+    pytest.param(("image:tp=2", "audio:tp=2", "language:pp=2"), 6,
+                 id="vision-tp2-audio-tp2-language-pp2"),
+    pytest.param(("image:dp=1", "audio:dp=1", "language:dp=2,ep=2"), 4, id="language-dp2-ep2")])
 @pytest.mark.multirank
 def test_whole_qwen3_omni_reproduces_transformers_thinker_logits_and_streams_back(
         omni, grids, nproc):
-    from megatron_plugins.weights.streaming import assemble
-    from tests.models.hf import rel_diff, safetensors_of
-    from tests.models.qwen_omni import forward
-
     folder, ids, want = omni
-    assert int((ids == AUDIO_TOKEN).sum()) == 34 + 10  # 258 and 73 mel frames
-    results = forward(nproc, folder, grids, ids, media())
-    logits, *others = [r["logits"] for r in results if r.get("logits") is not None]
-    for other in others:
-        np.testing.assert_array_equal(other, logits)
-    assert rel_diff(logits[..., :VOCAB], want) < TOLERANCE
-    for result in results:  # the checkpoint's own tokens mark each encoder's items
-        assert result["special_token_ids"] == {"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN}
-    streamed = assemble(piece for result in results for piece in result["pieces"])
-    original = safetensors_of(folder)
-    assert sorted(streamed) == sorted(n for n in original if not CARRIED.match(n))
-    for name, tensor in streamed.items():
-        assert torch.equal(tensor, original[name]), name
+    tokens = {"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN}
+    assert forward_diff(nproc, folder, grids, ids, want, media(), tokens, CARRIED) < TOLERANCE
 
 
 ONE_RANK_EACH = (("image:dp=1", "audio:dp=1", "language:dp=1"), 3)
@@ -73,33 +57,11 @@ UNTRAINED = ("talker.", "code2wav.")
 
 @pytest.fixture(scope="module")
 def trained(omni, tmp_path_factory):
-    """Three SGD steps on the mock data (images, clips of 0.1 to 1.3 s) at one rank per module,
-    saved; its losses, trained tensors and streamed pieces."""
-    from megatron_plugins.weights.streaming import assemble
-    from tests.harness.tensorboard_scalars import read_scalars
-    from tests.models.hf_vlm import SGD_TRAIN, vlm_train
-
+    """One run shared by the loss, invariance and export tests: three SGD steps at one rank per
+    module on the mock data (images, clips of 0.1 to 1.3 s), saved."""
+    folder, _, _ = omni
     root = tmp_path_factory.mktemp("qwen3_omni_training")
-    folder = omni[0]
-    pieces = vlm_train(ONE_RANK_EACH[1], folder, ONE_RANK_EACH[0], (
-        *SGD_TRAIN, *OMNI_TRAIN, "--tensorboard-dir", str(root / "reference"),
-        "--save", str(root / "first"), "--save-interval", "3"))
-    reference = (read_scalars(root / "reference", "lm loss"),
-                 assemble(p for rank in pieces for p in rank))
-    return root, folder, pieces, reference
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.multirank
-def test_training_starts_from_transformers_loss_on_the_first_batch(trained):
-    """Step 1 (the folder's weights) is transformers' thinker loss on the same first global
-    batch: its images, its clips of drawn lengths, its own multimodal RoPE positions, its
-    DeepStack and its experts."""
-    from tests.models.qwen3_omni_whole import hf_first_batch_loss
-
-    _, folder, _, (losses, _) = trained
-    want = hf_first_batch_loss(folder, 4, 128, (1, 2), 1234)
-    assert abs(losses[1] - want) / want < 1e-5, (losses[1], want)
+    return train_reference(folder, root, *ONE_RANK_EACH, OMNI_TRAIN)
 
 
 @pytest.mark.timeout(600)
@@ -112,12 +74,23 @@ def test_the_vision_tower_colocated_and_experts_split_train_identically(trained)
     from tests.models.hf_vlm import assert_trains_like, sgd_run
 
     root, folder, _, reference = trained
-    cases = (
-        ("vision-colocated", 3, ("image:tp=2@language", "audio:dp=1", "language:dp=2"), ()),
-        ("audio-tp2-language-ep2", 5, ("image:dp=1", "audio:tp=2", "language:dp=2,ep=2"), ()))
-    for name, nproc, grids, extra in cases:
-        assert_trains_like(reference, sgd_run(folder, root, name, nproc, grids,
-                                              (*OMNI_TRAIN, *extra)), name)
+    for name, nproc, grids in (
+            ("vision-colocated", 3, ("image:tp=2@language", "audio:dp=1", "language:dp=2")),
+            ("audio-tp2-language-ep2", 5, ("image:dp=1", "audio:tp=2", "language:dp=2,ep=2"))):
+        assert_trains_like(reference, sgd_run(folder, root, name, nproc, grids, OMNI_TRAIN), name)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multirank
+def test_training_starts_from_transformers_loss_on_the_first_batch(trained):
+    """Step 1 (the folder's weights) is transformers' thinker loss on the same first global
+    batch: its images, its clips of drawn lengths, its own multimodal RoPE positions, its
+    DeepStack and its experts."""
+    from tests.models.qwen3_omni_whole import hf_first_batch_loss
+
+    _, folder, _, (losses, _) = trained
+    assert losses[1] == pytest.approx(hf_first_batch_loss(folder, 4, 128, (1, 2), 1234),
+                                      rel=1e-5)
 
 
 @pytest.mark.timeout(600)
@@ -127,38 +100,26 @@ def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(
     towers at TP 2 and the language at PP 2 export one folder, byte for byte: the trained
     thinker as the run streamed it (experts one tensor each, as the folder saves them), the
     talker and code2wav unchanged, loaded by transformers as the same class (experts fused)."""
-    import transformers
-
-    from tests.models.hf import safetensors_of
-    from tests.models.hf_vlm import check_export, export, identical_exports, resave
-
     root, folder, pieces, _ = trained
-    resave(folder, root, "second", 6, ("image:tp=2", "audio:tp=2", "language:pp=2"), OMNI_TRAIN)
-    export(root, ("first", "second"))
-    out = root / "out_first"
-    assert "model.safetensors" in identical_exports(root)
-    written, original = check_export(out, folder, pieces, UNTRAINED), safetensors_of(folder)
-    for name in ("thinker.audio_tower.layers.0.self_attn.q_proj.bias",
-                 "thinker.audio_tower.proj2.weight", "thinker.audio_tower.conv2d1.weight",
-                 "thinker.visual.blocks.0.attn.qkv.weight", "thinker.visual.merger.mlp.0.weight",
-                 "thinker.visual.merger_list.1.ln_q.weight",
-                 "thinker.model.layers.1.mlp.experts.3.up_proj.weight",
-                 "thinker.model.layers.0.mlp.gate.weight", "thinker.lm_head.weight"):
-        assert not torch.equal(written[name], original[name]), name  # it trained
-    model = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        out, dtype=torch.float32)
-    loaded = model.state_dict()  # transformers' in-memory names, experts fused
-    for name, file_name in (
-            ("thinker.model.audio_tower.layers.1.fc2.weight",
-             "thinker.audio_tower.layers.1.fc2.weight"),
-            ("thinker.model.visual.merger_list.0.mlp.2.bias",
-             "thinker.visual.merger_list.0.mlp.2.bias"),
-            ("thinker.model.language_model.embed_tokens.weight",
-             "thinker.model.embed_tokens.weight"),
-            ("thinker.lm_head.weight", "thinker.lm_head.weight"),
-            ("talker.model.layers.0.mlp.shared_expert.up_proj.weight",
-             "talker.model.layers.0.mlp.shared_expert.up_proj.weight")):
-        assert torch.equal(loaded[name], written[file_name]), name
+    files, written, loaded = export_two_layouts(
+        folder, root, pieces, (("image:tp=2", "audio:tp=2", "language:pp=2"), 6), OMNI_TRAIN,
+        UNTRAINED, ("thinker.audio_tower.layers.0.self_attn.q_proj.bias",
+                    "thinker.audio_tower.proj2.weight", "thinker.audio_tower.conv2d1.weight",
+                    "thinker.visual.blocks.0.attn.qkv.weight",
+                    "thinker.visual.merger.mlp.0.weight",
+                    "thinker.visual.merger_list.1.ln_q.weight",
+                    "thinker.model.layers.1.mlp.experts.3.up_proj.weight",
+                    "thinker.model.layers.0.mlp.gate.weight", "thinker.lm_head.weight"),
+        (("thinker.model.audio_tower.layers.1.fc2.weight",
+          "thinker.audio_tower.layers.1.fc2.weight"),
+         ("thinker.model.visual.merger_list.0.mlp.2.bias",
+          "thinker.visual.merger_list.0.mlp.2.bias"),
+         ("thinker.model.language_model.embed_tokens.weight",
+          "thinker.model.embed_tokens.weight"),
+         ("thinker.lm_head.weight", "thinker.lm_head.weight"),
+         ("talker.model.layers.0.mlp.shared_expert.up_proj.weight",
+          "talker.model.layers.0.mlp.shared_expert.up_proj.weight")))
+    assert "model.safetensors" in files
     experts = "thinker.model.layers.2.mlp.experts"
     assert torch.equal(loaded["thinker.model.language_model.layers.2.mlp.experts.gate_up_proj"],
                        torch.stack([torch.cat([written[f"{experts}.{e}.gate_proj.weight"],
@@ -191,10 +152,10 @@ def test_the_folder_splits_into_five_parts_and_carried_tensors(omni, tmp_path, t
                                 ).hf == (f"{prefix}model.layers.3.mlp.experts.2.gate_proj.weight",
                                          f"{prefix}model.layers.3.mlp.experts.2.up_proj.weight")
     assert audio.projector.bind("0.proj2.bias").hf == (f"{prefix}audio_tower.proj2.bias",)
-    assert any(CARRIED.match(name) for name in names) is not thinker_only
+    assert any(re.match(CARRIED, name) for name in names) is not thinker_only
     for name in names:
         owners = [part.name for part in parts if not part.is_unused(name)]
-        assert len(owners) == (0 if CARRIED.match(name) else 1), (name, owners)
+        assert len(owners) == (0 if re.match(CARRIED, name) else 1), (name, owners)
 
 
 def test_a_config_megatron_would_compute_differently_is_one_line(omni, tmp_path, monkeypatch):

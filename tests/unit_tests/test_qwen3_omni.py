@@ -130,8 +130,9 @@ def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(
 @pytest.mark.parametrize("thinker_only", [False, True], ids=["whole", "thinker-only"])
 def test_the_folder_splits_into_five_parts_and_carried_tensors(omni, tmp_path, thinker_only):
     """Every tensor of a whole folder, or of a thinker-only save (no ``thinker.`` prefix), is
-    mapped by exactly one of the towers, their projections and the language model, or carried
-    (talker, code2wav); each part's names are the folder's."""
+    mapped by exactly one of the towers, their projections and the language model and left out
+    by the others, or carried (talker, code2wav) and left out by all; each part's names are the
+    folder's."""
     from megatron_plugins.weights.audio_families import QWEN3_OMNI_AUDIO
     from megatron_plugins.weights.hf_folder import HFCheckpoint
     from megatron_plugins.weights.vision_families import QWEN3_OMNI_VISION
@@ -153,9 +154,14 @@ def test_the_folder_splits_into_five_parts_and_carried_tensors(omni, tmp_path, t
                                          f"{prefix}model.layers.3.mlp.experts.2.up_proj.weight")
     assert audio.projector.bind("0.proj2.bias").hf == (f"{prefix}audio_tower.proj2.bias",)
     assert any(re.match(CARRIED, name) for name in names) is not thinker_only
+    maps = {part.name: {hf.format(layer=layer, expert=expert) for rule in part.rules
+                        for hf in rule.hf for layer in range(4) for expert in range(4)}
+            for part in parts}
     for name in names:
-        owners = [part.name for part in parts if not part.is_unused(name)]
+        owners = [part.name for part in parts if name in maps[part.name]]
         assert len(owners) == (0 if re.match(CARRIED, name) else 1), (name, owners)
+        # every other part leaves it out on purpose, so a load of that part accounts for it
+        assert all(part.is_unused(name) for part in parts if part.name not in owners), name
 
 
 def test_a_config_megatron_would_compute_differently_is_one_line(omni, tmp_path, monkeypatch):

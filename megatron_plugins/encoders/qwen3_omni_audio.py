@@ -93,8 +93,8 @@ class AuTNetwork(MegatronModule):
     position's channels x mel bins, the sinusoidal positions from 0; the layers attending within
     each clip's windows of ``window_tokens`` positions: ``[tokens, d_model]``.
 
-    The convolutions are replicated on the tp ranks (the first layer's column-parallel linear
-    all-reduces their gradient). Chunks run batched by padded length; the padded positions are
+    The convolutions and ``conv_out`` are replicated on the tp ranks (the first layer's
+    column-parallel linear all-reduces their gradient). Chunks run batched by padded length; the padded positions are
     dropped before ``conv_out``, whose output there transformers drops too."""
 
     def __init__(self, config: TransformerConfig, num_mel_bins: int, channels: int, window: int,
@@ -242,9 +242,9 @@ class Qwen3OmniAudioEncoder(Qwen2_5OmniAudioEncoder):
 
     def encoder_spec(self, config: TransformerConfig,
                      pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-        hf = self.hf_config
-        return ModuleSpec(module=AuTNetwork, params={
-            "config": config, "num_mel_bins": hf.num_mel_bins,
-            "channels": hf.downsample_hidden_size, "window": self.window,
-            "window_tokens": self.window_tokens,
-            "max_source_positions": hf.max_source_positions, "pg_collection": pg_collection})
+        return ModuleSpec(module=AuTNetwork, params=dict(
+            config=config, num_mel_bins=self.hf_config.num_mel_bins,
+            channels=self.hf_config.downsample_hidden_size, window=self.window,
+            window_tokens=self.window_tokens,
+            max_source_positions=self.hf_config.max_source_positions,
+            pg_collection=pg_collection))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -117,29 +117,36 @@ WHISPER_ENCODER = Family(
 )
 
 
+def _with_projection(tower: Iterable[Rule], projection: Iterable[Rule]) -> tuple[Rule, ...]:
+    """A family's rules when it includes the projection: the tower's under :data:`TOWER`, the
+    projection's under :data:`PROJECTION`."""
+    return (*(dataclasses.replace(rule, megatron=TOWER + rule.megatron) for rule in tower),
+            *(dataclasses.replace(rule, megatron=PROJECTION + rule.megatron)
+              for rule in projection))
+
+
 QWEN2_5_OMNI_AUDIO_MODEL_TYPE = "qwen2_5_omni_audio_encoder"
 
 
-def _omni_audio_config(args: Any, vocab_size: int | None) -> dict[str, Any]:
-    """A whole Qwen2.5-Omni folder is exported as one folder (``tools/export_hf``)."""
-    raise HFWeightsError("the Qwen2.5-Omni audio tower is exported inside its whole folder "
-                         "(--hf-model); it has no folder of its own")
+def _inside_whole_folder(model: str) -> Callable[[Any, int | None], dict[str, Any]]:
+    """``hf_config`` of an Omni audio tower: it lives inside its ``model``'s whole folder, which
+    is exported as one (``--hf-model``, ``tools/export_hf``), so it has no folder of its own."""
+    def refuse(args: Any, vocab_size: int | None) -> dict[str, Any]:
+        raise HFWeightsError(f"the {model} audio tower is exported inside its whole folder "
+                             "(--hf-model); it has no folder of its own")
+    return refuse
 
 
 QWEN2_5_OMNI_AUDIO = Family(
     name="qwen2_5_omni_audio",
     architectures=("Qwen2_5OmniAudioEncoder",),
     model_type=QWEN2_5_OMNI_AUDIO_MODEL_TYPE,
-    rules=(
-        *(dataclasses.replace(rule, megatron=TOWER + rule.megatron)
-          for rule in (*CONVOLUTIONS, *LAYER_RULES)),
-        # ln_post and proj map the pooled tower output to the language width: the projection.
-        *(dataclasses.replace(rule, megatron=PROJECTION + rule.megatron)
-          for rule in (*norm_rules("ln_post", "ln_post"),
-                       Rule("proj.weight", ("proj.weight",)), Rule("proj.bias", ("proj.bias",)))),
-    ),
+    # ln_post and proj map the pooled tower output to the language width: the projection.
+    rules=_with_projection((*CONVOLUTIONS, *LAYER_RULES),
+                           (*norm_rules("ln_post", "ln_post"),
+                            *(Rule(f"proj.{p}", (f"proj.{p}",)) for p in ("weight", "bias")))),
     megatron_args=_no_stock_flags,
-    hf_config=_omni_audio_config,
+    hf_config=_inside_whole_folder("Qwen2.5-Omni"),
     # The audio bos / eos embeddings are read by no forward of the thinker (no gradient in HF).
     untrained=(r"audio_bos_eos_token\.",),
 )
@@ -151,37 +158,27 @@ buffer HF does not save."""
 QWEN3_OMNI_AUDIO_MODEL_TYPE = "qwen3_omni_moe_audio_encoder"
 
 
-def _qwen3_omni_audio_config(args: Any, vocab_size: int | None) -> dict[str, Any]:
-    """The tower lives inside a Qwen3-Omni folder, which export does not write yet."""
-    raise HFWeightsError("the Qwen3-Omni audio tower has no folder of its own to export to; its "
-                         "tensors stream under their names in the Qwen3-Omni folder")
-
-
 QWEN3_OMNI_AUDIO = Family(
     name="qwen3_omni_audio",
     architectures=("Qwen3OmniMoeForConditionalGeneration",
                    "Qwen3OmniMoeThinkerForConditionalGeneration"),
     model_type=QWEN3_OMNI_AUDIO_MODEL_TYPE,
-    rules=(
-        *(dataclasses.replace(rule, megatron=TOWER + rule.megatron)
-          for rule in (*(Rule(f"conv2d{n}.{p}", (f"conv2d{n}.{p}",)) for n in (1, 2, 3)
-                         for p in ("weight", "bias")),
-                       Rule("conv_out.weight", ("conv_out.weight",)),
-                       # Unlike Whisper's, AuT's key projection has a bias.
-                       *(dataclasses.replace(rule, absent_zero=()) for rule in LAYER_RULES))),
+    rules=_with_projection(
+        (*(Rule(f"conv2d{n}.{p}", (f"conv2d{n}.{p}",)) for n in (1, 2, 3)
+           for p in ("weight", "bias")),
+         Rule("conv_out.weight", ("conv_out.weight",)),
+         # Unlike Whisper's, AuT's key projection has a bias.
+         *(dataclasses.replace(rule, absent_zero=()) for rule in LAYER_RULES)),
         # ln_post, proj1 and proj2 map the tower output to the language width: the projection.
-        *(dataclasses.replace(rule, megatron=PROJECTION + rule.megatron)
-          for rule in (*norm_rules("ln_post", "ln_post"),
-                       *(Rule(f"proj{n}.{p}", (f"proj{n}.{p}",)) for n in (1, 2)
-                         for p in ("weight", "bias")))),
-    ),
+        (*norm_rules("ln_post", "ln_post"),
+         *(Rule(f"proj{n}.{p}", (f"proj{n}.{p}",)) for n in (1, 2) for p in ("weight", "bias")))),
     megatron_args=_no_stock_flags,
-    hf_config=_qwen3_omni_audio_config,
+    hf_config=_inside_whole_folder("Qwen3-Omni"),
     # The rest of the folder: the thinker's language model and vision tower, the talker, code2wav.
     unused=(r"(?!(thinker\.)?audio_tower\.)",),
     hf_prefixes=("thinker.audio_tower.", "audio_tower."),
 )
 """Qwen3-Omni's audio tower (``Qwen3OmniMoeAudioEncoder``, AuT) as a whole Qwen3-Omni-MoE folder
 (``thinker.audio_tower.``) or a thinker-only save (``audio_tower.``) names it: three Conv2d and
-``conv_out``, Whisper's layers with a key bias and, as the projection, ``ln_post`` + ``proj1`` + ``proj2``; its
-sinusoidal positions are a buffer HF does not save."""
+``conv_out``, Whisper's layers with a key bias and, as the projection, ``ln_post`` + ``proj1`` +
+``proj2``; its sinusoidal positions are a buffer HF does not save."""

@@ -134,6 +134,9 @@ def encoder_rows(folder: str) -> list[Row]:
     from tests.models.hf_whisper import plugin as whisper_plugin
     from tests.models.hf_whisper import save_tiny as save_whisper
     from tests.models.llava_next import save_tiny_llava_next
+    from tests.models.qwen3_omni import FLOPS_CASES as QWEN3_OMNI_CASES
+    from tests.models.qwen3_omni import flops_rows as qwen3_omni_audio_rows
+    from tests.models.qwen3_omni import save_tiny as save_qwen3_omni
     from tests.models.qwen3_5_whole import TEXT as QWEN3_5_TEXT
     from tests.models.qwen3_5_whole import save_whole
     from tests.models.qwen3_vlm import TEXT as QWEN3_TEXT
@@ -182,6 +185,8 @@ def encoder_rows(folder: str) -> list[Row]:
     whisper = whisper_plugin(save_whisper(root / "whisper"))
     rows.append(_encoder_row("whisper", "2 clips, 100 mel frames", whisper,
                              [_audio(0.4), _audio(1.3, seed=1)], 24))
+    rows += qwen3_omni_audio_rows(str(save_qwen3_omni(root / "qwen3_omni")[0]),
+                                  QWEN3_OMNI_CASES[:1])
     rows.append(_sensor_row())
     return rows
 

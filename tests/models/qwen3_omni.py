@@ -129,9 +129,10 @@ def plugin(folder: str | Path | None, tp: int = 1) -> Any:
     return instantiate("qwen3_omni_audio", "audio", args, grid)
 
 
-FLOPS_CASES = (("trained", (), ()), ("encoder frozen", ("encoder",), ()),
-               ("projection frozen", ("projection",), ()),
-               ("encoder LoRA after its three convolutions and conv_out", (), ("encoder",)))
+FLOPS_CASES = (("2 clips: 3 chunks in 2 windows, 1 short chunk", (), ()),
+               ("same, encoder frozen", ("encoder",), ()),
+               ("same, projection frozen", ("projection",), ()),
+               ("same, encoder LoRA after its convolutions and conv_out", (), ("encoder",)))
 """(case, frozen parts, LoRA'd parts) of :func:`flops_rows`."""
 
 

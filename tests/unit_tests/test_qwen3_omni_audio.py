@@ -18,18 +18,8 @@ from megatron_plugins.encoders.qwen3_omni_audio import audio_tokens
 from megatron_plugins.media.codec import Waveform
 from tests.harness.multiprocess import run_in_processes
 from tests.models.hf_vision import language_config, rel_diff
-from tests.models.qwen3_omni import (
-    AUDIO,
-    FLOPS_CASES,
-    RATE,
-    TEXT_HIDDEN,
-    audio_rank,
-    clips,
-    hf_features,
-    hf_output,
-    plugin,
-    save_tiny,
-)
+from tests.models import qwen3_omni as tiny
+from tests.models.qwen3_omni import AUDIO, RATE, clips, hf_features, plugin
 
 TOLERANCE = 1e-5
 
@@ -37,12 +27,12 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(whole folder, thinker-only save) of one tiny model."""
-    return save_tiny(tmp_path_factory.mktemp("qwen3_omni"))
+    return tiny.save_tiny(tmp_path_factory.mktemp("qwen3_omni"))
 
 
 @pytest.fixture(scope="module")
 def want(folders):
-    return hf_output(folders[0], clips())
+    return tiny.hf_output(folders[0], clips())
 
 
 def test_token_count_is_transformers():
@@ -67,7 +57,7 @@ def test_features_are_the_processors_of_each_clip(folders):
     import soxr
 
     encoder = plugin(folders[0])
-    assert check_hooks(encoder, language_config(hidden_size=TEXT_HIDDEN)) is None
+    assert check_hooks(encoder, language_config(hidden_size=tiny.TEXT_HIDDEN)) is None
     preprocessor = encoder.preprocessor()
     got = [preprocessor(Waveform(clip, RATE))["input_features"].numpy() for clip in clips()]
     for clip, features in zip(clips(), got):
@@ -110,7 +100,7 @@ def _assert_reproduces(results, want) -> None:
     for result in results:
         assert result["family"] == "qwen3_omni_audio"
         assert result["item_tokens"] == [34, 10]
-        assert result["output"].shape == want.shape == (44, TEXT_HIDDEN)
+        assert result["output"].shape == want.shape == (44, tiny.TEXT_HIDDEN)
         assert rel_diff(result["output"], want) < TOLERANCE
         # The fused qkv bias's key part (imported: it streams back) gets exactly no gradient, as
         # the softmax makes it; q and v do.
@@ -120,20 +110,20 @@ def _assert_reproduces(results, want) -> None:
 @pytest.mark.multirank
 def test_whole_folder_at_tp1_reproduces_transformers_streams_back_and_counts_flops(folders,
                                                                                     want):
-    [result] = run_in_processes(audio_rank, 1, args=(str(folders[0]), 1, clips()), timeout=150,
-                                simulated=True)
+    [result] = run_in_processes(tiny.audio_rank, 1, args=(str(folders[0]), 1, clips()),
+                                timeout=150, simulated=True)
     _assert_reproduces([result], want)
     _assert_streams_back(folders[0], [result], "thinker.audio_tower.")
     rows = result["flops"]
-    assert [row.case for row in rows] == [case for case, _, _ in FLOPS_CASES]
+    assert [row.case for row in rows] == [case for case, _, _ in tiny.FLOPS_CASES]
     assert [(row.case, row.formula - row.counted) for row in rows
             if row.formula != row.counted] == []
 
 
 @pytest.mark.multirank
 def test_thinker_save_at_tp2_reproduces_transformers_and_streams_back(folders, want):
-    results = run_in_processes(audio_rank, 2, args=(str(folders[1]), 2, clips()), timeout=150,
-                               simulated=True)
+    results = run_in_processes(tiny.audio_rank, 2, args=(str(folders[1]), 2, clips()),
+                               timeout=150, simulated=True)
     _assert_reproduces(results, want)
     np.testing.assert_array_equal(results[0]["output"], results[1]["output"])
     _assert_streams_back(folders[1], results, "audio_tower.")
@@ -146,7 +136,7 @@ def test_thinker_save_at_tp2_reproduces_transformers_and_streams_back(folders, w
                            r"chunk \(2 x n_window = 100 frames\)"),
     ("activation_function", "relu", r"config.json audio_config activation_function 'relu' is "
                                      r"not supported; supported: gelu"),
-])
+], ids=["n_window", "n_window_infer", "activation_function"])
 def test_a_field_it_cannot_honour_is_one_line(folders, tmp_path, field, value, message):
     folder = tmp_path / "edited"
     folder.mkdir()

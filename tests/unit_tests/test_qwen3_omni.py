@@ -1,8 +1,12 @@
 """``--hf-model DIR`` with a whole Qwen3-Omni-MoE folder: its vision tower (Qwen3-VL-MoE's, with
 DeepStack into the first language layers), its audio tower (AuT) and its Qwen3-MoE language model
 with interleaved multimodal RoPE, each a module on its own grid, give transformers' thinker
-logits on one sample of two images and two clips; every tensor of the modules streams back
-unchanged, the talker and code2wav are carried (no module's)."""
+logits on one sample of two images and two clips at three layouts (experts split over EP 2 in
+one); every tensor of the modules streams back unchanged, the talker and code2wav are carried
+(one notice at start). One training run serves the rest: its first loss is transformers', the
+vision tower colocated and EP 2 train as it does, and its checkpoint and the same weights saved
+at another layout export one folder, byte for byte, which transformers loads. A thinker-only
+save splits into the same parts; a config Megatron would compute differently is one line."""
 
 from __future__ import annotations
 
@@ -119,7 +123,7 @@ def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(
          ("thinker.lm_head.weight", "thinker.lm_head.weight"),
          ("talker.model.layers.0.mlp.shared_expert.up_proj.weight",
           "talker.model.layers.0.mlp.shared_expert.up_proj.weight")))
-    assert "model.safetensors" in files
+    assert files == sorted(path.name for path in folder.iterdir())  # every file beside them
     experts = "thinker.model.layers.2.mlp.experts"
     assert torch.equal(loaded["thinker.model.language_model.layers.2.mlp.experts.gate_up_proj"],
                        torch.stack([torch.cat([written[f"{experts}.{e}.gate_proj.weight"],
@@ -179,3 +183,24 @@ def test_a_config_megatron_would_compute_differently_is_one_line(omni, tmp_path,
     assert bad_input(vlm_flags(dense, grids), monkeypatch, world_size=3) == (
         "config.json mlp_only_layers = [1] is not supported (every layer must be an MoE layer); "
         "only [] can be imported")
+
+
+def test_one_notice_at_start_names_the_carried_talker_and_code2wav(omni, capsys):
+    """Before any process group, the launch's check of the folder says once (rank 0) which
+    tensors no module trains."""
+    from types import SimpleNamespace
+
+    from megatron_plugins.weights.flags import check_hf_model, expand_hf_model
+    from tests.models.hf_vision import plugin
+
+    folder = omni[0]
+    args = SimpleNamespace(hf_model=str(folder), language_hf_weights=None, mimo_encoders=None,
+                           encoder_hf_weights=None)
+    expand_hf_model(args)
+    assert args.mimo_encoders == {"image": "qwen3_omni_vision", "audio": "qwen3_omni_audio"}
+    check_hf_model(args, {name: plugin(provider, folder)
+                          for name, provider in args.mimo_encoders.items()})
+    notice = capsys.readouterr().err
+    assert notice.count("\n") == 1 and "notice:" in notice, notice
+    assert f"{folder}: 102 tensors of no module here" in notice
+    assert "(code2wav.*, the talker and code2wav)" in notice

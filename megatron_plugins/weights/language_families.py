@@ -1,8 +1,8 @@
 """Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts),
 dots.llm1 (DeepSeek-V3-style MoE: sigmoid router with an fp32 expert bias, shared experts, dense
 first layers), Qwen2.5-VL's language model (Qwen2 with multimodal RoPE), Qwen3-VL's (Qwen3
-with interleaved multimodal RoPE) and Qwen3-Omni's thinker's (Qwen3-MoE with it); Qwen3.5-VL's, built from these pieces, are
-:mod:`~megatron_plugins.weights.qwen3_5_language`'s.
+with interleaved multimodal RoPE) and Qwen3-Omni's thinker's (Qwen3-MoE with it); Qwen3.5-VL's,
+built from these pieces, are :mod:`~megatron_plugins.weights.qwen3_5_language`'s.
 
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
@@ -407,4 +407,3 @@ QWEN3_OMNI_MOE = dataclasses.replace(
 """The language model of a whole Qwen3-Omni-MoE folder, Qwen3-MoE's names (the folder's prefix
 ``thinker.`` is the whole-VLM entry's); its config.json is the folder's own on export. Not in
 :data:`FAMILIES`: whole folders only (``--hf-model``)."""
-

@@ -253,6 +253,7 @@ def _qwen3_mergers(deepstack: str, norm: str, fc1: str, fc2: str) -> tuple[Rule,
             *(rule for megatron, hf in mergers
               for rule in _merger_mlp(f"{PROJECTION}{megatron}mlp.", hf + fc1, hf + fc2)))
 
+
 QWEN3_VL_VISION = Family(
     name="qwen3_vl_vision",
     architectures=("Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen3VLVisionModel"),

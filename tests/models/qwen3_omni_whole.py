@@ -1,13 +1,14 @@
 """A tiny random whole Qwen3-Omni-MoE on disk (thinker: a 3-block Qwen3-VL-MoE vision tower with
 two DeepStack levels, :mod:`tests.models.qwen3_omni`'s 2-layer AuT audio tower, a 4-layer
 Qwen3-MoE language model with interleaved multimodal RoPE; a 1-layer talker and code2wav carried
-beside it), a sample of two images and two clips, and transformers' thinker logits on it; our run over the grids is
-:mod:`tests.models.qwen_omni`'s (``forward``), which serves any Omni folder.
+beside it), a sample of two images and two clips, transformers' thinker logits on it and its
+first-batch loss; our run over the grids is :mod:`tests.models.qwen_omni`'s (``forward_diff``),
+which serves any Omni folder.
 
 Every weight is redrawn so a mapping that swaps or misses a tensor changes the outputs. Its token
 ids lie inside the tiny vocabulary, below its top; the vision start / end ids sit in the talker
 config only (the thinker config's class has no such field), so transformers' ``get_rope_index``
-must be given them, as for a released folder.
+must be given them.
 """
 
 from __future__ import annotations

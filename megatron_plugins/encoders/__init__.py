@@ -3,7 +3,8 @@
 An encoder is a subclass of :class:`~megatron_plugins.encoders.base.EncoderPlugin`. Built-ins are
 named (``vit``, ``audio``, ``clip``, ``siglip``, ``whisper``, ``qwen2_5_vl``, ``qwen3_vl``,
 ``siglip2``, ``llava_next``, ``qwen2_5_omni_vision``, ``qwen2_5_omni_audio``,
-``qwen3_omni_audio``); anything else is an import path ``package.module:ClassName`` given as
+``qwen3_omni_vision``, ``qwen3_omni_audio``); anything else is an import path
+``package.module:ClassName`` given as
 ``--encoder NAME=package.module:ClassName``, so a user's encoder lives in the user's own file.
 """
 
@@ -39,6 +40,7 @@ BUILTIN = {
     "llava_next": "megatron_plugins.encoders.llava_next:LlavaNextEncoder",
     "qwen2_5_omni_vision": "megatron_plugins.encoders.qwen2_5_vision:Qwen2_5OmniVisionEncoder",
     "qwen2_5_omni_audio": "megatron_plugins.encoders.qwen2_5_omni_audio:Qwen2_5OmniAudioEncoder",
+    "qwen3_omni_vision": "megatron_plugins.encoders.qwen3_vision:Qwen3OmniVisionEncoder",
     "qwen3_omni_audio": "megatron_plugins.encoders.qwen3_omni_audio:Qwen3OmniAudioEncoder",
 }
 """Built-in provider names and the classes they stand for."""

@@ -43,10 +43,10 @@ from megatron_plugins.encoders.qwen_tower import (
 from megatron_plugins.flops.count import EncoderFlops, Work
 from megatron_plugins.flops.encoder import embedding, tower
 from megatron_plugins.ops.packed_attention import packed_seq_params
-from megatron_plugins.weights.vision_families import QWEN3_VL_VISION
+from megatron_plugins.weights.vision_families import QWEN3_OMNI_VISION, QWEN3_VL_VISION
 
-__all__ = ["PatchMerger", "Qwen3ImagePreprocessor", "Qwen3Mergers", "Qwen3ViT", "Qwen3VisionEncoder",
-           "position_taps"]
+__all__ = ["PatchMerger", "Qwen3ImagePreprocessor", "Qwen3Mergers", "Qwen3OmniVisionEncoder",
+           "Qwen3ViT", "Qwen3VisionEncoder", "position_taps"]
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_vision")
 """A whole Qwen3-VL model's ``model_type`` and its vision config's."""
@@ -264,3 +264,15 @@ class Qwen3VisionEncoder(QwenTowerEncoder):
         return ModuleSpec(module=Qwen3Mergers, params={
             "config": config, "mlp": mlp, "units": self.hf_config.spatial_merge_size ** 2,
             "levels": self.deepstack_levels})
+
+
+class Qwen3OmniVisionEncoder(Qwen3VisionEncoder):
+    """Qwen3-Omni's vision tower (``--encoder NAME=qwen3_omni_vision``): Qwen3-VL-MoE's, its
+    config under the thinker's and its mergers named as :data:`QWEN3_OMNI_VISION` maps them."""
+
+    provider = "qwen3_omni_vision"
+    model_type = "qwen3_omni_moe_vision_encoder"
+    hf_family = QWEN3_OMNI_VISION
+    model_types = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
+    config_class = "Qwen3OmniMoeVisionEncoderConfig"
+    sub_config = "thinker_config"

@@ -58,7 +58,8 @@ def add_weights_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                             "Qwen2.5-VL's merger). Repeatable.")
     group.add_argument(HF_MODEL_FLAG, metavar="DIR", default=None,
                        help="Load a whole HF VLM folder (LLaVA, LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL, "
-                            "Qwen3.5-VL): its vision tower as the encoder it implies (named by the "
+                            "Qwen3.5-VL, Qwen2.5-Omni, Qwen3-Omni-MoE): its vision tower (and "
+                            "an Omni's audio tower) as the encoder it implies (named by the "
                             "architecture, e.g. image=clip; --grid NAME:... places it), its "
                             "projector as that encoder's projection, "
                             "its language model on the language grid; its config sets the shape "

@@ -1,8 +1,8 @@
 """Language-model families: Llama, Qwen2 (QKV bias), Qwen3 (QK-norm), Qwen3-MoE (experts),
 dots.llm1 (DeepSeek-V3-style MoE: sigmoid router with an fp32 expert bias, shared experts, dense
-first layers), Qwen2.5-VL's language model (Qwen2 with multimodal RoPE) and Qwen3-VL's (Qwen3
-with interleaved multimodal RoPE); Qwen3.5-VL's, built from these pieces, are
-:mod:`~megatron_plugins.weights.qwen3_5_language`'s.
+first layers), Qwen2.5-VL's language model (Qwen2 with multimodal RoPE), Qwen3-VL's (Qwen3
+with interleaved multimodal RoPE) and Qwen3-Omni's thinker's (Qwen3-MoE with it); Qwen3.5-VL's,
+built from these pieces, are :mod:`~megatron_plugins.weights.qwen3_5_language`'s.
 
 Each is one table of :class:`~megatron_plugins.weights.mapping.Rule` plus its config <-> stock
 flags functions. Megatron names are the stock GPT model's with the local spec (what the CPU
@@ -20,8 +20,9 @@ from typing import Any
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule
 
 __all__ = ["DENSE_MLP", "DOTS1", "ENDS", "FAMILIES", "HF_LAYER", "LAYER", "MOE_MLP", "QWEN2_5_VL",
-           "QWEN3_VL", "QWEN3_VL_TEXT", "TIED", "attention_rules", "mrope_section", "qwen3_args",
-           "qwen3_vl_name", "swiglu_rules", "text_config", "vlm_config"]
+           "QWEN3_OMNI_MOE", "QWEN3_VL", "QWEN3_VL_TEXT", "TIED", "attention_rules",
+           "mrope_section", "qwen3_args", "qwen3_vl_name", "swiglu_rules", "text_config",
+           "vlm_config"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -198,13 +199,17 @@ def vlm_config(architecture: str, model_type: str, **rope: Any):
     return hf_config
 
 
-def _qwen3_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A Qwen3-VL folder's language model: Qwen3 (q/k norm) with interleaved multimodal RoPE,
-    which transformers' ``Qwen3VLTextRotaryEmbedding`` applies whatever ``mrope_interleaved``
-    says."""
-    text = text_config(config)
-    return {**qwen3_args(text), "position_embedding_type": "mrope",
+def _interleaved_mrope(text: Mapping[str, Any]) -> dict[str, Any]:
+    """Interleaved multimodal RoPE, which transformers' Qwen3-VL and Qwen3-Omni text rotary
+    embeddings apply whatever ``mrope_interleaved`` says."""
+    return {"position_embedding_type": "mrope",
             "mrope_section": mrope_section(text, interleaved=True), "mrope_interleaved": True}
+
+
+def _qwen3_vl_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen3-VL folder's language model: Qwen3 (q/k norm) with interleaved multimodal RoPE."""
+    text = text_config(config)
+    return {**qwen3_args(text), **_interleaved_mrope(text)}
 
 
 def qwen3_args(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -386,3 +391,19 @@ QWEN3_VL = Family(
 ``model.language_model.``); its vision tower (``model.visual.*``) is another model's."""
 
 FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DOTS1, QWEN2_5_VL, QWEN3_VL)
+
+
+def _qwen3_omni_moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen3-Omni thinker's language model: Qwen3-MoE (every layer routed, top-k renormalized
+    by ``norm_topk_prob``, no shared expert) with interleaved multimodal RoPE."""
+    text = text_config(config)
+    return {**_qwen3_moe_args(text), **_interleaved_mrope(text)}
+
+
+QWEN3_OMNI_MOE = dataclasses.replace(
+    QWEN3_MOE, name="qwen3_omni_moe", architectures=("Qwen3OmniMoeForConditionalGeneration",
+                                                     "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    model_type="qwen3_omni_moe", megatron_args=_qwen3_omni_moe_args)
+"""The language model of a whole Qwen3-Omni-MoE folder, Qwen3-MoE's names (the folder's prefix
+``thinker.`` is the whole-VLM entry's); its config.json is the folder's own on export. Not in
+:data:`FAMILIES`: whole folders only (``--hf-model``)."""

@@ -33,7 +33,8 @@ from megatron_plugins.weights.mapping import (
 )
 
 __all__ = ["CLIP_VISION", "QWEN2_5_OMNI_VISION", "QWEN2_5_VL_VISION", "QWEN3_5_VISION",
-           "QWEN3_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION", "untrained_tensors"]
+           "QWEN3_OMNI_VISION", "QWEN3_VL_VISION", "SIGLIP2_VISION", "SIGLIP_VISION",
+           "untrained_tensors"]
 
 LAYER = "decoder.layers.{layer}."
 HF_LAYER = "encoder.layers.{layer}."
@@ -241,6 +242,18 @@ QWEN2_5_OMNI_VISION = dataclasses.replace(
 
 DEEPSTACK = "deepstack_merger_list.{layer}."
 
+
+def _qwen3_mergers(deepstack: str, norm: str, fc1: str, fc2: str) -> tuple[Rule, ...]:
+    """Qwen3-VL's merger (HF ``merger.``) and DeepStack mergers (HF ``deepstack``, ``{layer}``
+    the level) as the projection (:class:`~megatron_plugins.encoders.qwen3_vision.Qwen3Mergers`):
+    each one's norm and MLP, by their HF names."""
+    mergers = (("merger.", "merger."), ("deepstack.{layer}.", deepstack))
+    return (*(Rule(f"{PROJECTION}{megatron}norm.{p}", (f"{hf}{norm}.{p}",))
+              for megatron, hf in mergers for p in ("weight", "bias")),
+            *(rule for megatron, hf in mergers
+              for rule in _merger_mlp(f"{PROJECTION}{megatron}mlp.", hf + fc1, hf + fc2)))
+
+
 QWEN3_VL_VISION = Family(
     name="qwen3_vl_vision",
     architectures=("Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen3VLVisionModel"),
@@ -258,19 +271,28 @@ QWEN3_VL_VISION = Family(
         Rule(f"{QWEN_LAYER}mlp.linear_fc2.weight", (f"{QWEN_BLOCK}mlp.linear_fc2.weight",),
              tp_dim=1),
         Rule(f"{QWEN_LAYER}mlp.linear_fc2.bias", (f"{QWEN_BLOCK}mlp.linear_fc2.bias",)),
-        *(Rule(f"{PROJECTION}{megatron}norm.{p}", (f"{hf}norm.{p}",))
-          for megatron, hf in (("merger.", "merger."),
-                               ("deepstack.{layer}.", DEEPSTACK))
-          for p in ("weight", "bias")),
-        *_merger_mlp(f"{PROJECTION}merger.mlp.", "merger.linear_fc1", "merger.linear_fc2"),
-        *_merger_mlp(f"{PROJECTION}deepstack.{{layer}}.mlp.", f"{DEEPSTACK}linear_fc1",
-                     f"{DEEPSTACK}linear_fc2"),
+        *_qwen3_mergers(DEEPSTACK, "norm", "linear_fc1", "linear_fc2"),
     ),
     megatron_args=_no_stock_flags,
     hf_config=_loaded_config("qwen3_vl_vision"),
     # A whole Qwen3-VL folder also holds the language model, another module's weights.
     unused=(r"model\.language_model\.", r"lm_head\."),
     hf_prefixes=("", "visual.", "model.visual."),
+)
+
+QWEN3_OMNI_VISION = dataclasses.replace(
+    QWEN3_VL_VISION, name="qwen3_omni_vision",
+    architectures=("Qwen3OmniMoeForConditionalGeneration",
+                   "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    model_type="qwen3_omni_moe_vision_encoder",
+    # Qwen3-VL's tower; its mergers name their norm ln_q and their MLP mlp.0 / mlp.2, the
+    # DeepStack mergers sit in merger_list.
+    rules=(*(rule for rule in QWEN3_VL_VISION.rules if not rule.megatron.startswith(PROJECTION)),
+           *_qwen3_mergers("merger_list.{layer}.", "ln_q", "mlp.0", "mlp.2")),
+    hf_config=_loaded_config("qwen3_omni_moe_vision_encoder"),
+    # A whole Qwen3-Omni-MoE folder's (thinker.visual.*) or a thinker-only save's (visual.*).
+    unused=(r"(?!(thinker\.)?visual\.)",),
+    hf_prefixes=("", "thinker.visual.", "visual."),
 )
 
 QWEN3_5_VISION = dataclasses.replace(

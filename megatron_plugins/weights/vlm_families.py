@@ -22,11 +22,12 @@ from typing import Any
 
 from megatron_plugins.weights.hf_config import read_config
 from megatron_plugins.weights.language_families import FAMILIES as LANGUAGE_FAMILIES
+from megatron_plugins.weights.language_families import QWEN3_OMNI_MOE as QWEN3_OMNI_MOE_LANGUAGE
 from megatron_plugins.weights.mapping import Family, HFWeightsError, Rule, split_projection
 from megatron_plugins.weights.qwen3_5_language import FAMILIES as QWEN3_5_LANGUAGE_FAMILIES
 
 __all__ = ["FAMILIES", "HF_MODEL_FLAG", "LLAVA", "LLAVA_NEXT", "QWEN2_5_OMNI", "QWEN2_5_VL",
-           "QWEN3_5_MOE_VL", "ExtraTower",
+           "QWEN3_5_MOE_VL", "QWEN3_OMNI_MOE", "ExtraTower",
            "QWEN3_5_VL", "QWEN3_VL",
            "PartFamilies",
            "VLMFamily",
@@ -296,11 +297,29 @@ def _thinker(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _omni_vision_wrapping(config: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``<|vision_bos|>`` / ``<|vision_eos|>``: the thinker config lacks them, the talker's
-    (a whole folder) has them; the released ids otherwise."""
+    """``<|vision_bos|>`` / ``<|vision_eos|>`` (Qwen3-Omni's ``<|vision_start|>`` /
+    ``<|vision_end|>``): the thinker config's class lacks them, so a folder's thinker config
+    may hold them, else the talker's (a whole folder); the released ids otherwise."""
     return _ids({"vision_start_token_id": 151652, "vision_end_token_id": 151653,
-                 **(config.get("talker_config") or {})},
+                 **(config.get("talker_config") or {}), **_thinker(config)},
                 "vision_start_token_id", "vision_end_token_id")
+
+
+def _omni_audio(provider: str, token: tuple[str, int], wrapping: tuple[int, int]) -> ExtraTower:
+    """An Omni thinker's audio tower under ``thinker.audio_tower.`` (a thinker-only save's
+    ``audio_tower.``), built by ``provider``, whose family has its name: its token id is the
+    thinker config's ``token`` field, its start / end ids the config's ``audio_start_token_id``
+    / ``audio_end_token_id``, the released ids (``token``'s, ``wrapping``) where it lacks
+    them."""
+    field, released = token
+    return ExtraTower(
+        encoder_provider=provider, encoder_name="audio",
+        prefixes=("thinker.audio_tower.", "audio_tower."),
+        token_id=lambda config: int(_thinker(config).get(field, released)),
+        wrapping=lambda config: _ids({"audio_start_token_id": wrapping[0],
+                                      "audio_end_token_id": wrapping[1], **_thinker(config)},
+                                     "audio_start_token_id", "audio_end_token_id"),
+        family=provider, config_key="audio_config")
 
 
 QWEN2_5_OMNI = dataclasses.replace(
@@ -323,17 +342,36 @@ QWEN2_5_OMNI = dataclasses.replace(
     carried_what="the talker and token2wav",
     audio_in_video=lambda config: int(_thinker(config).get("position_id_per_seconds", 25)
                                       * _thinker(config).get("seconds_per_chunk", 2)),
-    extra_towers=(ExtraTower(
-        encoder_provider="qwen2_5_omni_audio", encoder_name="audio",
-        prefixes=("thinker.audio_tower.", "audio_tower."),
-        token_id=lambda config: int(_thinker(config).get("audio_token_index", 151646)),
-        wrapping=lambda config: _ids({"audio_start_token_id": 151647,
-                                      "audio_end_token_id": 151648, **_thinker(config)},
-                                     "audio_start_token_id", "audio_end_token_id"),
-        family="qwen2_5_omni_audio", config_key="audio_config"),),
+    extra_towers=(_omni_audio("qwen2_5_omni_audio", ("audio_token_index", 151646),
+                              (151647, 151648)),),
 )
 
-FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL, QWEN2_5_OMNI)
+QWEN3_OMNI_MOE = dataclasses.replace(
+    QWEN2_5_OMNI, name="qwen3_omni_moe", encoder_provider="qwen3_omni_vision",
+    architectures=("Qwen3OmniMoeForConditionalGeneration",
+                   "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    # The provider's family maps the merger and the DeepStack mergers (merger_list) as the
+    # projection; a whole folder's names, then a thinker-only save's.
+    projector_prefixes=("thinker.visual.merger.", "visual.merger.",
+                        "thinker.visual.merger_list.", "visual.merger_list."),
+    projector_input=("mlp.0.weight", 1),
+    projector_output=("mlp.2.weight", 0),
+    language="qwen3_omni_moe",
+    image_token_id=lambda config: int(_thinker(config).get("image_token_id", 151655)),
+    tower_layers=lambda config: int((_thinker(config).get("vision_config") or {}).get(
+        "depth", 27)),
+    carried=(r"talker\.", r"code2wav\."),
+    carried_what="the talker and code2wav",
+    audio_in_video=None,  # Qwen3-Omni merges a video's sound by time: not done
+    extra_towers=(_omni_audio("qwen3_omni_audio", ("audio_token_id", 151675), (151669, 151670)),),
+)
+"""A whole Qwen3-Omni-MoE folder (or its thinker alone): Qwen3-VL-MoE's vision tower with
+DeepStack, the AuT audio tower, the thinker's Qwen3-MoE language model with interleaved
+multimodal RoPE; the talker and code2wav carried. The released ids are the fallbacks: the
+thinker config's class defaults differ from them."""
+
+FAMILIES = (LLAVA, QWEN2_5_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5_VL, QWEN3_5_MOE_VL, QWEN2_5_OMNI,
+            QWEN3_OMNI_MOE)
 """Supported whole-VLM architectures."""
 
 
@@ -357,7 +395,8 @@ def read_vlm(folder: str) -> tuple[VLMFamily, dict[str, Any]]:
 
 def language_family(vlm: VLMFamily) -> Family:
     """The language family the entry names, as HF names it on its own."""
-    return next(family for family in (*LANGUAGE_FAMILIES, *QWEN3_5_LANGUAGE_FAMILIES)
+    return next(family for family in (*LANGUAGE_FAMILIES, *QWEN3_5_LANGUAGE_FAMILIES,
+                                      QWEN3_OMNI_MOE_LANGUAGE)
                 if family.name == vlm.language)
 
 

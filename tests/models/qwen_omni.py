@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +170,6 @@ def _video_inputs(folder: str | Path) -> dict[str, torch.Tensor]:
 
 IMAGE_SIZES = ((24, 40), (16, 16))
 """(height, width) of the sample's two images."""
-ENCODERS = ("image", "audio")
-"""The MiMo encoders ``--hf-model`` makes of the folder, in the order items feed them."""
 
 
 def images(seed: int = 3) -> list[np.ndarray]:
@@ -219,24 +219,25 @@ def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
                      **audio).logits.numpy()
 
 
-def _encoder_inputs(session: Any, name: str) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def media() -> dict[str, list[Any]]:
+    """The sample's items per encoder ``--hf-model`` makes of the folder: its images and its
+    video, then its clips and the video's sound."""
     from megatron_plugins.media.codec import Waveform
 
-    plugin = session.run.plugins[name]
-    items = ([*images(), video()] if name == "image"
-             else [Waveform(c, RATE) for c in (*clips(), sound())])
-    preprocessor = plugin.preprocessor()
-    return preprocessor.collate([preprocessor(item) for item in items]), items
+    return {"image": [*images(), video()],
+            "audio": [Waveform(c, RATE) for c in (*clips(), sound())]}
 
 
-def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
-    """One forward of the sample over the grids: each encoder's TP rank 0 sends its rows to
-    every language rank, the first stage takes them, the last returns the whole logits."""
+def _forward(session: Any, mimo: Any, ids: torch.Tensor,
+             items: dict[str, list[Any]]) -> dict[str, Any]:
+    """One forward of the sample (``ids``, each encoder's ``items``) over the grids: each
+    encoder's TP rank 0 sends its rows (DeepStack levels beside them) to every language rank,
+    the first stage takes them, the last returns the whole logits."""
     import torch.distributed as dist
 
     from megatron_plugins.data.audio_in_video import interleaving
     from megatron_plugins.data.positions import WithSound, item_layout, mrope_position_ids
-    from megatron_plugins.media.codec import media_size
+    from megatron_plugins.media.codec import Video, media_size
     from tests.models.hf import hand_on
 
     [module] = session.topology.active_modules
@@ -246,29 +247,32 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
     result = {"special_token_ids": dict(mimo.special_token_ids)}
     with torch.no_grad():
         if module != "language":
-            inputs, _ = _encoder_inputs(session, module)
+            preprocessor = session.run.plugins[module].preprocessor()
+            inputs = preprocessor.collate([preprocessor(item) for item in items[module]])
             outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
             if pgc.tp.rank() == 0:
                 for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
                     dist.send(outputs[module].contiguous(), dst=rank)
             return result
         layouts, features = {}, {}
-        for name in ENCODERS:
+        hidden = mimo.language_model.config.hidden_size
+        for name, media_items in items.items():
             plugin = session.run.plugins[name]
-            items = _encoder_inputs(session, name)[1]
             layouts[mimo.special_token_ids[name]] = [item_layout(plugin, media_size(i))
-                                                     for i in items]
-            rows = sum(plugin.item_tokens(media_size(i)) for i in items)
-            features[name] = torch.empty(rows, mimo.language_model.config.hidden_size)
+                                                     for i in media_items]
+            rows = sum(plugin.item_tokens(media_size(i)) for i in media_items)
+            features[name] = torch.empty(rows, (1 + plugin.deepstack_levels) * hidden)
             dist.recv(features[name], src=topology.grids[name].rank_offset)
         image, audio = (mimo.special_token_ids[name] for name in ENCODERS)
-        *clip_layouts, (sound_tokens, _) = layouts[audio]
-        video_layout = layouts[image].pop()
-        layouts[image].append(WithSound(video_layout, audio, sound_tokens, interleaving(
-            video_layout[1], sound_tokens, 50)))
-        layouts[audio] = clip_layouts
+        if isinstance(items["image"][-1], Video):  # the last item; its sound the last clip
+            *clip_layouts, (sound_tokens, _) = layouts[audio]
+            video_layout = layouts[image].pop()
+            layouts[image].append(WithSound(video_layout, audio, sound_tokens, interleaving(
+                video_layout[1], sound_tokens, 50)))
+            layouts[audio] = clip_layouts
         ours = torch.where(ids[0] == VIDEO_TOKEN, image, ids[0])  # the tower's one placeholder
-        positions = mrope_position_ids(ours, layouts, {image}).unsqueeze(1)
+        after_time = {image} if session.run.plugins["image"].text_after_time else ()
+        positions = mrope_position_ids(ours, layouts, after_time).unsqueeze(1)
         mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)[None, None]
         stage, ranks = pgc.pp.rank(), dist.get_process_group_ranks(pgc.pp)
         if stage == 0:
@@ -283,10 +287,11 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
         return {**result, "logits": hand_on(output, pgc)}
 
 
-def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor) -> dict[str, Any]:
+def _forward_and_stream(session: Any, mimo: Any, ids: torch.Tensor,
+                        items: dict[str, list[Any]]) -> dict[str, Any]:
     from tests.models.hf_vlm import whole_pieces
 
-    return {**_forward(session, mimo, ids), "pieces": whole_pieces(mimo, session)}
+    return {**_forward(session, mimo, ids, items), "pieces": whole_pieces(mimo, session)}
 
 
 def omni_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
@@ -297,72 +302,166 @@ def omni_flags(folder: str | Path, grids: tuple[str, ...]) -> list[str]:
             *(part for grid in grids for part in ("--grid", grid))]
 
 
-def forward_rank(argv: list[str], ids: torch.Tensor) -> dict[str, Any]:
+def forward_rank(argv: list[str], ids: torch.Tensor,
+                 items: dict[str, list[Any]]) -> dict[str, Any]:
     """One rank of the MiMo model built from ``--hf-model``: logits, streamed pieces."""
     import functools
 
     from tests.models.hf import built_then
 
-    return built_then(argv, functools.partial(_forward_and_stream, ids=ids))
+    return built_then(argv, functools.partial(_forward_and_stream, ids=ids, items=items))
 
 
-def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor
-            ) -> list[dict[str, Any]]:
-    """:func:`forward_rank` on ``nproc`` gloo ranks; pieces deserialized."""
+def forward(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
+            items: dict[str, list[Any]] | None = None) -> list[dict[str, Any]]:
+    """:func:`forward_rank` on ``nproc`` gloo ranks (``items``: each encoder's, by default
+    :func:`media`); pieces deserialized."""
     from tests.harness.multiprocess import run_in_processes
     from tests.models.hf import pieces_from
 
-    results = run_in_processes(forward_rank, nproc, args=(omni_flags(folder, grids), ids),
+    results = run_in_processes(forward_rank, nproc,
+                               args=(omni_flags(folder, grids), ids, items or media()),
                                timeout=300, simulated=True)
     for result in results:
         result["pieces"] = pieces_from(result["pieces"])
     return results
 
 
-def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
-                        items_per_sample: tuple[int, int], seed: int) -> float:
-    """transformers' thinker loss on the first ``samples`` mock samples of a run from the folder
-    (the first global batch): the mock rebuilt here gives the run's tokens, labels, loss mask,
-    images and clips of drawn lengths; positions are transformers' ``get_rope_index``; the loss
-    is the masked token loss summed over the batch over its token count, as the run reports it."""
-    from types import SimpleNamespace
+def forward_diff(nproc: int, folder: str | Path, grids: tuple[str, ...], ids: torch.Tensor,
+                 want: np.ndarray, items: dict[str, list[Any]], tokens: dict[str, int],
+                 carried: str) -> float:
+    """Our logits' max relative difference from transformers' ``want`` over the grids, after
+    checking what every layout must give: each TP rank of the last stage the same logits, the
+    checkpoint's own ``tokens`` marking each encoder's items, and every tensor of the folder
+    but the ``carried`` ones (a regex) streamed back unchanged."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.models.hf import rel_diff, safetensors_of
 
+    results = forward(nproc, folder, grids, ids, items)
+    logits, *others = [r["logits"] for r in results if r.get("logits") is not None]
+    for other in others:
+        np.testing.assert_array_equal(other, logits)
+    for result in results:
+        assert result["special_token_ids"] == tokens
+    streamed = assemble(piece for result in results for piece in result["pieces"])
+    original = safetensors_of(folder)
+    assert sorted(streamed) == sorted(n for n in original if not re.match(carried, n))
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, original[name]), name
+    return rel_diff(logits[..., :VOCAB], want)
+
+
+def train_reference(folder: Path, root: Path, grids: tuple[str, ...], nproc: int,
+                    extra: tuple[str, ...]) -> tuple[Path, Path, list[list[Any]],
+                                                     tuple[dict[int, float],
+                                                           dict[str, torch.Tensor]]]:
+    """Three SGD steps of ``folder`` on the mock data at ``grids``, saved under ``root/first``:
+    ``root``, ``folder``, every rank's streamed pieces, and the per-iteration ``lm loss`` and
+    trained tensors (:func:`tests.models.hf_vlm.assert_trains_like`'s reference)."""
+    from megatron_plugins.weights.streaming import assemble
+    from tests.harness.tensorboard_scalars import read_scalars
+    from tests.models.hf_vlm import SGD_TRAIN, vlm_train
+
+    pieces = vlm_train(nproc, folder, grids, (
+        *SGD_TRAIN, *extra, "--tensorboard-dir", str(root / "reference"),
+        "--save", str(root / "first"), "--save-interval", "3"))
+    return root, folder, pieces, (read_scalars(root / "reference", "lm loss"),
+                                  assemble(p for rank in pieces for p in rank))
+
+
+def export_two_layouts(folder: Path, root: Path, pieces: list[list[Any]],
+                       resaved: tuple[tuple[str, ...], int], extra: tuple[str, ...],
+                       untrained: tuple[str, ...], moved: tuple[str, ...],
+                       loaded_as: tuple[tuple[str, str], ...]
+                       ) -> tuple[list[str], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`train_reference`'s checkpoint and the same weights re-saved at ``resaved``
+    (grids, ranks) exported to one folder, file for file the same bytes, holding the trained
+    tensors as the run streamed them (``pieces``) and the ``untrained`` ones (name prefixes)
+    unchanged, the ``moved`` ones trained; transformers loads it as the folder's class, its
+    in-memory tensors the written ones (``loaded_as``: (in-memory name, file name) pairs).
+    Returns the folder's files, its tensors and transformers' state dict."""
     import transformers
+
+    from megatron_plugins.weights.vlm_families import read_vlm
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import check_export, export, identical_exports, resave
+
+    resave(folder, root, "second", resaved[1], resaved[0], extra)
+    export(root, ("first", "second"))
+    out = root / "out_first"
+    files = identical_exports(root)
+    written, original = check_export(out, folder, pieces, untrained), safetensors_of(folder)
+    for name in moved:
+        assert not torch.equal(written[name], original[name]), name
+    architecture = read_vlm(str(out))[1]["architectures"][0]
+    loaded = getattr(transformers, architecture).from_pretrained(
+        out, dtype=torch.float32).state_dict()
+    for name, file_name in loaded_as:
+        assert torch.equal(loaded[name], written[file_name]), name
+    return files, written, loaded
+
+
+def first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                     items_per_sample: tuple[int, int], seed: int,
+                     logits: Callable[[torch.Tensor, dict[str, list[Any]]], torch.Tensor]
+                     ) -> float:
+    """transformers' loss on the first ``samples`` mock samples of a run from the Omni folder
+    (the first global batch): the mock rebuilt here gives the run's tokens, labels, loss mask,
+    each tower's items (images, clips of drawn lengths) marked by the folder's own ids;
+    ``logits(ids, items)`` is the thinker's ``[S, vocab]`` on one sample; the loss is the masked
+    token loss summed over the batch over its token count, as the run reports it."""
+    from types import SimpleNamespace
 
     from megatron_plugins.data.mock import MockSource
     from megatron_plugins.weights.flags import checkpoint_item_wrapping
+    from megatron_plugins.weights.vlm_families import read_vlm
     from tests.models.hf_vision import plugin
 
-    plugins = {"image": plugin("qwen2_5_omni_vision", folder),
-               "audio": plugin("qwen2_5_omni_audio", folder)}
+    vlm, config = read_vlm(str(folder))
+    towers = {tower.encoder_name: tower for tower in vlm.towers}
+    plugins = {name: plugin(tower.encoder_provider, folder) for name, tower in towers.items()}
     source = MockSource(seed=seed, seq_length=seq_length, vocab_size=VOCAB, plugins=plugins,
                         items_per_sample=items_per_sample, mrope=True,
-                        placeholder_ids={"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN},
+                        placeholder_ids={name: tower.token_id(config)
+                                         for name, tower in towers.items()},
                         wrapping=checkpoint_item_wrapping(SimpleNamespace(
                             hf_model=str(folder),
                             encoder_hf_weights=[f"{name}={folder}" for name in plugins])))
-    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32)
-    model.config.vision_start_token_id = VISION_WRAPPING[0]
-    processor = qwen_processor(folder)
     total, tokens = 0.0, 0.0
     for index in range(samples):
         text = source.text("train", index)
-        ids = text["tokens"].unsqueeze(0)
-        pixels = processor(source.media("image", "train", index), return_tensors="pt")
-        audio = hf_audio_inputs([clip.samples for clip in source.media("audio", "train", index)])
-        positions, _ = model.model.get_rope_index(
-            ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
-            audio["feature_attention_mask"].sum(-1), None)
+        items = {name: source.media(name, "train", index) for name in plugins}
         with torch.no_grad():
-            logits = model(input_ids=ids, pixel_values=pixels["pixel_values"],
-                           image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
-                           **audio).logits[0]
-        losses = torch.nn.functional.cross_entropy(logits.double(), text["labels"],
+            out = logits(text["tokens"].unsqueeze(0), items)
+        losses = torch.nn.functional.cross_entropy(out.double(), text["labels"],
                                                    reduction="none")
         total += float((losses * text["loss_mask"]).sum())
         tokens += float(text["loss_mask"].sum())
     return total / tokens
+
+
+def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,
+                        items_per_sample: tuple[int, int], seed: int) -> float:
+    """:func:`first_batch_loss` of transformers' Qwen2.5-Omni thinker, its positions from its
+    ``get_rope_index``."""
+    import transformers
+
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    model.config.vision_start_token_id = VISION_WRAPPING[0]
+    processor = qwen_processor(folder)
+
+    def logits(ids: torch.Tensor, items: dict[str, list[Any]]) -> torch.Tensor:
+        pixels = processor(items["image"], return_tensors="pt")
+        audio = hf_audio_inputs([clip.samples for clip in items["audio"]])
+        positions, _ = model.model.get_rope_index(
+            ids, pixels["image_grid_thw"], None, torch.ones_like(ids), False,
+            audio["feature_attention_mask"].sum(-1), None)
+        return model(input_ids=ids, pixel_values=pixels["pixel_values"],
+                     image_grid_thw=pixels["image_grid_thw"], position_ids=positions,
+                     **audio).logits[0]
+
+    return first_batch_loss(folder, samples, seq_length, items_per_sample, seed, logits)
 
 
 OMNI_SPECIAL_TOKENS = ("<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>", "<|audio_bos|>", "<|audio_eos|>",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,11 +18,13 @@ from tests.models.qwen_omni import (
     IMAGE_TOKEN,
     VIDEO_TOKEN,
     VISION_WRAPPING,
-    VOCAB,
-    forward,
+    export_two_layouts,
+    forward_diff,
     hf_thinker_logits,
+    media,
     sample,
     save_tiny_omni,
+    train_reference,
 )
 
 TOLERANCE = 1e-5
@@ -47,27 +48,14 @@ def omni(tmp_path_factory):
 @pytest.mark.multirank
 def test_whole_qwen2_5_omni_reproduces_transformers_logits_on_images_clips_and_a_video_s_sound(
         omni, grids, nproc):
-    from megatron_plugins.weights.streaming import assemble
-    from tests.models.hf import rel_diff, safetensors_of
-
     folder, ids, want = omni
     assert int((ids == AUDIO_TOKEN).sum()) == 20 + 33 + 75  # 82, 132 and 300 mel frames
     assert int((ids == VIDEO_TOKEN).sum()) == 3 * 16  # 3 steps of 4 x 4 merged tokens
-    results = forward(nproc, folder, grids, ids)
-    logits, *others = [r["logits"] for r in results if r.get("logits") is not None]
-    for other in others:
-        np.testing.assert_array_equal(other, logits)
-    diff = rel_diff(logits[..., :VOCAB], want)
+    diff = forward_diff(nproc, folder, grids, ids, want, media(),
+                        {"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN},
+                        r"talker\.|token2wav\.|thinker\.audio_tower\.audio_bos_eos_token\.")
     print(f"{grids}: logits max relative difference {diff:.1e}")
     assert diff < TOLERANCE
-    for result in results:  # the checkpoint's own tokens mark each encoder's items
-        assert result["special_token_ids"] == {"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN}
-    streamed = assemble(piece for result in results for piece in result["pieces"])
-    original = safetensors_of(folder)
-    carried = re.compile(r"talker\.|token2wav\.|thinker\.audio_tower\.audio_bos_eos_token\.")
-    assert sorted(streamed) == sorted(n for n in original if not carried.match(n))
-    for name, tensor in streamed.items():
-        assert torch.equal(tensor, original[name]), name
 
 
 def test_the_folder_splits_into_five_parts_and_carried_tensors(omni):
@@ -113,18 +101,8 @@ LORA = ("--lora", "image:rank=4,alpha=8", "--lora", "audio:rank=4,alpha=8",
 def trained(omni, tmp_path_factory):
     """Three SGD steps on the mock data (images, clips of 0.1 to 1.3 s) at one rank per module,
     saved; its losses, trained tensors and streamed pieces."""
-    from megatron_plugins.weights.streaming import assemble
-    from tests.harness.tensorboard_scalars import read_scalars
-    from tests.models.hf_vlm import SGD_TRAIN, vlm_train
-
-    root = tmp_path_factory.mktemp("qwen_omni_training")
-    folder = omni[0]
-    pieces = vlm_train(ONE_RANK_EACH[1], folder, ONE_RANK_EACH[0], (
-        *SGD_TRAIN, *OMNI_TRAIN, "--tensorboard-dir", str(root / "reference"),
-        "--save", str(root / "first"), "--save-interval", "3"))
-    reference = (read_scalars(root / "reference", "lm loss"),
-                 assemble(p for rank in pieces for p in rank))
-    return root, folder, pieces, reference
+    return train_reference(omni[0], tmp_path_factory.mktemp("qwen_omni_training"),
+                           *ONE_RANK_EACH, OMNI_TRAIN)
 
 
 @pytest.mark.timeout(400)
@@ -197,34 +175,22 @@ def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(
     audio tower at TP 2 and the language at PP 2 export one folder, byte for byte: the trained
     thinker as the run streamed it, the talker, token2wav and spk_dict.pt unchanged, loaded by
     transformers as the same class."""
-    import transformers
-
-    from tests.models.hf import safetensors_of
-    from tests.models.hf_vlm import check_export, export, identical_exports, resave
-
     root, folder, pieces, _ = trained
-    resave(folder, root, "second", 5, ("image:dp=1", "audio:tp=2", "language:pp=2"), OMNI_TRAIN)
-    export(root, ("first", "second"))
-    out = root / "out_first"
-    assert {"model.safetensors", "spk_dict.pt"} <= set(identical_exports(root))
-    assert (out / "spk_dict.pt").read_bytes() == (folder / "spk_dict.pt").read_bytes()
-    written, original = check_export(out, folder, pieces, UNTRAINED), safetensors_of(folder)
-    for name in ("thinker.audio_tower.layers.0.self_attn.q_proj.weight",
-                 "thinker.audio_tower.proj.weight", "thinker.audio_tower.conv1.weight",
-                 "thinker.visual.blocks.0.attn.q.weight", "thinker.visual.merger.mlp.0.weight",
-                 "thinker.model.layers.1.mlp.up_proj.weight", "thinker.lm_head.weight"):
-        assert not torch.equal(written[name], original[name]), name  # it trained
-    model = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(
-        out, dtype=torch.float32)
-    loaded = model.state_dict()  # transformers' in-memory names
-    for name, file_name in (
-            ("thinker.model.audio_tower.layers.1.fc2.weight",
-             "thinker.audio_tower.layers.1.fc2.weight"),
-            ("thinker.model.visual.blocks.2.attn.v.bias", "thinker.visual.blocks.2.attn.v.bias"),
-            ("thinker.model.language_model.embed_tokens.weight",
-             "thinker.model.embed_tokens.weight"),
-            ("thinker.lm_head.weight", "thinker.lm_head.weight")):
-        assert torch.equal(loaded[name], written[file_name]), name
+    files, _, _ = export_two_layouts(
+        folder, root, pieces, (("image:dp=1", "audio:tp=2", "language:pp=2"), 5), OMNI_TRAIN,
+        UNTRAINED, ("thinker.audio_tower.layers.0.self_attn.q_proj.weight",
+                    "thinker.audio_tower.proj.weight", "thinker.audio_tower.conv1.weight",
+                    "thinker.visual.blocks.0.attn.q.weight", "thinker.visual.merger.mlp.0.weight",
+                    "thinker.model.layers.1.mlp.up_proj.weight", "thinker.lm_head.weight"),
+        (("thinker.model.audio_tower.layers.1.fc2.weight",
+          "thinker.audio_tower.layers.1.fc2.weight"),
+         ("thinker.model.visual.blocks.2.attn.v.bias", "thinker.visual.blocks.2.attn.v.bias"),
+         ("thinker.model.language_model.embed_tokens.weight",
+          "thinker.model.embed_tokens.weight"),
+         ("thinker.lm_head.weight", "thinker.lm_head.weight")))
+    assert {"model.safetensors", "spk_dict.pt"} <= set(files)
+    assert (root / "out_first" / "spk_dict.pt").read_bytes() == (
+        folder / "spk_dict.pt").read_bytes()
 
 
 @pytest.mark.timeout(600)

@@ -1,0 +1,206 @@
+"""``--hf-model DIR`` with a whole Qwen3-Omni-MoE folder: its vision tower (Qwen3-VL-MoE's, with
+DeepStack into the first language layers), its audio tower (AuT) and its Qwen3-MoE language model
+with interleaved multimodal RoPE, each a module on its own grid, give transformers' thinker
+logits on one sample of two images and two clips at three layouts (experts split over EP 2 in
+one); every tensor of the modules streams back unchanged, the talker and code2wav are carried
+(one notice at start). One training run serves the rest: its first loss is transformers', the
+vision tower colocated and EP 2 train as it does, and its checkpoint and the same weights saved
+at another layout export one folder, byte for byte, which transformers loads. A thinker-only
+save splits into the same parts; a config Megatron would compute differently is one line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.models.qwen3_omni_whole import (
+    AUDIO_TOKEN,
+    IMAGE_TOKEN,
+    hf_thinker_logits,
+    media,
+    sample,
+    save_tiny_qwen3_omni,
+)
+from tests.models.qwen_omni import export_two_layouts, forward_diff, train_reference
+
+TOLERANCE = 1e-5
+CARRIED = r"talker\.|code2wav\."
+"""The tensors of no module here: the talker and code2wav."""
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """The tiny folder, the sample and transformers' thinker logits on it."""
+    folder = save_tiny_qwen3_omni(tmp_path_factory.mktemp("qwen3_omni") / "omni")
+    ids = sample(folder)
+    assert int((ids == AUDIO_TOKEN).sum()) == 34 + 10  # 258 and 73 mel frames
+    return folder, ids, hf_thinker_logits(folder, ids)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("grids, nproc", [
+    pytest.param(("image:dp=1", "audio:dp=1", "language:dp=1"), 3, id="one-rank-per-module"),
+    pytest.param(("image:tp=2", "audio:tp=2", "language:pp=2"), 6,
+                 id="vision-tp2-audio-tp2-language-pp2"),
+    pytest.param(("image:dp=1", "audio:dp=1", "language:dp=2,ep=2"), 4, id="language-dp2-ep2")])
+@pytest.mark.multirank
+def test_whole_qwen3_omni_reproduces_transformers_thinker_logits_and_streams_back(
+        omni, grids, nproc):
+    folder, ids, want = omni
+    tokens = {"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN}
+    assert forward_diff(nproc, folder, grids, ids, want, media(), tokens, CARRIED) < TOLERANCE
+
+
+ONE_RANK_EACH = (("image:dp=1", "audio:dp=1", "language:dp=1"), 3)
+OMNI_TRAIN = ("--seq-length", "128")
+"""Rows longer than the longest mock sample (two images and two clips of up to 1.3 s)."""
+UNTRAINED = ("talker.", "code2wav.")
+"""Tensors of no module here, carried unchanged."""
+
+
+@pytest.fixture(scope="module")
+def trained(omni, tmp_path_factory):
+    """One run shared by the loss, invariance and export tests: three SGD steps at one rank per
+    module on the mock data (images, clips of 0.1 to 1.3 s), saved."""
+    folder, _, _ = omni
+    root = tmp_path_factory.mktemp("qwen3_omni_training")
+    return train_reference(folder, root, *ONE_RANK_EACH, OMNI_TRAIN)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_the_vision_tower_colocated_and_experts_split_train_identically(trained):
+    """The vision tower at TP 2 colocated on the language's DP 2 ranks (its rows and DeepStack
+    levels routed to the replica that merges them), and the language's experts split over EP 2
+    with the audio tower at TP 2: each trains as one rank per module does, losses and every
+    trained tensor."""
+    from tests.models.hf_vlm import assert_trains_like, sgd_run
+
+    root, folder, _, reference = trained
+    for name, nproc, grids in (
+            ("vision-colocated", 3, ("image:tp=2@language", "audio:dp=1", "language:dp=2")),
+            ("audio-tp2-language-ep2", 5, ("image:dp=1", "audio:tp=2", "language:dp=2,ep=2"))):
+        assert_trains_like(reference, sgd_run(folder, root, name, nproc, grids, OMNI_TRAIN), name)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multirank
+def test_training_starts_from_transformers_loss_on_the_first_batch(trained):
+    """Step 1 (the folder's weights) is transformers' thinker loss on the same first global
+    batch: its images, its clips of drawn lengths, its own multimodal RoPE positions, its
+    DeepStack and its experts."""
+    from tests.models.qwen3_omni_whole import hf_first_batch_loss
+
+    _, folder, _, (losses, _) = trained
+    assert losses[1] == pytest.approx(hf_first_batch_loss(folder, 4, 128, (1, 2), 1234),
+                                      rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_two_saving_layouts_export_one_identical_omni_folder_transformers_loads(trained):
+    """The trained checkpoint (one rank per module) and the same weights re-saved with both
+    towers at TP 2 and the language at PP 2 export one folder, byte for byte: the trained
+    thinker as the run streamed it (experts one tensor each, as the folder saves them), the
+    talker and code2wav unchanged, loaded by transformers as the same class (experts fused)."""
+    root, folder, pieces, _ = trained
+    files, written, loaded = export_two_layouts(
+        folder, root, pieces, (("image:tp=2", "audio:tp=2", "language:pp=2"), 6), OMNI_TRAIN,
+        UNTRAINED, ("thinker.audio_tower.layers.0.self_attn.q_proj.bias",
+                    "thinker.audio_tower.proj2.weight", "thinker.audio_tower.conv2d1.weight",
+                    "thinker.visual.blocks.0.attn.qkv.weight",
+                    "thinker.visual.merger.mlp.0.weight",
+                    "thinker.visual.merger_list.1.ln_q.weight",
+                    "thinker.model.layers.1.mlp.experts.3.up_proj.weight",
+                    "thinker.model.layers.0.mlp.gate.weight", "thinker.lm_head.weight"),
+        (("thinker.model.audio_tower.layers.1.fc2.weight",
+          "thinker.audio_tower.layers.1.fc2.weight"),
+         ("thinker.model.visual.merger_list.0.mlp.2.bias",
+          "thinker.visual.merger_list.0.mlp.2.bias"),
+         ("thinker.model.language_model.embed_tokens.weight",
+          "thinker.model.embed_tokens.weight"),
+         ("thinker.lm_head.weight", "thinker.lm_head.weight"),
+         ("talker.model.layers.0.mlp.shared_expert.up_proj.weight",
+          "talker.model.layers.0.mlp.shared_expert.up_proj.weight")))
+    assert files == sorted(path.name for path in folder.iterdir())  # every file beside them
+    experts = "thinker.model.layers.2.mlp.experts"
+    assert torch.equal(loaded["thinker.model.language_model.layers.2.mlp.experts.gate_up_proj"],
+                       torch.stack([torch.cat([written[f"{experts}.{e}.gate_proj.weight"],
+                                               written[f"{experts}.{e}.up_proj.weight"]])
+                                    for e in range(4)]))
+
+
+@pytest.mark.parametrize("thinker_only", [False, True], ids=["whole", "thinker-only"])
+def test_the_folder_splits_into_five_parts_and_carried_tensors(omni, tmp_path, thinker_only):
+    """Every tensor of a whole folder, or of a thinker-only save (no ``thinker.`` prefix), is
+    mapped by exactly one of the towers, their projections and the language model and left out
+    by the others, or carried (talker, code2wav) and left out by all; each part's names are the
+    folder's."""
+    from megatron_plugins.weights.audio_families import QWEN3_OMNI_AUDIO
+    from megatron_plugins.weights.hf_folder import HFCheckpoint
+    from megatron_plugins.weights.vision_families import QWEN3_OMNI_VISION
+    from megatron_plugins.weights.vlm_families import QWEN3_OMNI_MOE, part_families, read_vlm
+
+    folder = (save_tiny_qwen3_omni(tmp_path / "thinker", thinker_only=True) if thinker_only
+              else omni[0])
+    vlm, config = read_vlm(str(folder))
+    assert vlm is QWEN3_OMNI_MOE
+    names = HFCheckpoint(folder, "--hf-model").names()
+    audio = part_families(vlm, config, QWEN3_OMNI_AUDIO, names)
+    vision = part_families(vlm, config, QWEN3_OMNI_VISION, names)
+    parts = (audio.tower, audio.projector, vision.tower, vision.projector, vision.language)
+    prefix = "" if thinker_only else "thinker."
+    assert vision.projector.bind("0.deepstack.1.mlp.encoder.linear_fc2.weight").hf == (
+        f"{prefix}visual.merger_list.1.mlp.2.weight",)
+    assert vision.language.bind("decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight"
+                                ).hf == (f"{prefix}model.layers.3.mlp.experts.2.gate_proj.weight",
+                                         f"{prefix}model.layers.3.mlp.experts.2.up_proj.weight")
+    assert audio.projector.bind("0.proj2.bias").hf == (f"{prefix}audio_tower.proj2.bias",)
+    assert any(re.match(CARRIED, name) for name in names) is not thinker_only
+    maps = {part.name: {hf.format(layer=layer, expert=expert) for rule in part.rules
+                        for hf in rule.hf for layer in range(4) for expert in range(4)}
+            for part in parts}
+    for name in names:
+        owners = [part.name for part in parts if name in maps[part.name]]
+        assert len(owners) == (0 if re.match(CARRIED, name) else 1), (name, owners)
+        # every other part leaves it out on purpose, so a load of that part accounts for it
+        assert all(part.is_unused(name) for part in parts if part.name not in owners), name
+
+
+def test_a_config_megatron_would_compute_differently_is_one_line(omni, tmp_path, monkeypatch):
+    """A thinker whose language model mixes dense MLP layers among its MoE layers is refused in
+    one line naming config.json's field."""
+    import json
+
+    from tests.models.hf_vlm import bad_input, edited, vlm_flags
+
+    folder = omni[0]
+    thinker = json.loads((folder / "config.json").read_text())["thinker_config"]
+    dense = edited(folder, tmp_path / "dense", config={"thinker_config": {
+        **thinker, "text_config": {**thinker["text_config"], "mlp_only_layers": [1]}}})
+    grids = ("image:dp=1", "audio:dp=1", "language:dp=1")
+    assert bad_input(vlm_flags(dense, grids), monkeypatch, world_size=3) == (
+        "config.json mlp_only_layers = [1] is not supported (every layer must be an MoE layer); "
+        "only [] can be imported")
+
+
+def test_one_notice_at_start_names_the_carried_talker_and_code2wav(omni, capsys):
+    """Before any process group, the launch's check of the folder says once (rank 0) which
+    tensors no module trains."""
+    from types import SimpleNamespace
+
+    from megatron_plugins.weights.flags import check_hf_model, expand_hf_model
+    from tests.models.hf_vision import plugin
+
+    folder = omni[0]
+    args = SimpleNamespace(hf_model=str(folder), language_hf_weights=None, mimo_encoders=None,
+                           encoder_hf_weights=None)
+    expand_hf_model(args)
+    assert args.mimo_encoders == {"image": "qwen3_omni_vision", "audio": "qwen3_omni_audio"}
+    check_hf_model(args, {name: plugin(provider, folder)
+                          for name, provider in args.mimo_encoders.items()})
+    notice = capsys.readouterr().err
+    assert notice.count("\n") == 1 and "notice:" in notice, notice
+    assert f"{folder}: 102 tensors of no module here" in notice
+    assert "(code2wav.*, the talker and code2wav)" in notice

@@ -263,7 +263,7 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor,
             rows = sum(plugin.item_tokens(media_size(i)) for i in media_items)
             features[name] = torch.empty(rows, (1 + plugin.deepstack_levels) * hidden)
             dist.recv(features[name], src=topology.grids[name].rank_offset)
-        image, audio = (mimo.special_token_ids[name] for name in ENCODERS)
+        image, audio = (mimo.special_token_ids[name] for name in ("image", "audio"))
         if isinstance(items["image"][-1], Video):  # the last item; its sound the last clip
             *clip_layouts, (sound_tokens, _) = layouts[audio]
             video_layout = layouts[image].pop()

@@ -259,7 +259,7 @@ def test_an_export_whose_base_folder_changed_is_one_line(runs, tmp_path):
     saved = weights.read_bytes()
     try:
         weights.write_bytes(saved[:-8] + bytes(8))
-        with pytest.raises(HFWeightsError, match="the checkpoint left language's frozen weights "
+        with pytest.raises(HFWeightsError, match="the checkpoint left image's frozen weights "
                                                  "out, to be read from --hf-model .* which has "
                                                  "changed"):
             export(runs["root"] / "lora", tmp_path / "out", progress=False)

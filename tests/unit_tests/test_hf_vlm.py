@@ -108,7 +108,8 @@ def test_bad_whole_vlm_input_is_one_line_naming_the_flag(llava, tmp_path, monkey
         "Qwen2_5_VLForConditionalGeneration, LlavaNextForConditionalGeneration, "
         "Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration, "
         "Qwen3_5MoeForConditionalGeneration, Qwen2_5OmniForConditionalGeneration, "
-        "Qwen2_5OmniThinkerForConditionalGeneration")
+        "Qwen2_5OmniThinkerForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration, "
+        "Qwen3OmniMoeThinkerForConditionalGeneration")
     origin = f"{HF_MODEL_FLAG} {folder} (LlavaForConditionalGeneration)"
     flags = vlm_flags(folder, grids)
     assert bad_input([*flags, "--encoder", "image=siglip"], monkeypatch) == (

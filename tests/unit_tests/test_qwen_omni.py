@@ -37,8 +37,15 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def omni(tmp_path_factory):
-    folder = save_tiny_omni(tmp_path_factory.mktemp("qwen_omni") / "omni")
+def folder(tmp_path_factory):
+    """The tiny whole Qwen2.5-Omni folder."""
+    return save_tiny_omni(tmp_path_factory.mktemp("qwen_omni") / "omni")
+
+
+@pytest.fixture(scope="module")
+def omni(folder):
+    """The folder, the sample and transformers' thinker logits on it (only the tests comparing
+    logits pay for them)."""
     ids = sample(folder)
     return folder, ids, hf_thinker_logits(folder, ids)
 
@@ -58,7 +65,7 @@ def test_whole_qwen2_5_omni_reproduces_transformers_logits_on_images_clips_and_a
     assert diff < TOLERANCE
 
 
-def test_the_folder_splits_into_five_parts_and_carried_tensors(omni):
+def test_the_folder_splits_into_five_parts_and_carried_tensors(folder):
     """Every tensor belongs to exactly one of the towers, their projections and the language
     model, or is carried (talker, token2wav, the audio bos / eos embedding)."""
     from megatron_plugins.weights.audio_families import QWEN2_5_OMNI_AUDIO
@@ -66,7 +73,6 @@ def test_the_folder_splits_into_five_parts_and_carried_tensors(omni):
     from megatron_plugins.weights.vision_families import QWEN2_5_OMNI_VISION
     from megatron_plugins.weights.vlm_families import part_families, read_vlm
 
-    folder = omni[0]
     vlm, config = read_vlm(str(folder))
     names = HFCheckpoint(folder, "--hf-model").names()
     audio = part_families(vlm, config, QWEN2_5_OMNI_AUDIO, names)
@@ -98,10 +104,10 @@ LORA = ("--lora", "image:rank=4,alpha=8", "--lora", "audio:rank=4,alpha=8",
 
 
 @pytest.fixture(scope="module")
-def trained(omni, tmp_path_factory):
+def trained(folder, tmp_path_factory):
     """Three SGD steps on the mock data (images, clips of 0.1 to 1.3 s) at one rank per module,
     saved; its losses, trained tensors and streamed pieces."""
-    return train_reference(omni[0], tmp_path_factory.mktemp("qwen_omni_training"),
+    return train_reference(folder, tmp_path_factory.mktemp("qwen_omni_training"),
                            *ONE_RANK_EACH, OMNI_TRAIN)
 
 
@@ -143,14 +149,13 @@ def test_both_encoders_on_grids_of_their_own_colocated_packed_and_language_cp_tr
 
 @pytest.mark.timeout(600)
 @pytest.mark.multirank
-def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp_path):
+def test_lora_on_both_towers_and_the_language_model_trains_identically(folder, tmp_path):
     """LoRA on the vision tower, the audio tower and the language model (the towers'
     projections trained fully) trains the same with both towers at TP 2, the audio tower
     colocated on the language's DP 2 ranks; only adapted linears and the projections move."""
     from tests.models.hf import safetensors_of
     from tests.models.hf_vlm import assert_trains_like, sgd_run
 
-    folder = omni[0]
     reference = sgd_run(folder, tmp_path, "reference", ONE_RANK_EACH[1], ONE_RANK_EACH[0],
                         (*OMNI_TRAIN, *LORA))
     colocated = sgd_run(folder, tmp_path, "colocated", 4,
@@ -214,7 +219,7 @@ def test_a_zero_learning_rate_run_exports_the_folder_s_own_bytes(trained):
         folder / "spk_dict.pt").read_bytes()
 
 
-def test_an_omni_folder_with_a_part_not_handled_is_one_line(omni, tmp_path, monkeypatch):
+def test_an_omni_folder_with_a_part_not_handled_is_one_line(folder, tmp_path, monkeypatch):
     """A tensor no part maps or carries (a head this import does not know), and an audio
     tower setting Megatron's layers would compute differently, each stop the run in one line
     before any process group."""
@@ -222,7 +227,6 @@ def test_an_omni_folder_with_a_part_not_handled_is_one_line(omni, tmp_path, monk
 
     from tests.models.hf_vlm import bad_input, edited, vlm_flags
 
-    folder = omni[0]
     grids = ONE_RANK_EACH[0]
     extra = edited(folder, tmp_path / "extra", tensors={"thinker.extra_head.weight":
                                                         torch.zeros(2, 2)})
@@ -247,7 +251,7 @@ OMNI_ITEMS = [("text", 3), ("video", (4, 16, 16, 2.0)), ("text", 2), ("audio", 1
 clips and an image, each run between its bos / eos as the Omni processor lays them out."""
 
 
-def test_tmrope_positions_of_videos_images_and_clips_equal_get_rope_index(omni):
+def test_tmrope_positions_of_videos_images_and_clips_equal_get_rope_index(folder):
     """Our positions for Qwen2.5-Omni's items (a video's temporal positions at the thinker's
     ``position_id_per_seconds``, the text after it past its last temporal position) equal the
     thinker's ``get_rope_index`` on the same items."""
@@ -257,7 +261,6 @@ def test_tmrope_positions_of_videos_images_and_clips_equal_get_rope_index(omni):
     from megatron_plugins.encoders.qwen2_5_omni_audio import audio_tokens, mel_frames
     from tests.models.hf_vision import plugin
 
-    folder = omni[0]
     vision, audio = plugin("qwen2_5_omni_vision", folder), plugin("qwen2_5_omni_audio", folder)
     ours, theirs, layouts, images, videos, seconds, frames = [], [], {IMAGE_TOKEN: [],
                                                                     AUDIO_TOKEN: []}, [], [], [], []

@@ -138,6 +138,8 @@ def encoder_rows(folder: str) -> list[Row]:
     from tests.models.qwen3_omni import FLOPS_CASES as QWEN3_OMNI_CASES
     from tests.models.qwen3_omni import flops_rows as qwen3_omni_audio_rows
     from tests.models.qwen3_omni import save_tiny as save_qwen3_omni
+    from tests.models.qwen3_omni import TEXT_HIDDEN as QWEN3_OMNI_HIDDEN
+    from tests.models.qwen3_omni_whole import save_tiny_qwen3_omni
     from tests.models.qwen3_5_whole import TEXT as QWEN3_5_TEXT
     from tests.models.qwen3_5_whole import save_whole
     from tests.models.qwen3_vlm import TEXT as QWEN3_TEXT
@@ -194,6 +196,10 @@ def encoder_rows(folder: str) -> list[Row]:
                              [_audio(13000 / 16000), _audio(21111 / 16000, seed=1)], 24))
     rows += qwen3_omni_audio_rows(str(save_qwen3_omni(root / "qwen3_omni")[0]),
                                   QWEN3_OMNI_CASES[:1])
+    qwen3_omni = save_tiny_qwen3_omni(root / "qwen3_omni_whole", thinker_only=True)
+    rows.append(_encoder_row("qwen3_omni_vision", "2 images, 2 DeepStack mergers",
+                             plugin("qwen3_omni_vision", qwen3_omni),
+                             _images((24, 40), (16, 16)), QWEN3_OMNI_HIDDEN))
     rows.append(_sensor_row())
     return rows
 

@@ -15,8 +15,9 @@ the samples it held, with the token count of each of the sample's items, into pe
 encoders adding and the language model subtracting them per (encoder, language replica); the sums
 ride in the global token-count all-reduce and must be zero. A sample whose items an encoder
 counts otherwise than its language replica lays them out (a wrong size, a lost item) fails it as
-a wrong key does. A rank hosting a colocated encoder holds one guard per module, summed and
-checked as one (:class:`GuardSet`).
+a wrong key does; so does a balanced replica that sent its rows in another assignment than the
+one the language's received order reads (same samples, other rows). A rank hosting a colocated
+encoder holds one guard per module, summed and checked as one (:class:`GuardSet`).
 """
 
 from __future__ import annotations
@@ -88,9 +89,15 @@ class DataMisalignmentError(RuntimeError):
     """An encoder replica embedded samples that are not the ones its language replica holds."""
 
 
+_Record = tuple[int, int, str, dict[str, tuple[int, ...]], dict[str, tuple[int, int]]]
+"""One held sample: microbatch, position, key, per encoder its item token counts and (balanced
+encoders) the (replica, row block) it travels in."""
+
+
 def _position_hash(microbatch: int, position: int, key: str, encoder: str,
-                   item_tokens: tuple[int, ...]) -> int:
-    text = f"{microbatch}|{position}|{key}|{encoder}|{','.join(map(str, item_tokens))}"
+                   item_tokens: tuple[int, ...], sender: tuple[int, ...]) -> int:
+    text = (f"{microbatch}|{position}|{key}|{encoder}|{','.join(map(str, item_tokens))}|"
+            f"{','.join(map(str, sender))}")
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -108,14 +115,15 @@ class AlignmentGuard:
     """
 
     def __init__(self, layout: ParallelLayout, module: str, rank_slice: RankSlice,
-                 witness: bool) -> None:
+                 witness: bool, balance: bool = False) -> None:
         self._encoders = [m.name for m in layout.encoders]
         self._language_dp = layout.language.dp
         self._module = module
         self._slice = rank_slice
         self._witness = witness
-        self._held: list[tuple[int, int, str, dict[str, tuple[int, ...]]]] = []
-        self._step_held: list[tuple[int, int, str, dict[str, tuple[int, ...]]]] = []
+        self._balanced = balanced_encoders(layout) if balance and module == LANGUAGE else {}
+        self._held: list[_Record] = []
+        self._step_held: list[_Record] = []
         self._microbatch = 0
 
     @property
@@ -131,20 +139,44 @@ class AlignmentGuard:
         if len(positions) != len(keys):
             raise ValueError(f"{len(keys)} keys recorded at {len(positions)} positions")
         if self._witness:
+            senders = self._senders(len(keys), item_tokens)
             self._held += [
                 (self._microbatch, position, key,
-                 {name: tuple(counts[index]) for name, counts in item_tokens.items()})
+                 {name: tuple(counts[index]) for name, counts in item_tokens.items()},
+                 {name: sent[index] for name, sent in senders.items()})
                 for index, (position, key) in enumerate(zip(positions, keys))]
         self._microbatch += 1
+
+    def _senders(self, samples: int, item_tokens: Mapping[str, Sequence[tuple[int, ...]]]
+                 ) -> dict[str, list[tuple[int, int]]]:
+        """Per balanced encoder, each sample's (replica within the fan-in group, row block within
+        that replica's output): on an encoder replica the blocks it sends, on a language replica
+        those its received order reads, so a replica that sent another assignment than the
+        language assumes (same samples, other rows) fails the check too."""
+        replicas = self._slice.balance_replicas
+        if self._module != LANGUAGE:
+            if replicas == 1:
+                return {}
+            return {self._module: [(self._slice.dp_rank % replicas, index)
+                                   for index in range(samples)]}
+        senders = {}
+        for name, group_replicas in self._balanced.items():
+            sent = [(0, 0)] * samples
+            for replica, indices in enumerate(assign_samples(item_tokens[name], group_replicas)):
+                for block, index in enumerate(indices):
+                    sent[index] = (replica, block)
+            senders[name] = sent
+        return senders
 
     def contribution(self) -> torch.Tensor:
         """This rank's signed hash sums for the step (zeros off witnesses); starts a new step."""
         sums = [0] * self.size
         sign = -1 if self._module == LANGUAGE else 1
-        for microbatch, position, key, item_tokens in self._held:
+        for microbatch, position, key, item_tokens, senders in self._held:
             replica = self._slice.language_replica(position)
             for name, counts in item_tokens.items():
-                value = _position_hash(microbatch, position, key, name, counts)
+                value = _position_hash(microbatch, position, key, name, counts,
+                                       senders.get(name, ()))
                 sums[self._encoders.index(name) * self._language_dp + replica] += sign * value
         self._step_held, self._held, self._microbatch = self._held, [], 0
         return torch.tensor([_as_int64(value) for value in sums], dtype=torch.int64)
@@ -201,9 +233,10 @@ class GuardSet:
 
 def _first_difference(witnesses: list, reduced: torch.Tensor, encoders: list[str],
                       language_dp: int) -> str:
-    """The first (microbatch, position) whose key or item token counts differ between an encoder
-    and the language."""
-    held = {(module, dp): (rank, {(k, p): (key, counts) for k, p, key, counts in records})
+    """The first (microbatch, position) whose key, item token counts or (balanced) sending
+    replica differ between an encoder and the language."""
+    held = {(module, dp): (rank, {(k, p): (key, counts, senders)
+                                  for k, p, key, counts, senders in records})
             for rank, module, dp, records in witnesses if records is not None}
     language = {}
     for (module, dp), (rank, samples) in held.items():
@@ -213,8 +246,9 @@ def _first_difference(witnesses: list, reduced: torch.Tensor, encoders: list[str
         if module == LANGUAGE:
             continue
         for slot in sorted(samples):
-            key, counts = samples[slot]
-            other_rank, (other_key, other_counts) = language.get(slot, (None, (None, {})))
+            key, counts, senders = samples[slot]
+            other_rank, (other_key, other_counts, other_senders) = language.get(
+                slot, (None, (None, {}, {})))
             where = (f"data misalignment at microbatch {slot[0]} of this step: encoder "
                      f"{module!r} dp rank {dp} (global rank {rank}) embedded sample {key!r}")
             if other_key != key:
@@ -223,6 +257,12 @@ def _first_difference(witnesses: list, reduced: torch.Tensor, encoders: list[str
             if other_counts.get(module) != counts[module]:
                 return (f"{where} as items of {list(counts[module])} tokens, but language global "
                         f"rank {other_rank} laid out runs of {list(other_counts.get(module, ()))}")
+            if other_senders.get(module) != senders.get(module):
+                return (f"{where} and sent it as row block {senders[module][1]} of fan-in "
+                        f"replica {senders[module][0]}, but language global rank {other_rank} "
+                        f"reads it from block {other_senders[module][1]} of replica "
+                        f"{other_senders[module][0]} (--balance-encoder-work assigned the "
+                        "samples differently on the two sides)")
     bad = [(encoders[i // language_dp], i % language_dp)
            for i in range(reduced.numel()) if reduced[i] != 0]
     return f"data misalignment between (encoder, language replica) pairs {bad}"

@@ -268,11 +268,14 @@ def is_witness(topology: HeteroTopology, module: str) -> bool:
     return pgc.tp.rank() == 0 and pgc.cp.rank() == 0 and pgc.pp.rank() == 0
 
 
-def alignment_guard(topology: HeteroTopology, micro_batch_size: int) -> GuardSet:
-    """The guards of this rank's training streams, one per active module."""
+def alignment_guard(topology: HeteroTopology, micro_batch_size: int,
+                    balance: bool = False) -> GuardSet:
+    """The guards of this rank's training streams, one per active module (``balance``:
+    ``--balance-encoder-work``, whose assignment they check too)."""
     return GuardSet(topology.layout, [
-        AlignmentGuard(topology.layout, module, rank_slice(topology, module, micro_batch_size),
-                       is_witness(topology, module))
+        AlignmentGuard(topology.layout, module,
+                       rank_slice(topology, module, micro_batch_size, balance),
+                       is_witness(topology, module), balance)
         for module in topology.active_modules])
 
 

@@ -194,8 +194,8 @@ def start(run: MimoRun) -> MimoSession:
     checkpoint_guards.write_layout(args.save, run.layout, dist.get_rank())
     model_build.ensure_global_memory_buffer()
     language = run.language
-    guard = (alignment_guard(topology, args.micro_batch_size) if args.data_alignment_check
-             else None)
+    guard = (alignment_guard(topology, args.micro_batch_size, args.balance_encoder_work)
+             if args.data_alignment_check else None)
     model = MimoBuildConfig(
         language=language,
         special_token_ids=run.source.special_token_ids,

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from megatron_plugins.data.addressing import AlignmentGuard, RankSlice
+from megatron_plugins.data.addressing import AlignmentGuard, RankSlice, _first_difference
 from megatron_plugins.data.balance import (
     assign_samples, balanced_encoders, received_order, sample_work
 )
@@ -90,7 +90,7 @@ def test_balanced_mock_replicas_embed_their_groups_samples_by_work_and_the_guard
     others = [*(RankSlice.of(layout, LANGUAGE, r, 2) for r in range(2)),
               RankSlice.of(layout, "audio", 0, 2, balance=True)]  # audio dp 1: not balanced
     opened = {(m.module, m.dp_rank): source.open("train", m, 8) for m in vision + others}
-    guards = {rank: AlignmentGuard(layout, rank[0], this, True)
+    guards = {rank: AlignmentGuard(layout, rank[0], this, True, balance=True)
               for rank, this in zip(opened, vision + others)}
     streams = {rank: MicrobatchStream(stream, this, guards[rank], writes_state=False,
                                       balanced=balanced_encoders(layout)
@@ -111,3 +111,38 @@ def test_balanced_mock_replicas_embed_their_groups_samples_by_work_and_the_guard
     assert moved, "no microbatch was rebalanced: the test samples are too uniform"
     total = sum(guard.contribution() for guard in guards.values())
     assert not total.any()
+
+
+def test_a_balanced_replica_sending_another_assignment_than_the_language_reads_fails_the_guard():
+    """Both vision replicas of language replica 0 embed its two samples, but swapped against the
+    assignment the language's received order reads: same keys and item counts per language
+    replica, other rows. The guard fires and says so."""
+    layout = _layout(4, 2)
+    counts = {"vision": [(8,), (4,)]}  # (audio's entries, unbalanced, left out)
+    assert assign_samples(counts["vision"], 2) == [[0], [1]]
+
+    def guard_sums(vision_positions: list[int]) -> tuple[torch.Tensor, list]:
+        language = AlignmentGuard(layout, LANGUAGE, RankSlice.of(layout, LANGUAGE, 0, 2), True,
+                                  balance=True)
+        language.record(["train/0", "train/1"], [0, 1], counts)
+        guards = [language]
+        for replica, position in enumerate(vision_positions):
+            vision = AlignmentGuard(layout, "vision",
+                                    RankSlice.of(layout, "vision", replica, 2, balance=True),
+                                    True, balance=True)
+            vision.record([f"train/{position}"], [position],
+                          {"vision": [counts["vision"][position]]})
+            guards.append(vision)
+        total = sum(guard.contribution() for guard in guards)
+        return total, [(rank, *guard.witness_records()) for rank, guard in enumerate(guards)]
+
+    total, _ = guard_sums([0, 1])
+    assert not total.any()
+    total, witnesses = guard_sums([1, 0])
+    assert total[0] != 0 and not total[1:].any()  # (vision, language replica 0)
+    message = _first_difference(witnesses, total, ["vision", "audio"], 2)
+    assert message == (
+        "data misalignment at microbatch 0 of this step: encoder 'vision' dp rank 0 (global "
+        "rank 1) embedded sample 'train/1' and sent it as row block 0 of fan-in replica 0, but "
+        "language global rank 0 reads it from block 0 of replica 1 (--balance-encoder-work "
+        "assigned the samples differently on the two sides)")

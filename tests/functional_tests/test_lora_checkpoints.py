@@ -172,11 +172,10 @@ def test_every_parts_learning_rate_is_in_the_log_and_in_tensorboard(runs):
 
 @pytest.fixture(scope="module")
 def exported(runs) -> Path:
-    from tests.models.hf import export_rank
+    from tests.models.hf import export_checkpoints
 
     out = runs["root"] / "out"
-    run_in_processes(export_rank, 1, args=([(str(runs["root"] / "lora"), str(out),
-                                             {"progress": False})],), timeout=300)
+    export_checkpoints([(str(runs["root"] / "lora"), str(out), {"progress": False})], timeout=300)
     return out
 
 

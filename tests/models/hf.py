@@ -377,3 +377,12 @@ def export_rank(jobs: list[tuple[str, str, dict[str, Any]]]) -> None:
 
     for checkpoint, output, options in jobs:
         export(checkpoint, output, **options)
+
+
+def export_checkpoints(jobs: list[tuple[str, str, dict[str, Any]]], timeout: float = 120) -> None:
+    """:func:`export_rank` in one process forked from the simulated ranks' server, which has
+    Megatron imported already (a fresh interpreter spends ~14 s of CPU importing it first);
+    ``test_hf_export`` runs the tool in a fresh interpreter, as users do."""
+    from tests.harness.multiprocess import run_in_processes
+
+    run_in_processes(export_rank, 1, args=(jobs,), timeout=timeout, simulated=True)

@@ -306,7 +306,6 @@ def train_and_export(folder: Path, provider: str, encoder_folder: str | Path,
     encoder TP 2) starts from ``encoder_folder``, trained 2 steps, saved and exported to
     ``folder / "out"``: the live encoder's streamed tensors (assembled) and the export folder."""
     from megatron_plugins.weights.streaming import assemble
-    from tests.harness.multiprocess import run_in_processes
     from tests.models import hf as hf_models
 
     language = hf_models.save_tiny("llama", folder / "llama")
@@ -318,8 +317,7 @@ def train_and_export(folder: Path, provider: str, encoder_folder: str | Path,
                                         "--mock-items-per-sample", "1", "--train-iters", "2",
                                         "--save", str(checkpoint), "--save-interval", "2"),
         module="vision", encoder=encoder)
-    run_in_processes(hf_models.export_rank, 1,
-                     args=([(str(checkpoint), str(out), {"progress": False})],), timeout=120)
+    hf_models.export_checkpoints([(str(checkpoint), str(out), {"progress": False})])
     return assemble(piece for rank in pieces for piece in rank), out
 
 

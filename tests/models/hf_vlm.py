@@ -223,11 +223,10 @@ def resave(folder: str | Path, root: Path, name: str, nproc: int, grids: tuple[s
 
 def export(root: Path, names: tuple[str, ...]) -> None:
     """``tools/export_hf.py`` of each checkpoint ``root/name`` to ``root/out_name``."""
-    from tests.harness.multiprocess import run_in_processes
-    from tests.models.hf import export_rank
+    from tests.models.hf import export_checkpoints
 
-    jobs = [(str(root / name), str(root / f"out_{name}"), {"progress": False}) for name in names]
-    run_in_processes(export_rank, 1, args=(jobs,), timeout=120)
+    export_checkpoints([(str(root / name), str(root / f"out_{name}"), {"progress": False})
+                        for name in names])
 
 
 def bad_input(argv: list[str], monkeypatch: Any, world_size: int = 2) -> str:

@@ -57,6 +57,7 @@ def read_rank(jobs: list[tuple[str, str]]) -> list[dict[str, np.ndarray]]:
 
 
 def read_modules(jobs: list[tuple[str, str]]) -> list[dict[str, np.ndarray]]:
-    """:func:`read_rank` in a spawned process (it starts a one-rank process group)."""
-    [found] = run_in_processes(read_rank, 1, args=(jobs,), timeout=120)
+    """:func:`read_rank` in a process forked from the simulated ranks' server (it starts a
+    one-rank process group; the server has Megatron imported)."""
+    [found] = run_in_processes(read_rank, 1, args=(jobs,), timeout=120, simulated=True)
     return found

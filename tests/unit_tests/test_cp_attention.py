@@ -124,8 +124,9 @@ def _run_rank() -> list[dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def cp2_ranks() -> list[list[dict[str, object]]]:
-    """Every case on 2 gloo ranks, in one launch (CI time)."""
-    return run_in_processes(_run_rank, 2, timeout=120)
+    """Every case on 2 gloo ranks, in one launch forked from the simulated ranks' server, which
+    has Megatron imported (CI time)."""
+    return run_in_processes(_run_rank, 2, timeout=120, simulated=True)
 
 
 @pytest.mark.multirank

@@ -1,7 +1,8 @@
 """``--hf-model DIR`` with a whole Qwen2.5-Omni folder: its audio tower (2-chunk windows, per-chunk
 positions, pooled), its vision tower and its TMRoPE language model, each a module on its own
-grid, give transformers' thinker logits on one sample of two images, two clips of different
-lengths and a video with its sound interleaved (``use_audio_in_video``); every tensor of the
+grid or the audio tower colocated on the language's, give transformers' float64 thinker logits
+on one sample of two images, two clips of different lengths and a video with its sound
+interleaved (``use_audio_in_video``); every tensor of the
 three modules streams back unchanged, the talker and token2wav are carried (no module's). The
 folder trains identically across layouts, from transformers' loss, and exports back."""
 
@@ -28,12 +29,16 @@ from tests.models.qwen_omni import (
 )
 
 TOLERANCE = 1e-5
+"""Our float32 logits against transformers' float64 ones, relative to their largest magnitude."""
 
 LAYOUTS = {
     "one-rank-per-module": (("image:dp=1", "audio:dp=1", "language:dp=1"), 3),
     "audio-tp2-language-pp2": (("image:dp=1", "audio:tp=2", "language:pp=2"), 5),
-    "both-encoders-tp2": (("image:tp=2", "audio:tp=2", "language:dp=1"), 5),
+    "vision-tp2-own-audio-tp2-colocated": (("image:tp=2", "audio:tp=2@language",
+                                            "language:dp=2"), 4),
 }
+"""(``--grid`` values, ranks) by test id: the last has the vision tower on ranks of its own, the
+audio tower on the language's (both replicas take the sample)."""
 
 
 @pytest.fixture(scope="module")

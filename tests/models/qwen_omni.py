@@ -384,6 +384,26 @@ def train_reference(folder: Path, root: Path, grids: tuple[str, ...], nproc: int
                                   assemble(p for rank in pieces for p in rank))
 
 
+def assert_lora_trains_like(folder: Path, root: Path, reference: tuple[tuple[str, ...], int],
+                            other: tuple[tuple[str, ...], int], extra: tuple[str, ...],
+                            *moving: str) -> set[str]:
+    """Short SGD runs of ``folder`` with ``extra`` (its ``--lora`` flags) at ``reference`` and
+    ``other`` ((grids, ranks) each) train identically, and the trained tensors that differ from
+    the folder's are exactly those whose names match one of ``moving`` (regexes, from the
+    name's start); returns them."""
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import assert_trains_like, sgd_run
+
+    first = sgd_run(folder, root, "reference", reference[1], reference[0], extra)
+    assert_trains_like(first, sgd_run(folder, root, "other", other[1], other[0], extra),
+                       f"lora {' '.join(other[0])}")
+    original = safetensors_of(folder)
+    moved = {name for name, tensor in first[1].items() if not torch.equal(tensor, original[name])}
+    expected = {name for name in first[1] if any(re.match(p, name) for p in moving)}
+    assert moved == expected, (sorted(moved - expected), sorted(expected - moved))
+    return moved
+
+
 def export_two_layouts(folder: Path, root: Path, pieces: list[list[Any]],
                        resaved: tuple[tuple[str, ...], int], extra: tuple[str, ...],
                        untrained: tuple[str, ...], moved: tuple[str, ...],

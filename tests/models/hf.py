@@ -231,7 +231,7 @@ def built_then(argv: list[str], after: Any) -> dict[str, Any]:
     try:
         builder = session.config.model.get_builder_cls()(session.config.model)
         [mimo] = builder.build_distributed_models(wrap_with_ddp=False)
-        [module] = session.topology.active_modules
+        [module] = ["language"] if session.topology.hosted else session.topology.active_modules
         return {"module": module, **after(session, mimo)}
     finally:
         session.close()

@@ -85,9 +85,9 @@ def hf_features(folder: str | Path, clips_: list[np.ndarray]) -> list[np.ndarray
             for features, mask in zip(out["input_features"], out["attention_mask"])]
 
 
-def hf_tower(folder: str | Path) -> Any:
+def hf_tower(folder: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """transformers' ``Qwen3OmniMoeAudioEncoder`` of the folder's config.json with its saved
-    tensors (fp32, eval)."""
+    tensors (in ``dtype``, eval)."""
     import transformers
     from safetensors.torch import load_file
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
@@ -100,21 +100,22 @@ def hf_tower(folder: str | Path) -> Any:
     tower = hf.Qwen3OmniMoeAudioEncoder((config.thinker_config if whole else config
                                          ).audio_config)
     tower.load_state_dict(tensors, strict=True)
-    return tower.float().eval()
+    return tower.to(dtype).eval()
 
 
-def hf_output(folder: str | Path, clips_: list[np.ndarray]) -> np.ndarray:
-    """transformers' audio tower output of each clip given alone (processor then tower),
-    concatenated: ``[tokens, output_dim]``."""
-    tower = hf_tower(folder)
-    outputs = []
-    with torch.no_grad():
-        for clip in clips_:
-            [features] = hf_features(folder, [clip])
-            outputs.append(tower(input_features=torch.from_numpy(features),
-                                 feature_lens=torch.tensor([features.shape[1]])
-                                 ).last_hidden_state)
-    return torch.cat(outputs).numpy()
+def hf_output(folder: str | Path, clips_: list[np.ndarray],
+              dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """transformers' audio tower output of each clip given alone (processor then tower, the
+    processor's float32 features widened to ``dtype``), concatenated: ``[tokens, output_dim]``.
+    In float64 the tower's float32 casts stay float64
+    (:func:`~tests.harness.gated_delta_net.float64_throughout`; a no-op on float32 tensors)."""
+    from tests.harness.gated_delta_net import float64_throughout
+
+    tower = hf_tower(folder, dtype)
+    features = [torch.from_numpy(hf_features(folder, [clip])[0]).to(dtype) for clip in clips_]
+    with torch.no_grad(), float64_throughout():
+        return torch.cat([tower(input_features=f, feature_lens=torch.tensor([f.shape[1]])
+                                ).last_hidden_state for f in features]).numpy()
 
 
 def plugin(folder: str | Path | None, tp: int = 1) -> Any:

@@ -131,42 +131,50 @@ def sample(folder: str | Path) -> torch.Tensor:
                           30, *audio_runs[1], 12, 3]])
 
 
-def hf_thinker(folder: str | Path) -> Any:
-    """transformers' thinker of the folder (fp32, eval), given the vision start id its config
-    lacks (its ``get_rope_index`` finds the images' starts by it)."""
+def hf_thinker(folder: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' thinker of the folder (in ``dtype``, eval; in float64 its experts looped,
+    as its grouped matmul has no float64), given the vision start id its config lacks (its
+    ``get_rope_index`` finds the images' starts by it)."""
     import transformers
 
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     model = transformers.Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32)
+        folder, dtype=dtype, **experts)
     model.config.vision_start_token_id = VISION_WRAPPING[0]
     return model.eval()
 
 
 def hf_thinker_forward(model: Any, folder: str | Path, ids: torch.Tensor,
                        pictures: list[np.ndarray], sounds: list[np.ndarray]) -> torch.Tensor:
-    """The thinker's logits on one sample: its image inputs, each clip's audio features as
-    transformers computes a clip given alone (:func:`tests.models.qwen3_omni.hf_output`: a
-    batch would pad the shorter clip's waveform and chunks), its ``get_rope_index`` positions
-    (each clip's mel frames), its DeepStack."""
+    """The thinker's logits on one sample, in the model's dtype (float64: its float32 casts
+    inside, norms' and rotary's, kept float64 by
+    :func:`~tests.harness.gated_delta_net.float64_throughout`, a no-op on float32 tensors): its
+    image inputs, each clip's audio features as transformers computes a clip given alone
+    (:func:`tests.models.qwen3_omni.hf_output`: a batch would pad the shorter clip's waveform
+    and chunks), its ``get_rope_index`` positions (each clip's mel frames), its DeepStack."""
+    from tests.harness.gated_delta_net import float64_throughout
     from tests.models.qwen3_omni import hf_features, hf_output
 
     inputs = processor(folder)(pictures, return_tensors="pt") if pictures else {}
+    pixels = inputs.get("pixel_values")
+    embeds = model.get_input_embeddings()(ids).detach()
     frames = None
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(ids)
-        if sounds:
-            embeds[ids == AUDIO_TOKEN] = torch.from_numpy(hf_output(folder, sounds))
-            frames = torch.tensor([hf_features(folder, [clip])[0].shape[1] for clip in sounds])
+    if sounds:
+        embeds[ids == AUDIO_TOKEN] = torch.from_numpy(hf_output(folder, sounds, model.dtype))
+        frames = torch.tensor([hf_features(folder, [clip])[0].shape[1] for clip in sounds])
+    with torch.no_grad(), float64_throughout():
         positions, _ = model.model.get_rope_index(ids, inputs.get("image_grid_thw"), None,
                                                   torch.ones_like(ids), False, frames, None)
         return model(input_ids=ids, inputs_embeds=embeds, position_ids=positions,
-                     pixel_values=inputs.get("pixel_values"),
+                     pixel_values=None if pixels is None else pixels.to(model.dtype),
                      image_grid_thw=inputs.get("image_grid_thw")).logits
 
 
 def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
-    """transformers' thinker on the sample (:func:`hf_thinker_forward`), fp32."""
-    return hf_thinker_forward(hf_thinker(folder), folder, ids, images(), clips()).numpy()
+    """transformers' thinker on the sample (:func:`hf_thinker_forward`) in float64: the exact
+    reference for our float32 run."""
+    return hf_thinker_forward(hf_thinker(folder, torch.float64), folder, ids, images(),
+                              clips()).numpy()
 
 
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,

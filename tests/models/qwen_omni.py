@@ -197,13 +197,18 @@ def sample(folder: str | Path) -> torch.Tensor:
 
 
 def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
-    """transformers' thinker forward on the sample (fp32) at the TMRoPE positions of its
-    ``get_rope_index``, given the ``vision_start_token_id`` the thinker config lacks (its
-    forward, without it, does not find the images' starts)."""
+    """transformers' thinker forward on the sample in float64 (its float32 casts inside, the
+    norms', kept float64: :func:`~tests.harness.gated_delta_net.float64_throughout`), the
+    processors' float32 inputs widened, at the TMRoPE positions of its ``get_rope_index``, given
+    the ``vision_start_token_id`` the thinker config lacks (its forward, without it, does not
+    find the images' starts): the exact reference for our float32 run. Its own float32 forward
+    is 4.6e-7 of the largest logit from it."""
     import transformers
 
+    from tests.harness.gated_delta_net import float64_throughout
+
     model = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32)
+        folder, dtype=torch.float64)
     model.config.vision_start_token_id = VISION_WRAPPING[0]
     pixels = qwen_processor(folder)(images(), return_tensors="pt")
     audio = hf_audio_inputs([*clips(), sound()])  # the video's sound after the clips
@@ -211,12 +216,13 @@ def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
     positions, _ = model.model.get_rope_index(
         ids, pixels["image_grid_thw"], videos["grid_thw"], torch.ones_like(ids), True,
         audio["feature_attention_mask"].sum(-1), torch.tensor([1.0]))
-    with torch.no_grad():
-        return model(input_ids=ids, pixel_values=pixels["pixel_values"],
+    with torch.no_grad(), float64_throughout():
+        return model(input_ids=ids, pixel_values=pixels["pixel_values"].double(),
                      image_grid_thw=pixels["image_grid_thw"],
-                     pixel_values_videos=videos["pixel_values"],
+                     pixel_values_videos=videos["pixel_values"].double(),
                      video_grid_thw=videos["grid_thw"], position_ids=positions,
-                     **audio).logits.numpy()
+                     input_features=audio["input_features"].double(),
+                     feature_attention_mask=audio["feature_attention_mask"]).logits.numpy()
 
 
 def media() -> dict[str, list[Any]]:
@@ -231,8 +237,10 @@ def media() -> dict[str, list[Any]]:
 def _forward(session: Any, mimo: Any, ids: torch.Tensor,
              items: dict[str, list[Any]]) -> dict[str, Any]:
     """One forward of the sample (``ids``, each encoder's ``items``) over the grids: each
-    encoder's TP rank 0 sends its rows (DeepStack levels beside them) to every language rank,
-    the first stage takes them, the last returns the whole logits."""
+    encoder on ranks of its own has its TP rank 0 send its rows (DeepStack levels beside them)
+    to every language rank, an encoder colocated on the language's ranks runs there (every rank
+    of its TP group computing the whole rows); the first stage takes them, the last returns the
+    whole logits."""
     import torch.distributed as dist
 
     from megatron_plugins.data.audio_in_video import interleaving
@@ -240,16 +248,19 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor,
     from megatron_plugins.media.codec import Video, media_size
     from tests.models.hf import hand_on
 
-    [module] = session.topology.active_modules
     mimo.eval()
     topology, length = session.topology, ids.shape[1]
+    module = "language" if "language" in topology.active_modules else topology.active_modules[0]
     pgc, grid = topology.module_pgs[module], topology.grids["language"]
     result = {"special_token_ids": dict(mimo.special_token_ids)}
+
+    def encoder_inputs(name: str) -> dict[str, Any]:
+        preprocessor = session.run.plugins[name].preprocessor()
+        return {name: preprocessor.collate([preprocessor(item) for item in items[name]])}
+
     with torch.no_grad():
         if module != "language":
-            preprocessor = session.run.plugins[module].preprocessor()
-            inputs = preprocessor.collate([preprocessor(item) for item in items[module]])
-            outputs, _ = mimo(input_ids=ids, modality_inputs={module: {module: inputs}})
+            outputs, _ = mimo(input_ids=ids, modality_inputs={module: encoder_inputs(module)})
             if pgc.tp.rank() == 0:
                 for rank in range(grid.rank_offset, grid.rank_offset + grid.size):
                     dist.send(outputs[module].contiguous(), dst=rank)
@@ -260,6 +271,10 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor,
             plugin = session.run.plugins[name]
             layouts[mimo.special_token_ids[name]] = [item_layout(plugin, media_size(i))
                                                      for i in media_items]
+            if name in topology.hosted:
+                features[name] = mimo.modality_submodules[name](
+                    encoder_inputs=encoder_inputs(name), hidden_states=None)
+                continue
             rows = sum(plugin.item_tokens(media_size(i)) for i in media_items)
             features[name] = torch.empty(rows, (1 + plugin.deepstack_levels) * hidden)
             dist.recv(features[name], src=topology.grids[name].rank_offset)
@@ -367,6 +382,26 @@ def train_reference(folder: Path, root: Path, grids: tuple[str, ...], nproc: int
         "--save", str(root / "first"), "--save-interval", "3"))
     return root, folder, pieces, (read_scalars(root / "reference", "lm loss"),
                                   assemble(p for rank in pieces for p in rank))
+
+
+def assert_lora_trains_like(folder: Path, root: Path, reference: tuple[tuple[str, ...], int],
+                            other: tuple[tuple[str, ...], int], extra: tuple[str, ...],
+                            *moving: str) -> set[str]:
+    """Short SGD runs of ``folder`` with ``extra`` (its ``--lora`` flags) at ``reference`` and
+    ``other`` ((grids, ranks) each) train identically, and the trained tensors that differ from
+    the folder's are exactly those whose names match one of ``moving`` (regexes, from the
+    name's start); returns them."""
+    from tests.models.hf import safetensors_of
+    from tests.models.hf_vlm import assert_trains_like, sgd_run
+
+    first = sgd_run(folder, root, "reference", reference[1], reference[0], extra)
+    assert_trains_like(first, sgd_run(folder, root, "other", other[1], other[0], extra),
+                       f"lora {' '.join(other[0])}")
+    original = safetensors_of(folder)
+    moved = {name for name, tensor in first[1].items() if not torch.equal(tensor, original[name])}
+    expected = {name for name in first[1] if any(re.match(p, name) for p in moving)}
+    assert moved == expected, (sorted(moved - expected), sorted(expected - moved))
+    return moved
 
 
 def export_two_layouts(folder: Path, root: Path, pieces: list[list[Any]],

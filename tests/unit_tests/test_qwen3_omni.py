@@ -1,13 +1,14 @@
 """``--hf-model DIR`` with a whole Qwen3-Omni-MoE folder: its vision tower (Qwen3-VL-MoE's, with
 DeepStack into the first language layers), its audio tower (AuT) and its Qwen3-MoE language model
-with interleaved multimodal RoPE, each a module on its own grid, give transformers' thinker
-logits on one sample of two images and two clips at three layouts (experts split over EP 2 in
-one); every tensor of the modules streams back unchanged, the talker and code2wav are carried
-(one notice at start). One training run serves the rest: its first loss is transformers', the
-vision tower colocated and EP 2 train as it does, and its checkpoint and the same weights saved
-at another layout export one folder, byte for byte, which transformers loads; packed rows and
-language CP 2 train identically too (without the load-balancing loss). A thinker-only
-save splits into the same parts; a config Megatron would compute differently is one line."""
+with interleaved multimodal RoPE, each a module on its own grid or the vision tower colocated on
+the language's, give transformers' float64 thinker logits on one sample of two images and two
+clips at three layouts (experts split over EP 2 in one); every tensor of the modules streams
+back unchanged, the talker and code2wav are carried (one notice at start). One training run
+serves the rest: its first loss is transformers', the vision tower colocated with EP 2 trains as
+it does, and its checkpoint and the same weights saved at another layout export one folder, byte
+for byte, which transformers loads; LoRA on both towers and the language model, packed rows and
+language CP 2 (without the load-balancing loss) train identically too. A thinker-only save
+splits into the same parts; a config Megatron would compute differently is one line."""
 
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ from tests.models.qwen3_omni_whole import (
 from tests.models.qwen_omni import export_two_layouts, forward_diff, train_reference
 
 TOLERANCE = 1e-5
+"""Our float32 logits against transformers' float64 ones, relative to their largest magnitude."""
 CARRIED = r"talker\.|code2wav\."
 """The tensors of no module here: the talker and code2wav."""
+SPLIT = (("image:tp=2@language", "audio:tp=2", "language:dp=2,ep=2"), 4)
+"""The vision tower at TP 2 colocated on the language's DP 2 ranks, which split the experts
+(EP 2), the audio tower at TP 2 on ranks of its own."""
+
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
@@ -44,13 +50,17 @@ def omni(tmp_path_factory):
     pytest.param(("image:dp=1", "audio:dp=1", "language:dp=1"), 3, id="one-rank-per-module"),
     pytest.param(("image:tp=2", "audio:tp=2", "language:pp=2"), 6,
                  id="vision-tp2-audio-tp2-language-pp2"),
-    pytest.param(("image:dp=1", "audio:dp=1", "language:dp=2,ep=2"), 4, id="language-dp2-ep2")])
+    pytest.param(*SPLIT, id="vision-tp2-colocated-audio-tp2-own-language-dp2-ep2")])
 @pytest.mark.multirank
 def test_whole_qwen3_omni_reproduces_transformers_thinker_logits_and_streams_back(
         omni, grids, nproc):
+    """The last layout has the vision tower on the language's ranks (both replicas take the
+    sample; the experts split over them), the audio tower on ranks of its own."""
     folder, ids, want = omni
     tokens = {"image": IMAGE_TOKEN, "audio": AUDIO_TOKEN}
-    assert forward_diff(nproc, folder, grids, ids, want, media(), tokens, CARRIED) < TOLERANCE
+    diff = forward_diff(nproc, folder, grids, ids, want, media(), tokens, CARRIED)
+    print(f"{grids}: logits max relative difference {diff:.1e}")
+    assert diff < TOLERANCE
 
 
 ONE_RANK_EACH = (("image:dp=1", "audio:dp=1", "language:dp=1"), 3)
@@ -73,16 +83,38 @@ def trained(omni, tmp_path_factory):
 @pytest.mark.multirank
 def test_the_vision_tower_colocated_and_experts_split_train_identically(trained):
     """The vision tower at TP 2 colocated on the language's DP 2 ranks (its rows and DeepStack
-    levels routed to the replica that merges them), and the language's experts split over EP 2
-    with the audio tower at TP 2: each trains as one rank per module does, losses and every
-    trained tensor."""
+    levels routed to the replica that merges them), the language's experts split over those
+    ranks (EP 2) and the audio tower at TP 2 on ranks of its own train as one rank per module
+    does, losses and every trained tensor."""
     from tests.models.hf_vlm import assert_trains_like, sgd_run
 
     root, folder, _, reference = trained
-    for name, nproc, grids in (
-            ("vision-colocated", 3, ("image:tp=2@language", "audio:dp=1", "language:dp=2")),
-            ("audio-tp2-language-ep2", 5, ("image:dp=1", "audio:tp=2", "language:dp=2,ep=2"))):
-        assert_trains_like(reference, sgd_run(folder, root, name, nproc, grids, OMNI_TRAIN), name)
+    assert_trains_like(reference, sgd_run(folder, root, "split", SPLIT[1], SPLIT[0], OMNI_TRAIN),
+                       "vision-colocated-audio-tp2-language-ep2")
+
+
+LORA = ("--lora", "image:rank=4,alpha=8", "--lora", "audio:rank=4,alpha=8",
+        "--lora", "language:rank=4,alpha=8")
+"""LoRA on every linear of both towers' layers and on the language model's attention (LoRA does
+not adapt MoE experts); the towers' projections train fully."""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.multirank
+def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp_path):
+    """LoRA on the vision tower, the audio tower and the language model trains the same with
+    the vision tower at TP 2 colocated on the language's DP 2 ranks, its experts split over EP 2,
+    and the audio tower at TP 2 on ranks of its own; only the adapted linears (merged) and the
+    projections move: not the experts, the router, norms, biases, embeddings or convolutions."""
+    from tests.models.qwen_omni import assert_lora_trains_like
+
+    moved = assert_lora_trains_like(
+        omni[0], tmp_path, ONE_RANK_EACH, SPLIT, (*OMNI_TRAIN, *LORA),
+        r"thinker\.(audio_tower\.layers\.\d\.(fc\d|self_attn\.\w+_proj)|"
+        r"visual\.blocks\.\d\.(attn\.(qkv|proj)|mlp\.linear_fc\d)|"
+        r"model\.layers\.\d\.self_attn\.\w_proj)\.weight$",
+        r"thinker\.(audio_tower\.(ln_post|proj\d)|visual\.merger(_list)?)\.")
+    assert {n.split(".")[1] for n in moved} == {"audio_tower", "visual", "model"}
 
 
 @pytest.mark.timeout(600)

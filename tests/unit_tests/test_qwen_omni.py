@@ -1,7 +1,8 @@
 """``--hf-model DIR`` with a whole Qwen2.5-Omni folder: its audio tower (2-chunk windows, per-chunk
 positions, pooled), its vision tower and its TMRoPE language model, each a module on its own
-grid, give transformers' thinker logits on one sample of two images, two clips of different
-lengths and a video with its sound interleaved (``use_audio_in_video``); every tensor of the
+grid or the audio tower colocated on the language's, give transformers' float64 thinker logits
+on one sample of two images, two clips of different lengths and a video with its sound
+interleaved (``use_audio_in_video``); every tensor of the
 three modules streams back unchanged, the talker and token2wav are carried (no module's). The
 folder trains identically across layouts, from transformers' loss, and exports back."""
 
@@ -28,12 +29,16 @@ from tests.models.qwen_omni import (
 )
 
 TOLERANCE = 1e-5
+"""Our float32 logits against transformers' float64 ones, relative to their largest magnitude."""
 
 LAYOUTS = {
     "one-rank-per-module": (("image:dp=1", "audio:dp=1", "language:dp=1"), 3),
     "audio-tp2-language-pp2": (("image:dp=1", "audio:tp=2", "language:pp=2"), 5),
-    "both-encoders-tp2": (("image:tp=2", "audio:tp=2", "language:dp=1"), 5),
+    "vision-tp2-own-audio-tp2-colocated": (("image:tp=2", "audio:tp=2@language",
+                                            "language:dp=2"), 4),
 }
+"""(``--grid`` values, ranks) by test id: the last has the vision tower on ranks of its own, the
+audio tower on the language's (both replicas take the sample)."""
 
 
 @pytest.fixture(scope="module")
@@ -153,23 +158,15 @@ def test_lora_on_both_towers_and_the_language_model_trains_identically(folder, t
     """LoRA on the vision tower, the audio tower and the language model (the towers'
     projections trained fully) trains the same with both towers at TP 2, the audio tower
     colocated on the language's DP 2 ranks; only adapted linears and the projections move."""
-    from tests.models.hf import safetensors_of
-    from tests.models.hf_vlm import assert_trains_like, sgd_run
+    from tests.models.qwen_omni import assert_lora_trains_like
 
-    reference = sgd_run(folder, tmp_path, "reference", ONE_RANK_EACH[1], ONE_RANK_EACH[0],
-                        (*OMNI_TRAIN, *LORA))
-    colocated = sgd_run(folder, tmp_path, "colocated", 4,
-                        ("image:tp=2", "audio:tp=2@language", "language:dp=2"),
-                        (*OMNI_TRAIN, *LORA))
-    assert_trains_like(reference, colocated, "lora-colocated")
-    original = safetensors_of(folder)
-    moved = {name for name, tensor in reference[1].items()
-             if not torch.equal(tensor, original[name])}
-    adapted = re.compile(r"thinker\.(audio_tower\.layers\.\d\.(fc\d|self_attn\.\w+_proj)|"
-                         r"visual\.blocks\.\d\.(attn\.(q|k|v|proj)|mlp\.\w+_proj)|"
-                         r"model\.layers\.\d\.(self_attn|mlp)\.\w_?\w*_proj)\.weight$")
-    projections = re.compile(r"thinker\.(audio_tower\.(ln_post|proj)|visual\.merger\.mlp)\.")
-    assert moved == {n for n in reference[1] if adapted.match(n) or projections.match(n)}
+    moved = assert_lora_trains_like(
+        folder, tmp_path, ONE_RANK_EACH,
+        (("image:tp=2", "audio:tp=2@language", "language:dp=2"), 4), (*OMNI_TRAIN, *LORA),
+        r"thinker\.(audio_tower\.layers\.\d\.(fc\d|self_attn\.\w+_proj)|"
+        r"visual\.blocks\.\d\.(attn\.(q|k|v|proj)|mlp\.\w+_proj)|"
+        r"model\.layers\.\d\.(self_attn|mlp)\.\w_?\w*_proj)\.weight$",
+        r"thinker\.(audio_tower\.(ln_post|proj)|visual\.merger\.mlp)\.")
     assert any(n.startswith("thinker.audio_tower.layers.") for n in moved)
 
 

@@ -204,8 +204,8 @@ def plan_inputs(own: argparse.Namespace, argv: Sequence[str]) -> Planned:
         from megatron_plugins.launch.advise_workload import describe_data, run_workload
 
         run, probe = _parse_run(launch, providers)
-        for name in ("advise_items_per_sample", "advise_item_tokens", "advise_text_tokens",
-                     "advise_samples"):
+        for name in ("advise_items_per_sample", "advise_item_tokens", "advise_clip_seconds",
+                     "advise_text_tokens", "advise_samples"):
             setattr(run.args, name, getattr(own, name))
         data = describe_data(run.args, run.plugins, run.source, probe)
         workload = run_workload(run.args, run.plugins, data)
@@ -239,9 +239,11 @@ def layout_memory(argv: Sequence[str], layout: ParallelLayout, nodes: int,
                                      args.colocated_encoder_recompute)
         memory = candidate_memory(candidate, planned.workload, gpus, assumptions_from_args(own))
     fits = "fits" if memory.fits else "does NOT fit"
+    offloaded = planned.workload.optimizer_offloaded
+    cpu = f", optimizer state {offloaded:.0%} on the CPU" if offloaded else ""
     return (f"memory per rank (GiB, the advisor's model; {gpus.gpu.name}: "
-            f"{gpus.gpu.memory_gib:g} GiB, {memory.capacity:.1f} usable): {memory.per_rank()}; "
-            f"{fits}")
+            f"{gpus.gpu.memory_gib:g} GiB, {memory.capacity:.1f} usable{cpu}): "
+            f"{memory.per_rank()}; {fits}")
 
 
 def advise_main(argv: Sequence[str]) -> int:

@@ -47,7 +47,8 @@ def describe_data(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]
                   source: DataSource, layout: ParallelLayout) -> DataDescription:
     """The data the flags describe, else ``--advise-samples`` samples read from ``source``."""
     given = given_description(args, {name: plugin.tokens_per_item
-                                     for name, plugin in plugins.items()}, args.seq_length)
+                                     for name, plugin in plugins.items()}, args.seq_length,
+                              lambda name, seconds: _clip_tokens(plugins[name], seconds))
     if given is not None:
         return given
     if "num_workers" in {field.name for field in dataclasses.fields(source)}:
@@ -68,24 +69,59 @@ def describe_data(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]
     return description
 
 
+def _clip_tokens(plugin: EncoderPlugin, seconds: float) -> int:
+    """Positions a clip of ``seconds`` fills, by ``plugin``'s own count (``item_tokens``)."""
+    preprocessor = plugin.preprocessor()
+    flag = f"--advise-clip-seconds {plugin.name}={seconds:g}"
+    if preprocessor.media != "audio":
+        raise FlagError(f"{flag}: encoder {plugin.name} ({plugin.grid.provider}) takes "
+                        f"{preprocessor.media}s, not clips; give --advise-item-tokens "
+                        f"{plugin.name}=T")
+    rate = preprocessor.sample_rate or 16000
+    try:
+        return plugin.item_tokens((round(seconds * rate), rate))
+    except ValueError as error:
+        raise FlagError(f"{flag}: {error}") from None
+
+
+LONGEST_CLIP_S = 3600
+"""The longest clip tried to fill a given number of positions."""
+
+
+def _clip_samples(plugin: EncoderPlugin, tokens: int, rate: int) -> int:
+    """Samples at ``rate`` of the clip whose positions come closest to ``tokens`` (10 ms apart):
+    positions grow with a clip's length, so the search doubles, then halves."""
+    def count(samples: int) -> int:
+        try:
+            return plugin.item_tokens((samples, rate))
+        except ValueError:  # too short to be a clip
+            return 0
+
+    low, high = 1, rate
+    while count(high) < tokens and high < LONGEST_CLIP_S * rate:
+        low, high = high, 2 * high
+    while high - low > rate // 100:
+        middle = (low + high) // 2
+        low, high = (middle, high) if count(middle) < tokens else (low, middle)
+    return min((high, low), key=lambda samples: abs(count(samples) - tokens))
+
+
 def _item_size(plugin: EncoderPlugin, tokens: int) -> tuple[int, ...]:
     """A size of an item of ``plugin``'s media that fills ``tokens`` positions (the closest)."""
     preprocessor = plugin.preprocessor()
     if plugin.fixed_item_tokens:
         return example_size(preprocessor.media, preprocessor.sample_rate)
-    if preprocessor.media == "image":
-        sizes = [(side, side) for side in IMAGE_SIDES]
-    else:
+    if preprocessor.media != "image":
         rate = preprocessor.sample_rate or 16000
-        sizes = [(rate * tenths // 10, rate) for tenths in range(1, 601)]
+        return (_clip_samples(plugin, tokens, rate), rate)
     best, gap = None, None
-    for size in sizes:
+    for side in IMAGE_SIDES:
         try:
-            found = abs(plugin.item_tokens(size) - tokens)
+            found = abs(plugin.item_tokens((side, side)) - tokens)
         except ValueError:
             continue
         if gap is None or found < gap:
-            best, gap = size, found
+            best, gap = (side, side), found
     if best is None:
         raise FlagError(f"--encoder {plugin.name}: no {preprocessor.media} size fills {tokens} "
                         "positions; give --advise-item-tokens it can fill")
@@ -126,13 +162,18 @@ def _encoder_work(plugin: EncoderPlugin, data: DataDescription, language: object
 
 
 def _state_bytes(args: argparse.Namespace) -> dict[str, float]:
-    """Bytes per parameter of weights, the gradient buffer and the optimizer state."""
+    """Bytes per parameter of weights, the gradient buffer and the optimizer state on the GPU
+    (``--optimizer-cpu-offload`` keeps ``--optimizer-offload-fraction`` of the state on the
+    CPU: Megatron's HybridDeviceOptimizer), and that fraction."""
     weights = args.params_dtype.itemsize
     grads = 4 if args.accumulate_allreduce_grads_in_fp32 or weights == 4 else weights
     main = args.main_params_dtype.itemsize if weights < 4 else 0
     moments = (args.exp_avg_dtype.itemsize + args.exp_avg_sq_dtype.itemsize
                if args.optimizer == "adam" else 4)
-    return {"bytes_per_param": weights, "grad_bytes": grads, "optimizer_bytes": main + moments}
+    offloaded = args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
+    return {"bytes_per_param": weights, "grad_bytes": grads,
+            "optimizer_bytes": (main + moments) * (1 - offloaded),
+            "optimizer_offloaded": offloaded}
 
 
 def run_workload(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin],

@@ -127,6 +127,10 @@ def format_advice(advice: Advice, workload: Workload, data: DataDescription,
                                       f"layers, hidden {shape.hidden})"
                                       for name, params, shape in modules)
                  + f"; global batch {workload.global_batch}")
+    if workload.optimizer_offloaded:
+        lines.append(f"optimizer state: {workload.optimizer_offloaded:.0%} on the CPU "
+                     "(--optimizer-cpu-offload), counted off each GPU's memory; its step is "
+                     "timed as on the GPU (the CPU's step and the copies are not modelled)")
     lines += data.lines()
     lines.append("assumptions:")
     lines += [f"  - {line}" for line in assumptions.lines([name for name, _, _ in modules])]

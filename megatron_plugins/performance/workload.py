@@ -237,7 +237,9 @@ class Workload:
     grad_bytes: float = 4.0
     """Main gradient bytes per parameter (the DDP buffer)."""
     optimizer_bytes: float = 12.0
-    """Optimizer state bytes per parameter (fp32 master copy and Adam's moments)."""
+    """Optimizer state bytes per parameter on the GPU (fp32 master copy and Adam's moments)."""
+    optimizer_offloaded: float = 0.0
+    """The share of the optimizer state held on the CPU (``--optimizer-cpu-offload``)."""
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
 

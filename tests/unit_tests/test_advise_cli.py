@@ -31,7 +31,7 @@ MODEL = ["--encoder", "vision=vit", *TINY_TRANSFORMER]
     ([*GPUS, *MODEL, "--advise-item-tokens", "vision=40"],
      "the data (given by flags) has samples of 40 positions, more than --seq-length 32: raise "
      "--seq-length or describe smaller samples (--advise-item-tokens, "
-     "--advise-items-per-sample, --advise-text-tokens)"),
+     "--advise-clip-seconds, --advise-items-per-sample, --advise-text-tokens)"),
     ([*GPUS, *MODEL, "--advise-objective", "speed"],
      "argument --advise-objective: invalid choice: 'speed' (choose from 'per-gpu', "
      "'throughput')"),

@@ -111,7 +111,8 @@ def test_every_assumption_is_printed_with_the_flag_that_overrides_it():
 
 def _data_flags(**values):
     return argparse.Namespace(**{"advise_items_per_sample": [], "advise_item_tokens": [],
-                                 "advise_text_tokens": None, **values})
+                                 "advise_clip_seconds": [], "advise_text_tokens": None,
+                                 **values})
 
 
 def test_a_data_description_beyond_the_rows_is_one_line_naming_the_flags():
@@ -121,7 +122,7 @@ def test_a_data_description_beyond_the_rows_is_one_line_naming_the_flags():
     assert str(error.value) == (
         "the data (given by flags) has samples of 40 positions, more than --seq-length 32: "
         "raise --seq-length or describe smaller samples (--advise-item-tokens, "
-        "--advise-items-per-sample, --advise-text-tokens)")
+        "--advise-clip-seconds, --advise-items-per-sample, --advise-text-tokens)")
     with pytest.raises(FlagError, match="^--advise-item-tokens audio=3: no encoder 'audio'"):
         given_description(_data_flags(advise_item_tokens=["audio=3"]), {"vision": 16}, 32)
     described = given_description(_data_flags(advise_text_tokens=5.0), {"vision": 16}, 32)

@@ -5,6 +5,7 @@
 # token; its preprocessor_config.json the tower's pixel range. Usage:
 #   bash examples/mimo/recipes/qwen2_5_vl/cpu_simulation.sh HF_MODEL_DIR [extra flags...]
 # Writes TensorBoard logs and a checkpoint under runs/qwen2_5_vl_cpu/ (or $MIMO_RUN_DIR).
+# MIMO_GRIDS replaces the --grid flags (another recipe's twin: its modules and layout).
 set -euo pipefail
 hf_model="${1:?usage: cpu_simulation.sh HF_MODEL_DIR [extra flags...]}"
 shift
@@ -16,7 +17,7 @@ python="$root/.venv/bin/python"
 cd "$root"
 exec "$python" -m torch.distributed.run --standalone --nproc-per-node 2 \
   examples/mimo/pretrain_mimo.py --cpu-simulation \
-  --hf-model "$hf_model" --grid image:dp=1 --grid language:dp=1 \
+  --hf-model "$hf_model" ${MIMO_GRIDS:---grid image:dp=1 --grid language:dp=1} \
   --tokenizer-type NullTokenizer --make-vocab-size-divisible-by 1 \
   --transformer-impl local --use-cpu-initialization \
   --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion \

@@ -1,0 +1,119 @@
+"""The advisor on a two-tower model, the Qwen3-Omni-30B-A3B thinker of the recipe's config-only
+folder: clips given in seconds are counted by the AuT tower's own formula (long clips priced in
+full), the layout it picks moves with the data's clips, and ``mimo-plan --gpu`` prices
+Megatron-Bridge's 8-GPU preset with and without its optimizer CPU offload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from megatron_plugins.compat import planning
+from megatron_plugins.errors import FlagError
+from tests.harness.multiprocess import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(600)  # the launch's parse, once for the module
+
+FOLDER = REPO_ROOT / "examples" / "mimo" / "recipes" / "qwen3_omni" / "qwen3_omni_30b_a3b_config"
+RUN = ["--hf-model", str(FOLDER), "--seq-length", "4096", "--micro-batch-size", "1",
+       "--global-batch-size", "32", "--bf16", "--use-distributed-optimizer", "--lr", "1e-5",
+       "--train-iters", "10"]
+OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+DATA = ["--advise-items-per-sample", "image=1", "--advise-item-tokens", "image=576"]
+
+
+@pytest.fixture(scope="module")
+def omni() -> Any:
+    """The recipe's run parsed as the advisor parses it (8 H100s, optimizer state on the CPU)."""
+    from megatron_plugins.launch.advise import advisor_flags, plan_inputs
+
+    own, rest = advisor_flags(["--gpus", "8", "--gpu", "h100-sxm", *RUN, *OFFLOAD, *DATA,
+                               "--advise-clip-seconds", "audio=20"])
+    with planning.transformer_engine_assumed():
+        return own, plan_inputs(own, rest)
+
+
+def _workload(planned: Any, clips: float, seconds: float) -> tuple[Any, Any]:
+    """The data and work of ``clips`` clips of ``seconds`` per sample beside one image."""
+    from megatron_plugins.launch.advise_workload import describe_data, run_workload
+
+    run = planned.run
+    run.args.advise_items_per_sample = ["image=1", f"audio={clips:g}"]
+    run.args.advise_clip_seconds = [f"audio={seconds:g}"]
+    data = describe_data(run.args, run.plugins, run.source, None)
+    return data, run_workload(run.args, run.plugins, data)
+
+
+def test_clips_in_seconds_are_counted_by_the_towers_formula_and_long_ones_in_full(omni):
+    from megatron_plugins.encoders.qwen3_omni_audio import audio_tokens
+
+    _, planned = omni
+    data, _ = _workload(planned, 2, 20)
+    assert planned.providers == {"image": "qwen3_omni_vision", "audio": "qwen3_omni_audio"}
+    # 20 s: 2000 mel frames in 100-frame chunks of 13 positions each.
+    assert data.encoders["audio"].item_tokens == ((audio_tokens(2000, 100), 1),) == ((260, 1),)
+    assert data.lines()[2] == ("  audio: 2.00 items per sample of 260.0 positions on average "
+                               "(clips of 20 s, counted by the encoder)")
+    # Clips longer than a minute (Qwen3-Omni's processor does not cut them) cost in proportion.
+    flops = {seconds: _workload(planned, 1, seconds)[1].encoder("audio").flops.model
+             for seconds in (60, 120)}
+    assert flops[120] / flops[60] == pytest.approx(2.0, rel=0.02)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--advise-clip-seconds", "image=3"],
+     "--advise-clip-seconds image=3: encoder image (qwen3_omni_vision) takes images, not clips; "
+     "give --advise-item-tokens image=T"),
+    (["--advise-item-tokens", "audio=40", "--advise-clip-seconds", "audio=3"],
+     "--advise-item-tokens audio=40 and --advise-clip-seconds audio=3: give one of them"),
+])
+def test_a_clip_length_for_no_clips_or_twice_described_is_one_line(omni, flags, message):
+    from megatron_plugins.launch.advise_workload import describe_data
+
+    own, planned = omni
+    args = planned.run.args
+    for name in ("advise_items_per_sample", "advise_item_tokens", "advise_clip_seconds"):
+        setattr(args, name, [])
+    for flag, value in zip(flags[::2], flags[1::2]):
+        getattr(args, flag[2:].replace("-", "_")).append(value)
+    with pytest.raises(FlagError) as error:
+        describe_data(args, planned.run.plugins, planned.run.source, None)
+    assert str(error.value) == message
+
+
+BRIDGE_8 = ["--grid", "image:tp=1,dp=8@language", "--grid", "audio:tp=1,dp=8@language",
+            "--grid", "language:tp=1,pp=1,dp=8,ep=8"]
+"""Megatron-Bridge's 8-GPU preset (TP 1 PP 1 EP 8, both towers beside every language replica),
+as this project launches it."""
+
+
+def test_bridges_8_gpu_preset_fits_only_with_its_optimizer_state_on_the_cpu(omni):
+    """``mimo-plan --gpu`` prices the preset's ranks with the state offloaded (it fits an
+    H100), and the same layout with the state on the GPU does not fit."""
+    from megatron_plugins.launch.advise import layout_memory
+    from megatron_plugins.launch.advise_workload import run_workload
+    from megatron_plugins.launch.preflight import check_run
+    from megatron_plugins.performance.assumptions import Assumptions
+    from megatron_plugins.performance.candidates import layout_candidate
+    from megatron_plugins.performance.gpus import hardware
+    from megatron_plugins.performance.memory import candidate_memory
+
+    _, planned = omni
+    argv = [*RUN, *OFFLOAD, *BRIDGE_8]
+    layout = check_run(argv, 8, quiet=True).layout
+    line = layout_memory(["--gpu", "h100-sxm", *DATA, "--advise-clip-seconds", "audio=20",
+                          *argv], layout, 1, 8)
+    assert line.startswith("memory per rank (GiB, the advisor's model; h100-sxm: 79.2 GiB, "
+                           "69.3 usable, optimizer state 100% on the CPU): language stage 0 ")
+    assert line.endswith("; fits")
+    run = planned.run
+    run.args.optimizer_cpu_offload = False
+    try:
+        on_gpu = run_workload(run.args, run.plugins, planned.data)
+    finally:
+        run.args.optimizer_cpu_offload = True
+    assert on_gpu.optimizer_offloaded == 0 and planned.workload.optimizer_offloaded == 1
+    memory = candidate_memory(layout_candidate(layout, 1, False, False), on_gpu,
+                              hardware(8, 8, "h100-sxm", {}), Assumptions())
+    assert not memory.fits and set(memory.ranks) == {"language stage 0"}

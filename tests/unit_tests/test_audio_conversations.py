@@ -491,5 +491,5 @@ def test_use_audio_in_video_refusals_are_one_line(folder, tmp_path):
         audio_in_video(argparse.Namespace(data_path=["d"], hf_model=None, **flags))
     assert str(error.value) == (
         "--use-audio-in-video interleaves each video's sound with its frames as the "
-        "checkpoint's family does (Qwen2.5-Omni); no --hf-model is given, so no checkpoint "
-        "does; drop the flag or give such a folder")
+        "checkpoint's family does (Qwen2.5-Omni, Qwen3-Omni); no --hf-model is given, so no "
+        "checkpoint does; drop the flag or give such a folder")

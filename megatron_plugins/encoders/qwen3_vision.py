@@ -295,6 +295,7 @@ class Qwen3OmniVisionEncoder(ThinkerVideoTime, Qwen3VisionEncoder):
             raise ValueError(
                 f"a video at {size[3]:g} frames a second puts its temporal steps "
                 f"{float(times[1]):g} positions apart ({self.tokens_per_second:g} a second), "
-                "not whole numbers, which the positions cannot hold; sample it at 2 frames a "
-                "second (or 1)")
+                "not whole numbers, which the positions (integers here) cannot hold; give "
+                "videos whose frames run at 2 or 1 a second (a file: a whole number of seconds "
+                "long, sampled at 2 a second)")
         return (*grid[:3], step)

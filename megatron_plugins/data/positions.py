@@ -36,8 +36,9 @@ ItemLayout = tuple[int, Grid | None]
 @dataclass(frozen=True)
 class WithSound:
     """A video whose sound track's tokens are interleaved with its own
-    (:mod:`~megatron_plugins.data.audio_in_video`): the bos pair before it and the eos pair
-    after it each share one position, the sound's tokens count on from where the video starts."""
+    (:mod:`~megatron_plugins.data.audio_in_video`) between a bos pair and an eos pair, the
+    sound's tokens counting on from where the video starts; the eos pair starts past the last
+    run's largest position."""
 
     video: ItemLayout
     sound_id: int
@@ -46,6 +47,9 @@ class WithSound:
     order: tuple[tuple[bool, int], ...]
     """``(is_video, count)`` runs in sequence order
     (:func:`~megatron_plugins.data.audio_in_video.interleaving`)."""
+    pairs_share: bool = True
+    """Each of the bos and eos pairs at one position (Qwen2.5-Omni); else each id at its own,
+    as text (Qwen3-Omni)."""
 
 
 def item_layout(plugin: EncoderPlugin, size: tuple[int, ...]) -> ItemLayout:
@@ -90,9 +94,9 @@ def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
 
 def _with_sound(ids: list[int], index: int, token: int, layout: WithSound, current: int,
                 pieces: list[torch.Tensor]) -> tuple[int, int]:
-    """The positions of a video with its sound (its runs from ``index``, after its bos pair,
-    which the text before it ends with, at ``current - 1``) and of its eos pair; returns the
-    index and the position after that pair."""
+    """The positions of a video with its sound (its runs from ``index``, starting at
+    ``current``, after its bos pair, which the text before it ends with) and of its eos pair;
+    returns the index and the position after that pair."""
     count, grid = layout.video
     runs = {True: (token, _grid_positions(grid, current)),
             False: (layout.sound_id, torch.arange(current, current + layout.sound_tokens
@@ -111,8 +115,9 @@ def _with_sound(ids: list[int], index: int, token: int, layout: WithSound, curre
         raise ValueError(f"the video with sound ending at position {index} is not its "
                          f"{count} + {layout.sound_tokens} tokens and an eos pair")
     end = int(pieces[-1].max()) + 1
-    pieces.append(torch.full((3, 2), end))
-    return index + 2, end + 1
+    pieces.append(torch.full((3, 2), end) if layout.pairs_share
+                  else torch.arange(end, end + 2).expand(3, -1))
+    return index + 2, int(pieces[-1].max()) + 1
 
 
 def mrope_position_ids(tokens: torch.Tensor,
@@ -139,14 +144,16 @@ def mrope_position_ids(tokens: torch.Tensor,
             raise ValueError(f"placeholder token {token} at position {index} has no item left "
                              "to fill it")
         layout = pending[token].pop(0)
-        if isinstance(layout, WithSound):  # text ends with its bos pair, which shares a position
+        if isinstance(layout, WithSound):  # text ends with its bos pair
             text = index - text_start
             if text < 2:
                 raise ValueError(f"the video with sound at position {index} has no bos pair "
                                  "before it")
-            pieces.append(torch.arange(current, current + text - 1).expand(3, -1))
-            pieces.append(torch.full((3, 1), current + text - 2))
-            index, current = _with_sound(ids, index, token, layout, current + text - 1, pieces)
+            shared = int(layout.pairs_share)  # the pair's second id at the first's position
+            pieces.append(torch.arange(current, current + text - shared).expand(3, -1))
+            pieces.append(torch.full((3, shared), current + text - 2))
+            index, current = _with_sound(ids, index, token, layout, current + text - shared,
+                                         pieces)
             text_start = index
             continue
         count, grid = layout

@@ -43,7 +43,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Feed each video's sound track to the audio encoder too, its tokens "
                             "interleaved with the video's by time as the --hf-model checkpoint "
                             "does (Qwen2.5-Omni: 2-second chunks, each chunk's video tokens "
-                            "then its sound's); every video must have a sound track. Needs "
+                            "then its sound's; Qwen3-Omni: token by token by time); every "
+                            "video must have a sound track. Needs "
                             "--data-path and such a --hf-model.")
     group.add_argument("--pack-sequences", action="store_true",
                        help="Pack each language microbatch's --micro-batch-size samples into "
@@ -96,7 +97,7 @@ def audio_in_video(args: argparse.Namespace) -> AudioInVideo | None:
         given = (f"--hf-model {args.hf_model} does not" if getattr(args, "hf_model", None)
                  else "no --hf-model is given, so no checkpoint does")
         raise DataFlagError("--use-audio-in-video interleaves each video's sound with its "
-                            "frames as the checkpoint's family does (Qwen2.5-Omni); "
+                            "frames as the checkpoint's family does (Qwen2.5-Omni, Qwen3-Omni); "
                             f"{given}; drop the flag or give such a folder")
     return AudioInVideo(*found)
 

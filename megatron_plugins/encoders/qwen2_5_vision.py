@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_plugins.encoders.qwen_preprocessing import QwenImagePreprocessor
 from megatron_plugins.encoders.qwen_tower import (
     QwenTowerEncoder,
+    ThinkerVideoTime,
     packed_decoder,
     rotary_angles,
     vision_norm,
@@ -176,7 +177,7 @@ class Qwen2_5VisionEncoder(QwenTowerEncoder):
             patches // merge ** 2, config, language_hidden_size))
 
 
-class Qwen2_5OmniVisionEncoder(Qwen2_5VisionEncoder):
+class Qwen2_5OmniVisionEncoder(ThinkerVideoTime, Qwen2_5VisionEncoder):
     """Qwen2.5-Omni's vision tower: Qwen2.5-VL's, its config under the thinker's and its
     attention's q, k, v saved apart (:data:`QWEN2_5_OMNI_VISION`)."""
 
@@ -186,11 +187,3 @@ class Qwen2_5OmniVisionEncoder(Qwen2_5VisionEncoder):
     model_types = ("qwen2_5_omni", "qwen2_5_omni_thinker")
     config_class = "Qwen2_5OmniVisionEncoderConfig"
     sub_config = "thinker_config"
-    text_after_time = True
-
-    @property
-    def tokens_per_second(self) -> float:
-        """The thinker config's ``position_id_per_seconds`` (TMRoPE's temporal positions per
-        second, 25 in the released folder; the vision config has none)."""
-        config = self._read_json("config.json") or {}
-        return float((config.get(self.sub_config) or config).get("position_id_per_seconds", 25))

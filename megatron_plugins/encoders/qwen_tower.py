@@ -33,8 +33,8 @@ from megatron_plugins.flops.count import Work
 from megatron_plugins.flops.encoder import projection
 from megatron_plugins.ops.fast_attention import packed_layer_spec
 
-__all__ = ["QwenTowerEncoder", "merge_block_positions", "packed_decoder", "rotary_angles",
-           "vision_norm"]
+__all__ = ["QwenTowerEncoder", "ThinkerVideoTime", "merge_block_positions", "packed_decoder",
+           "rotary_angles", "vision_norm"]
 
 TOWER_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu}
 """HF ``hidden_act`` of the tower's MLP and the Megatron activation equal to it."""
@@ -276,3 +276,18 @@ class QwenTowerEncoder(HFVisionEncoder):
         return mlp_projection_spec(config, merged, merged, language_hidden_size, pg_collection,
                                    activation_func=F.gelu,
                                    add_bias_linear=True)
+
+
+class ThinkerVideoTime:
+    """An Omni thinker's tower (mixed in before its :class:`QwenTowerEncoder`): a video's
+    temporal positions at the thinker config's ``position_id_per_seconds`` (the vision config
+    has none), the text after a video past its last one, as TMRoPE has them."""
+
+    text_after_time = True
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The thinker config's ``position_id_per_seconds`` (25 in the released Qwen2.5-Omni,
+        13 in Qwen3-Omni; transformers' class default 25 where the folder has none)."""
+        config = self._read_json("config.json") or {}
+        return float((config.get(self.sub_config) or config).get("position_id_per_seconds", 25))

@@ -148,9 +148,11 @@ def checkpoint_image_token(args: argparse.Namespace) -> dict[str, int]:
     return {name: tower.token_id(config) for name, tower in towers.items()}
 
 
-def checkpoint_audio_in_video(args: argparse.Namespace) -> tuple[str, str, int] | None:
-    """(video encoder, audio encoder, temporal positions per chunk) where ``--hf-model``'s
-    family interleaves a video's sound track with its frames (Qwen2.5-Omni); else None."""
+def checkpoint_audio_in_video(args: argparse.Namespace
+                              ) -> tuple[str, str, int | None] | None:
+    """(video encoder, audio encoder, temporal positions per chunk, None where merged by time)
+    where ``--hf-model``'s family interleaves a video's sound track with its frames
+    (Qwen2.5-Omni, Qwen3-Omni); else None."""
     towers = hf_model_towers(args)
     if not towers:
         return None

@@ -103,9 +103,10 @@ class VLMFamily:
     ``<|vision_end|>``), None where it has none."""
     extra_towers: tuple["ExtraTower", ...] = ()
     """Encoders beside the vision tower (Qwen2.5-Omni's audio tower), each its own module."""
-    audio_in_video: Callable[[Mapping[str, Any]], int] | None = None
+    audio_in_video: Callable[[Mapping[str, Any]], int | None] | None = None
     """config.json -> the temporal positions per chunk by which a video's sound is interleaved
-    with its frames (``--use-audio-in-video``); None: the family does not interleave."""
+    with its frames (``--use-audio-in-video``), None where merged by time (Qwen3-Omni); None:
+    the family does not interleave."""
 
     def root(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The config holding the parts' configs (:attr:`sub_config`'s, else the top level)."""
@@ -362,7 +363,7 @@ QWEN3_OMNI_MOE = dataclasses.replace(
         "depth", 27)),
     carried=(r"talker\.", r"code2wav\."),
     carried_what="the talker and code2wav",
-    audio_in_video=None,  # Qwen3-Omni merges a video's sound by time: not done
+    audio_in_video=lambda config: None,  # merged by time, no chunks
     extra_towers=(_omni_audio("qwen3_omni_audio", ("audio_token_id", 151675), (151669, 151670)),),
 )
 """A whole Qwen3-Omni-MoE folder (or its thinker alone): Qwen3-VL-MoE's vision tower with

@@ -1,9 +1,9 @@
 """A tiny random whole Qwen3-Omni-MoE on disk (thinker: a 3-block Qwen3-VL-MoE vision tower with
 two DeepStack levels, :mod:`tests.models.qwen3_omni`'s 2-layer AuT audio tower, a 4-layer
 Qwen3-MoE language model with interleaved multimodal RoPE; a 1-layer talker and code2wav carried
-beside it), a sample of two images and two clips, transformers' thinker logits on it and its
-first-batch loss; our run over the grids is :mod:`tests.models.qwen_omni`'s (``forward_diff``),
-which serves any Omni folder.
+beside it), a sample of two images, two clips and a video with its sound, transformers' thinker
+logits on it and its first-batch loss; our run over the grids is
+:mod:`tests.models.qwen_omni`'s (``forward_diff``), which serves any Omni folder.
 
 Every weight is redrawn so a mapping that swaps or misses a tensor changes the outputs. Its token
 ids lie inside the tiny vocabulary, below its top; the vision start / end ids sit in the talker
@@ -108,18 +108,33 @@ def images(seed: int = 3) -> list[np.ndarray]:
 
 
 def media() -> dict[str, list[Any]]:
-    """The sample's items per encoder ``--hf-model`` makes of the folder: its images, then its
-    clips (:func:`tests.models.qwen3_omni.clips`: 258 and 73 mel frames)."""
+    """The sample's items per encoder ``--hf-model`` makes of the folder: its images and its
+    video (:func:`tests.models.qwen_omni.video`: 3 steps at 13 positions apart), then its clips
+    (:func:`tests.models.qwen3_omni.clips`: 258 and 73 mel frames) and the video's sound."""
     from megatron_plugins.media.codec import Waveform
+    from tests.models.qwen_omni import sound, video
 
-    return {"image": images(), "audio": [Waveform(clip, RATE) for clip in clips()]}
+    return {"image": [*images(), video()],
+            "audio": [Waveform(clip, RATE) for clip in (*clips(), sound())]}
+
+
+def _hf_video(folder: str | Path) -> dict[str, torch.Tensor]:
+    """transformers' video processor (Qwen2-VL's, as Qwen3-Omni's processor) on the sample's
+    video, its frames as they are."""
+    import transformers
+
+    from tests.models.qwen_omni import video
+
+    return transformers.Qwen2VLVideoProcessor.from_pretrained(folder)(
+        videos=[video().frames], do_sample_frames=False, return_tensors="pt")
 
 
 def sample(folder: str | Path) -> torch.Tensor:
     """``[1, S]`` ids as the Omni processor lays them out: text, each image's run between the
     vision start / end ids, each clip's between the audio start / end ids, as long as HF makes
-    them."""
+    them, and the video with its sound merged by time (``use_audio_in_video``)."""
     from tests.models.qwen3_omni import plugin
+    from tests.models.qwen_omni import SOUND_SAMPLES, video_with_sound_ids
 
     grids = processor(folder)(images(), return_tensors="pt")["image_grid_thw"]
     image_runs = [[VISION_WRAPPING[0], *[IMAGE_TOKEN] * (int(g.prod()) // 4), VISION_WRAPPING[1]]
@@ -127,8 +142,11 @@ def sample(folder: str | Path) -> torch.Tensor:
     audio = plugin(folder)
     audio_runs = [[AUDIO_WRAPPING[0], *[AUDIO_TOKEN] * audio.item_tokens((len(clip), RATE)),
                    AUDIO_WRAPPING[1]] for clip in clips()]
+    composite = video_with_sound_ids(_hf_video(folder)["video_grid_thw"][0], 1.0,
+                                     audio.item_tokens((SOUND_SAMPLES, RATE)),
+                                     "Qwen3OmniMoeProcessor", POSITIONS_PER_SECOND)
     return torch.tensor([[5, 17, *image_runs[0], 42, 8, *audio_runs[0], 23, *image_runs[1], 9,
-                          30, *audio_runs[1], 12, 3]])
+                          30, *audio_runs[1], 12, *composite, 3, 4]])
 
 
 def hf_thinker(folder: str | Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -145,36 +163,44 @@ def hf_thinker(folder: str | Path, dtype: torch.dtype = torch.float32) -> Any:
 
 
 def hf_thinker_forward(model: Any, folder: str | Path, ids: torch.Tensor,
-                       pictures: list[np.ndarray], sounds: list[np.ndarray]) -> torch.Tensor:
+                       pictures: list[np.ndarray], sounds: list[np.ndarray],
+                       film: bool = False) -> torch.Tensor:
     """The thinker's logits on one sample, in the model's dtype (float64: its float32 casts
     inside, norms' and rotary's, kept float64 by
     :func:`~tests.harness.gated_delta_net.float64_throughout`, a no-op on float32 tensors): its
     image inputs, each clip's audio features as transformers computes a clip given alone
     (:func:`tests.models.qwen3_omni.hf_output`: a batch would pad the shorter clip's waveform
-    and chunks), its ``get_rope_index`` positions (each clip's mel frames), its DeepStack."""
+    and chunks), its ``get_rope_index`` positions (each clip's mel frames), its DeepStack; with
+    ``film``, the sample's video too, its sound the last of ``sounds`` (``use_audio_in_video``)."""
     from tests.harness.gated_delta_net import float64_throughout
     from tests.models.qwen3_omni import hf_features, hf_output
 
     inputs = processor(folder)(pictures, return_tensors="pt") if pictures else {}
-    pixels = inputs.get("pixel_values")
+    video = _hf_video(folder) if film else {}
+    pixels, moving = inputs.get("pixel_values"), video.get("pixel_values_videos")
     embeds = model.get_input_embeddings()(ids).detach()
     frames = None
     if sounds:
         embeds[ids == AUDIO_TOKEN] = torch.from_numpy(hf_output(folder, sounds, model.dtype))
         frames = torch.tensor([hf_features(folder, [clip])[0].shape[1] for clip in sounds])
     with torch.no_grad(), float64_throughout():
-        positions, _ = model.model.get_rope_index(ids, inputs.get("image_grid_thw"), None,
-                                                  torch.ones_like(ids), False, frames, None)
+        positions, _ = model.model.get_rope_index(
+            ids, inputs.get("image_grid_thw"), video.get("video_grid_thw"), torch.ones_like(ids),
+            film, frames, torch.tensor([1.0]) if film else None)  # 2 frames a step at 2 a second
         return model(input_ids=ids, inputs_embeds=embeds, position_ids=positions,
                      pixel_values=None if pixels is None else pixels.to(model.dtype),
-                     image_grid_thw=inputs.get("image_grid_thw")).logits
+                     image_grid_thw=inputs.get("image_grid_thw"),
+                     pixel_values_videos=None if moving is None else moving.to(model.dtype),
+                     video_grid_thw=video.get("video_grid_thw")).logits
 
 
 def hf_thinker_logits(folder: str | Path, ids: torch.Tensor) -> np.ndarray:
-    """transformers' thinker on the sample (:func:`hf_thinker_forward`) in float64: the exact
-    reference for our float32 run."""
+    """transformers' thinker on the sample (:func:`hf_thinker_forward`, the video and its sound
+    included) in float64: the exact reference for our float32 run."""
+    from tests.models.qwen_omni import sound
+
     return hf_thinker_forward(hf_thinker(folder, torch.float64), folder, ids, images(),
-                              clips()).numpy()
+                              [*clips(), sound()], film=True).numpy()
 
 
 def hf_first_batch_loss(folder: str | Path, samples: int, seq_length: int,

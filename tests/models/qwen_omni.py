@@ -137,22 +137,24 @@ def sound() -> np.ndarray:
 
 
 def video_with_sound_ids(grid_thw: torch.Tensor, second_per_grid: float,
-                         sound_tokens: int) -> list[int]:
+                         sound_tokens: int, processor_class: str = "Qwen2_5OmniProcessor",
+                         position_id_per_seconds: float = 25) -> list[int]:
     """transformers' processor's run of a video with its sound (``replace_video_with_audio_
-    token``: ``<|audio_bos|>``, per 2-s chunk the video's then the sound's tokens,
-    ``<|audio_eos|>``) between the vision bos / eos, the video tokens as ``<|VIDEO|>``."""
+    token``: ``<|audio_bos|>``, per 2-s chunk the video's then the sound's tokens (Qwen3-Omni's
+    ``processor_class``: merged by time), ``<|audio_eos|>``) between the vision bos / eos, the
+    video tokens as ``<|VIDEO|>``."""
     import functools
     from types import SimpleNamespace
 
     import transformers
 
-    processor = transformers.Qwen2_5OmniProcessor
+    processor = getattr(transformers, processor_class)
     layout = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), video_token="V",
                              audio_token="A", audio_bos_token="<", audio_eos_token=">")
     layout.get_chunked_index = functools.partial(processor.get_chunked_index, layout)
     text = processor.replace_video_with_audio_token(
         layout, {"video_grid_thw": [grid_thw], "video_second_per_grid": [second_per_grid]}, 0,
-        {"num_audio_tokens": [sound_tokens]}, 0, position_id_per_seconds=25,
+        {"num_audio_tokens": [sound_tokens]}, 0, position_id_per_seconds=position_id_per_seconds,
         seconds_per_chunk=2.0)
     by_char = {"V": VIDEO_TOKEN, "A": AUDIO_TOKEN, "<": AUDIO_WRAPPING[0],
                ">": AUDIO_WRAPPING[1]}
@@ -243,9 +245,10 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor,
     whole logits."""
     import torch.distributed as dist
 
-    from megatron_plugins.data.audio_in_video import interleaving
-    from megatron_plugins.data.positions import WithSound, item_layout, mrope_position_ids
+    from megatron_plugins.data.audio_in_video import AudioInVideo
+    from megatron_plugins.data.positions import item_layout, mrope_position_ids
     from megatron_plugins.media.codec import Video, media_size
+    from megatron_plugins.weights.flags import checkpoint_audio_in_video
     from tests.models.hf import hand_on
 
     mimo.eval()
@@ -281,9 +284,8 @@ def _forward(session: Any, mimo: Any, ids: torch.Tensor,
         image, audio = (mimo.special_token_ids[name] for name in ("image", "audio"))
         if isinstance(items["image"][-1], Video):  # the last item; its sound the last clip
             *clip_layouts, (sound_tokens, _) = layouts[audio]
-            video_layout = layouts[image].pop()
-            layouts[image].append(WithSound(video_layout, audio, sound_tokens, interleaving(
-                video_layout[1], sound_tokens, 50)))
+            sounds = AudioInVideo(*checkpoint_audio_in_video(session.run.args))
+            layouts[image].append(sounds.with_sound(layouts[image].pop(), audio, sound_tokens))
             layouts[audio] = clip_layouts
         ours = torch.where(ids[0] == VIDEO_TOKEN, image, ids[0])  # the tower's one placeholder
         after_time = {image} if session.run.plugins["image"].text_after_time else ()

@@ -326,16 +326,20 @@ def test_a_folder_prepared_by_stock_energon_prepare_with_audio_parts_reads_on_bo
     check_dataset(shards, {"audio": plugins["audio"]}, args)
 
 
-def _omni(tmp_path: Path) -> tuple[Path, dict, PromptTokenizer]:
-    """A tiny whole Qwen2.5-Omni with its own tokenizer, its two towers' plugins and the
-    tokenizer as ``--hf-model`` makes it (the checkpoint's tokens and bos / eos ids)."""
+def _omni(tmp_path: Path, qwen3: bool = False) -> tuple[Path, dict, PromptTokenizer]:
+    """A tiny whole Qwen2.5-Omni (or Qwen3-Omni-MoE, whose tiny ids are the same) with its own
+    tokenizer, its two towers' plugins and the tokenizer as ``--hf-model`` makes it (the
+    checkpoint's tokens and bos / eos ids)."""
     from megatron_plugins.weights.flags import checkpoint_image_token, checkpoint_item_wrapping
     from tests.models.hf_vision import plugin
+    from tests.models.qwen3_omni_whole import save_tiny_qwen3_omni
     from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
 
-    omni = save_omni_tokenizer(save_tiny_omni(tmp_path / "omni"), CORPUS)
-    plugins = {"image": plugin("qwen2_5_omni_vision", omni),
-               "audio": plugin("qwen2_5_omni_audio", omni)}
+    save, family = (save_tiny_qwen3_omni, "qwen3_omni") if qwen3 else (save_tiny_omni,
+                                                                       "qwen2_5_omni")
+    omni = save_omni_tokenizer(save(tmp_path / family), CORPUS)
+    plugins = {"image": plugin(f"{family}_vision", omni),
+               "audio": plugin(f"{family}_audio", omni)}
     args = argparse.Namespace(hf_model=str(omni), encoder_hf_weights=[
         f"{name}={omni}" for name in plugins])
     return omni, plugins, PromptTokenizer.load(
@@ -394,19 +398,22 @@ def test_a_qwen2_5_omni_folder_s_clips_fill_runs_of_their_length_in_its_own_toke
     assert encoder_counts == tuple(want) and len(items) == 3
 
 
-def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_positions_it(
+def test_a_video_s_sound_interleaves_with_its_frames_as_each_omni_lays_and_positions_it(
         folder, tmp_path):
     """``--use-audio-in-video``: a video with a 3-s sound track between an image and a clip
     becomes ``<|vision_bos|><|audio_bos|>`` + 2-s chunks (each chunk's video tokens, then its
     sound's, as transformers' processor lays them out) + ``<|audio_eos|><|vision_eos|>``; the
     audio encoder's items are the clip and the sound in that order on both sides, and the
-    positions equal the thinker's ``get_rope_index(use_audio_in_video=True)``."""
+    positions equal the thinker's ``get_rope_index(use_audio_in_video=True)``. With a
+    Qwen3-Omni folder the same sample's video and sound merge by time, as its processor and
+    its ``get_rope_index`` have them."""
     import transformers
 
     from megatron_plugins.data.audio_in_video import AudioInVideo
     from megatron_plugins.data.energon.inputs import SoundOrder
     from megatron_plugins.encoders.qwen2_5_omni_audio import mel_frames
     from tests.harness.video_files import write_video
+    from tests.models.qwen3_omni_whole import POSITIONS_PER_SECOND, hf_thinker
     from tests.models.qwen_omni import AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_WRAPPING
     from tests.models.qwen_omni import video_with_sound_ids
 
@@ -452,6 +459,24 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_qwen2_5_omni_lays_and_po
     assert torch.equal(fields["position_ids"][:, :len(ids)], want[:, 0])
     assert len(items) == 2
 
+    # Qwen3-Omni's folder: the same sample merged by time, token by token (its processor's
+    # layout, its float positions whole numbers at 2 frames a second)
+    omni, plugins, tokenizer = _omni(tmp_path, qwen3=True)
+    sounds = SoundOrder(AudioInVideo("image", "audio", None), plugins)
+    fields, counts, _ = TextInputs(tokenizer, plugins, markers, 512, True, sounds)(sample)
+    assert counts["audio"] == EncoderInputs(plugins["audio"], plugins["audio"].preprocessor(),
+                                            sounds)(sample)[1] == (39, 7)  # 13 a second
+    ids = fields["tokens"][: int(fields["length"])].tolist()
+    composite = video_with_sound_ids(torch.tensor([3, 8, 8]), 1.0, 39, "Qwen3OmniMoeProcessor",
+                                     POSITIONS_PER_SECOND)
+    assert ids[start:start + len(composite)] == [IMAGE_TOKEN if token == VIDEO_TOKEN else token
+                                                 for token in composite]
+    hf_ids = torch.tensor([ids[:start] + composite + ids[start + len(composite):]])
+    want, _ = hf_thinker(omni).model.get_rope_index(
+        hf_ids, image_grid, torch.tensor([[3, 8, 8]]), torch.ones_like(hf_ids), True,
+        torch.tensor([300, 50]), torch.tensor([1.0]))
+    assert torch.equal(fields["position_ids"][:, :len(ids)], want[:, 0].long())
+
 
 def test_use_audio_in_video_refusals_are_one_line(folder, tmp_path):
     """A video without a sound track names the sample and the file; the flag without real data
@@ -491,5 +516,5 @@ def test_use_audio_in_video_refusals_are_one_line(folder, tmp_path):
         audio_in_video(argparse.Namespace(data_path=["d"], hf_model=None, **flags))
     assert str(error.value) == (
         "--use-audio-in-video interleaves each video's sound with its frames as the "
-        "checkpoint's family does (Qwen2.5-Omni); no --hf-model is given, so no checkpoint "
-        "does; drop the flag or give such a folder")
+        "checkpoint's family does (Qwen2.5-Omni, Qwen3-Omni); no --hf-model is given, so no "
+        "checkpoint does; drop the flag or give such a folder")

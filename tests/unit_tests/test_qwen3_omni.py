@@ -1,17 +1,20 @@
 """``--hf-model DIR`` with a whole Qwen3-Omni-MoE folder: its vision tower (Qwen3-VL-MoE's, with
 DeepStack into the first language layers), its audio tower (AuT) and its Qwen3-MoE language model
 with interleaved multimodal RoPE, each a module on its own grid or the vision tower colocated on
-the language's, give transformers' float64 thinker logits on one sample of two images and two
-clips at three layouts (experts split over EP 2 in one); every tensor of the modules streams
-back unchanged, the talker and code2wav are carried (one notice at start). One training run
-serves the rest: its first loss is transformers', the vision tower colocated with EP 2 trains as
-it does, and its checkpoint and the same weights saved at another layout export one folder, byte
-for byte, which transformers loads; LoRA on both towers and the language model, packed rows and
+the language's, give transformers' float64 thinker logits on one sample of two images, two clips
+and a video with its sound merged by time (``use_audio_in_video``) at three layouts (experts
+split over EP 2 in one); every tensor of the modules streams back unchanged, the talker and
+code2wav are carried (one notice at start); our videos' tokens and positions, with their sound or
+without, are transformers' processor's and ``get_rope_index``'s. One training run serves the
+rest: its first loss is transformers', the vision tower colocated with EP 2 trains as it does,
+and its checkpoint and the same weights saved at another layout export one folder, byte for
+byte, which transformers loads; LoRA on both towers and the language model, packed rows and
 language CP 2 (without the load-balancing loss) train identically too. A thinker-only save
 splits into the same parts; a config Megatron would compute differently is one line."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -41,7 +44,7 @@ def omni(tmp_path_factory):
     """The tiny folder, the sample and transformers' thinker logits on it."""
     folder = save_tiny_qwen3_omni(tmp_path_factory.mktemp("qwen3_omni") / "omni")
     ids = sample(folder)
-    assert int((ids == AUDIO_TOKEN).sum()) == 34 + 10  # 258 and 73 mel frames
+    assert int((ids == AUDIO_TOKEN).sum()) == 34 + 10 + 39  # 258, 73 and 300 mel frames
     return folder, ids, hf_thinker_logits(folder, ids)
 
 
@@ -122,9 +125,12 @@ def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp
 def test_packed_rows_and_language_cp2_train_identically_without_the_load_balancing_loss(
         omni, tmp_path):
     """Packed rows and language CP 2 (positions and DeepStack levels split by CP) train as one
-    rank per module does. The folder's router_aux_loss_coef is set to 0: the load-balancing
-    loss counts the tokens each microbatch routes, and unpacked rows route their padding too
-    (with 0.001, step 3 of a packed run differs by 1.6e-5)."""
+    rank per module does, on samples whose vision items are, one time in two, 4-frame videos
+    (13 temporal positions a step; a packed row's positions per sample; rows that hold two such
+    samples whole, as a cut sample would train differently). The folder's
+    router_aux_loss_coef is set to 0: the load-balancing loss counts the tokens each microbatch
+    routes, and unpacked rows route their padding too (with 0.001, step 3 of a packed run
+    differs by 1.6e-5)."""
     import json
 
     from tests.models.hf_vlm import assert_trains_like, edited, sgd_run
@@ -133,12 +139,13 @@ def test_packed_rows_and_language_cp2_train_identically_without_the_load_balanci
     thinker = json.loads((folder / "config.json").read_text())["thinker_config"]
     balanced = edited(folder, tmp_path / "no_aux_loss", config={"thinker_config": {
         **thinker, "text_config": {**thinker["text_config"], "router_aux_loss_coef": 0.0}}})
+    videos = ("--seq-length", "256", "--mock-video-frames", "4")  # two samples, never cut
     reference = sgd_run(balanced, tmp_path, "reference", ONE_RANK_EACH[1], ONE_RANK_EACH[0],
-                        OMNI_TRAIN)
+                        videos)
     for name, nproc, grids, *flags in (
             ("packed", 3, ONE_RANK_EACH[0], "--pack-sequences"),
             ("language-cp2", 4, ("image:dp=1", "audio:dp=1", "language:cp=2"))):
-        run = sgd_run(balanced, tmp_path, name, nproc, grids, (*OMNI_TRAIN, *flags))
+        run = sgd_run(balanced, tmp_path, name, nproc, grids, (*videos, *flags))
         assert_trains_like(reference, run, name)
 
 
@@ -262,3 +269,98 @@ def test_one_notice_at_start_names_the_carried_talker_and_code2wav(omni, capsys)
     assert notice.count("\n") == 1 and "notice:" in notice, notice
     assert f"{folder}: 102 tensors of no module here" in notice
     assert "(code2wav.*, the talker and code2wav)" in notice
+
+
+VIDEOS = [("text", 3), ("video", (4, 16, 16, 2.0)), ("text", 2), ("audio", 13000),
+          ("image", (24, 40)), ("video", (3, 21, 30, 1.0)), ("text", 1),
+          ("video", (12, 8, 8, 2.0)), ("audio", 1600), ("text", 2)]
+"""Text, videos at 2 and 1 frames a second (13 and 26 positions a step, past their rows and
+columns), clips and an image, each run between its start / end ids."""
+WITH_SOUND = [("text", 2), ("image", (16, 16)), ("audio", 13000),
+              ("video", (4, 16, 16, 2.0), 32000), ("text", 1),
+              ("video", (12, 8, 8, 2.0), 20800), ("text", 2)]
+"""``use_audio_in_video``: a video whose 2-s sound outlasts its frames' time, one whose
+1.3-s sound ends before its last frames' time, an image and a clip."""
+
+
+@pytest.mark.parametrize("items", [VIDEOS, WITH_SOUND], ids=["videos", "videos-with-sound"])
+def test_video_layout_and_positions_equal_the_processor_s_and_get_rope_index(omni, items):
+    """Qwen3-Omni's videos (no timestamp text: Qwen2-VL's video processor) at the folder's 13
+    positions a second, float32 and not truncated, the text after past their last time step;
+    with their sound (``use_audio_in_video``) merged token by token by time, a video token
+    first on a tie, each start / end id at a position of its own: our tokens equal transformers'
+    processor's (``replace_video_with_audio_token``) and our positions its thinker's
+    ``get_rope_index``. A frame rate putting steps between positions is one line."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        _get_feat_extract_output_lengths,
+    )
+
+    from megatron_plugins.data.audio_in_video import AudioInVideo
+    from megatron_plugins.data.positions import item_layout, mrope_position_ids
+    from megatron_plugins.data.sources import audio_in_video
+    from megatron_plugins.encoders.qwen2_5_omni_audio import mel_frames
+    from tests.models.hf_vision import plugin
+    from tests.models.qwen3_omni import AUDIO
+    from tests.models.qwen3_omni_whole import (
+        AUDIO_WRAPPING,
+        POSITIONS_PER_SECOND,
+        VIDEO_TOKEN,
+        VISION_WRAPPING,
+        hf_thinker,
+    )
+    from tests.models.qwen_omni import video_with_sound_ids
+
+    folder = omni[0]
+    vision, audio = plugin("qwen3_omni_vision", folder), plugin("qwen3_omni_audio", folder)
+    sounds = audio_in_video(argparse.Namespace(  # the flag with this folder: merged by time
+        use_audio_in_video=True, data_path=["d"], hf_model=str(folder),
+        encoder_hf_weights={"image": str(folder), "audio": str(folder)},
+        mimo_encoders={"image": "qwen3_omni_vision", "audio": "qwen3_omni_audio"}))
+    assert sounds == AudioInVideo("image", "audio", None)
+    ours, theirs, layouts = [], [], {IMAGE_TOKEN: [], AUDIO_TOKEN: []}
+    images, videos, seconds, frames = [], [], [], []
+    for kind, value, *sound in items:
+        if kind == "text":
+            ours += list(range(5, 5 + value))
+            theirs += list(range(5, 5 + value))
+            continue
+        encoder, token = (audio, AUDIO_TOKEN) if kind == "audio" else (vision, IMAGE_TOKEN)
+        for samples in [value] if kind == "audio" else sound:
+            frames.append(mel_frames(samples, 160, 10 ** 9))
+            assert audio.item_tokens((samples, 16000)) == int(_get_feat_extract_output_lengths(
+                torch.tensor(frames[-1]), AUDIO["n_window"]))
+        layout = item_layout(encoder, (value, 16000) if kind == "audio" else value)
+        start, end = AUDIO_WRAPPING if kind == "audio" else VISION_WRAPPING
+        if kind != "audio":
+            grid = layout[1]
+            (videos if kind == "video" else images).append(
+                torch.tensor([grid[0], grid[1] * 2, grid[2] * 2]))
+            if kind == "video":
+                seconds.append(2 / value[3])
+                assert grid[3] == 2 / value[3] * POSITIONS_PER_SECOND
+        if sound:
+            sound_tokens = audio.item_tokens((sound[0], 16000))
+            layout = sounds.with_sound(layout, AUDIO_TOKEN, sound_tokens)
+            run = [start, AUDIO_WRAPPING[0],
+                   *(token for is_video, size in layout.order
+                     for token in [IMAGE_TOKEN if is_video else AUDIO_TOKEN] * size),
+                   AUDIO_WRAPPING[1], end]
+            processor = video_with_sound_ids(videos[-1], seconds[-1], sound_tokens,
+                                             "Qwen3OmniMoeProcessor", POSITIONS_PER_SECOND)
+            assert run == [IMAGE_TOKEN if t == VIDEO_TOKEN else t for t in processor]
+            ours, theirs = ours + run, theirs + processor
+        else:
+            hf_token = VIDEO_TOKEN if kind == "video" else token  # the tower's one placeholder
+            ours += [start, *[token] * layout[0], end]
+            theirs += [start, *[hf_token] * layout[0], end]
+        layouts[token].append(layout)
+    got = mrope_position_ids(torch.tensor(ours), layouts,
+                             {IMAGE_TOKEN} if vision.text_after_time else ())
+    hf_ids = torch.tensor([theirs])
+    want, _ = hf_thinker(folder).model.get_rope_index(
+        hf_ids, torch.stack(images), torch.stack(videos), torch.ones_like(hf_ids),
+        any(len(item) == 3 for item in items), torch.tensor(frames), torch.tensor(seconds))
+    assert torch.equal(got, want[:, 0].long()) and torch.equal(want, want.round())
+    with pytest.raises(ValueError, match=r"^a video at 3 frames a second puts its temporal "
+                       r"steps 8\.66667 positions apart \(13 a second\), not whole numbers"):
+        vision.item_tokens((4, 16, 16, 3.0))

@@ -13,7 +13,7 @@ import torch
 from megatron.energon import DefaultTaskEncoder, stateless
 
 from megatron_plugins.data.addressing import RankSlice
-from megatron_plugins.data.audio_in_video import AudioInVideo, interleaving
+from megatron_plugins.data.audio_in_video import AudioInVideo
 from megatron_plugins.data.positions import (
     ItemLayout,
     WithSound,
@@ -197,15 +197,14 @@ class TextInputs:
             return layouts
         audio, (vision, audio_name) = self.sounds.audio, self.sounds.names
         sound_tokens = iter([audio.item_tokens(size) for _, size, sound in sounds if sound])
-        per_chunk = self.sounds.audio_in_video.tokens_per_chunk
         merged: list[ItemLayout | WithSound] = []
         for size, layout in zip(sizes[vision], layouts[vision]):
             if len(size) != 4:  # an image
                 merged.append(layout)
                 continue
             tokens = next(sound_tokens)
-            merged.append(WithSound(layout, self.tokenizer.placeholder_ids[audio_name], tokens,
-                                    interleaving(layout[1], tokens, per_chunk)))
+            merged.append(self.sounds.audio_in_video.with_sound(
+                layout, self.tokenizer.placeholder_ids[audio_name], tokens))
         layouts[vision] = merged
         layouts[audio_name] = [item_layout(audio, size) for _, size, sound in sounds
                                if not sound]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron_plugins.data.energon.inputs import EncoderInputs, TextInputs
+from megatron_plugins.data.energon.inputs import EncoderInputs, RankSliceEncoder, TextInputs
 from megatron_plugins.data.samples import SAMPLE_KINDS
 from megatron_plugins.data.text import media_marker
 from megatron_plugins.data.tokenizer import PromptTokenizer
@@ -399,15 +399,20 @@ def test_a_qwen2_5_omni_folder_s_clips_fill_runs_of_their_length_in_its_own_toke
 
 
 def test_a_video_s_sound_interleaves_with_its_frames_as_each_omni_lays_and_positions_it(
-        folder, tmp_path):
+        folder, tmp_path, monkeypatch):
     """``--use-audio-in-video``: a video with a 3-s sound track between an image and a clip
     becomes ``<|vision_bos|><|audio_bos|>`` + 2-s chunks (each chunk's video tokens, then its
     sound's, as transformers' processor lays them out) + ``<|audio_eos|><|vision_eos|>``; the
     audio encoder's items are the clip and the sound in that order on both sides, and the
     positions equal the thinker's ``get_rope_index(use_audio_in_video=True)``. With a
     Qwen3-Omni folder the same sample's video and sound merge by time, as its processor and
-    its ``get_rope_index`` have them."""
+    its ``get_rope_index`` have them. Building a global microbatch decodes each sound once per
+    rank: on a balanced audio replica (for its balance weight, its size and the item itself) and
+    on a language rank (for its length), again only in the next microbatch."""
     import transformers
+
+    from megatron_plugins.data.addressing import RankSlice
+    from megatron_plugins.data.energon import inputs as energon_inputs
 
     from megatron_plugins.data.audio_in_video import AudioInVideo
     from megatron_plugins.data.energon.inputs import SoundOrder
@@ -426,8 +431,9 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_each_omni_lays_and_posit
         json.dumps(_swift(i, images=[], audios=[], messages=[
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a tone"}]))
         + "\n" for i in range(1, 10)))
-    sample = _load_all(make_dataset(folder, folder / "video.jsonl", "conversation",
-                                    tmp_path / "energon", split=(80, 10, 10)))["s0"]
+    loaded = _load_all(make_dataset(folder, folder / "video.jsonl", "conversation",
+                                    tmp_path / "energon", split=(80, 10, 10)))
+    sample = loaded["s0"]
     sounds = SoundOrder(AudioInVideo("image", "audio", 50), plugins)
     markers = tuple((name, media_marker(p.preprocessor().media)) for name, p in plugins.items())
     fields, counts, _ = TextInputs(tokenizer, plugins, markers, 512, True, sounds)(sample)
@@ -476,6 +482,25 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_each_omni_lays_and_posit
         hf_ids, image_grid, torch.tensor([[3, 8, 8]]), torch.ones_like(hf_ids), True,
         torch.tensor([300, 50]), torch.tensor([1.0]))
     assert torch.equal(fields["position_ids"][:, :len(ids)], want[:, 0].long())
+
+    # each rank decodes a sample's sound once per global microbatch it builds
+    decoded: list[str] = []
+    decode = energon_inputs.decode_sound
+    monkeypatch.setattr(energon_inputs, "decode_sound",
+                        lambda data, key, field: decoded.append(key) or decode(data, key, field))
+    two_microbatches = [sample, loaded["s1"]] * 2
+    audio_inputs = EncoderInputs(plugins["audio"], plugins["audio"].preprocessor(), sounds)
+    held = []
+    for replica in range(2):  # --balance-encoder-work: 2 audio replicas share 2 positions
+        built = RankSliceEncoder(RankSlice("audio", replica, 2, 2, 2, balance_replicas=2),
+                                 audio_inputs).encode_batch(two_microbatches)
+        held += [keys for keys, _ in built]
+        assert decoded == ["s0", "s0"]
+        decoded.clear()
+    assert sorted(key for keys in held for key in keys) == ["s0", "s0", "s1", "s1"]
+    built = RankSliceEncoder(RankSlice(LANGUAGE, 0, 2, 2, 2), TextInputs(
+        tokenizer, plugins, markers, 512, True, sounds)).encode_batch(two_microbatches)
+    assert [keys for keys, _ in built] == [["s0", "s1"]] * 2 and decoded == ["s0", "s0"]
 
 
 def test_use_audio_in_video_refusals_are_one_line(folder, tmp_path):

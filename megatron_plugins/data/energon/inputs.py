@@ -5,8 +5,10 @@ collates only this rank's positions of each global microbatch."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.media.codec import (
     BadSampleError,
+    Waveform,
     decode_item,
     decode_sound,
     is_video,
@@ -91,6 +94,17 @@ def _video_turns(turns: tuple[tuple[str, str], ...], marker: str) -> list[tuple[
     return [(role, content.replace(video, marker)) for role, content in turns]
 
 
+class _HeldSounds:
+    """The sound tracks decoded while one global microbatch is built (:meth:`SoundOrder.held`),
+    each by its sample's key, its field and its item: balancing, sizing and embedding a sample
+    read its sound once, and no track outlives the microbatch (each loader worker holds its own).
+    Each track keeps its item object, so no other item can take that object's id meanwhile."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.tracks: dict[tuple[str, str, int], tuple[Any, Waveform]] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class SoundOrder:
     """``--use-audio-in-video``: the audio encoder's items are its clips and the videos' sound
@@ -98,6 +112,19 @@ class SoundOrder:
 
     audio_in_video: AudioInVideo
     plugins: dict[str, EncoderPlugin]
+    _held: _HeldSounds = dataclasses.field(default_factory=_HeldSounds, init=False,
+                                           compare=False, repr=False)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within it, each video's sound track is decoded once and kept until it ends (the
+        building of one global microbatch); outside, each :meth:`sound` decodes afresh."""
+        self._held.open = True
+        try:
+            yield
+        finally:
+            self._held.open = False
+            self._held.tracks.clear()
 
     @property
     def names(self) -> tuple[str, str]:
@@ -139,14 +166,21 @@ class SoundOrder:
                 order.append((field, data, True))
         return order
 
-    def sound(self, data: Any, key: str, field: str) -> Any:
-        """A video item's sound track; a video without one stops naming it."""
+    def sound(self, data: Any, key: str, field: str) -> Waveform:
+        """A video item's sound track (kept while :meth:`held`: the sample's key, the field and
+        the item object, alive as long as its sample, name it); a video without one stops
+        naming it."""
+        slot = (key, field, id(data))
+        if (held := self._held.tracks.get(slot)) is not None and held[0] is data:
+            return held[1]
         sound = decode_sound(data, key, field)
         if sound is None:
             raise BadSampleError(key, field, "is a video without a sound track, but "
                                  "--use-audio-in-video feeds each video's sound to encoder "
                                  f"{self.audio_in_video.audio}; give videos with sound or drop "
                                  "--use-audio-in-video")
+        if self._held.open:
+            self._held.tracks[slot] = (data, sound)
         return sound
 
     def sizes(self, sample: Any) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -370,19 +404,22 @@ class RankSliceEncoder(DefaultTaskEncoder):
     @stateless
     def encode_batch(self, samples: list) -> list[Microbatch]:
         microbatches = []
+        sounds = self._inputs.sounds
         for first in range(0, len(samples), self._slice.global_batch):
-            positions = self._slice.held_positions(
-                lambda position, first=first: self._inputs.item_tokens(samples[first + position]))
-            mine = [samples[first + position] for position in positions]
-            prepared = [self._inputs(sample) for sample in mine]
-            inputs = [fields for fields, _, _ in prepared]
-            counts = [count for _, count, _ in prepared]
-            if isinstance(self._inputs, EncoderInputs):
-                sizes = [self._inputs.sizes(sample) for sample in mine]
-                batch = collate_items(self._slice.module, self._inputs.preprocessor, inputs,
-                                      counts, sizes)
-            else:
-                batch = collate_text(inputs, counts)
+            with sounds.held() if sounds is not None else contextlib.nullcontext():
+                positions = self._slice.held_positions(
+                    lambda position, first=first: self._inputs.item_tokens(
+                        samples[first + position]))
+                mine = [samples[first + position] for position in positions]
+                prepared = [self._inputs(sample) for sample in mine]
+                inputs = [fields for fields, _, _ in prepared]
+                counts = [count for _, count, _ in prepared]
+                if isinstance(self._inputs, EncoderInputs):
+                    sizes = [self._inputs.sizes(sample) for sample in mine]
+                    batch = collate_items(self._slice.module, self._inputs.preprocessor, inputs,
+                                          counts, sizes)
+                else:
+                    batch = collate_text(inputs, counts)
             batch[POSITIONS] = positions
             truncated = [s.__key__ for s, (_, _, cut) in zip(mine, prepared) if cut]
             if truncated:

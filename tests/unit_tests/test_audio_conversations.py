@@ -412,7 +412,7 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_each_omni_lays_and_posit
     import transformers
 
     from megatron_plugins.data.addressing import RankSlice
-    from megatron_plugins.data.energon import inputs as energon_inputs
+    from megatron_plugins.media import codec
 
     from megatron_plugins.data.audio_in_video import AudioInVideo
     from megatron_plugins.data.energon.inputs import SoundOrder
@@ -485,8 +485,8 @@ def test_a_video_s_sound_interleaves_with_its_frames_as_each_omni_lays_and_posit
 
     # each rank decodes a sample's sound once per global microbatch it builds
     decoded: list[str] = []
-    decode = energon_inputs.decode_sound
-    monkeypatch.setattr(energon_inputs, "decode_sound",
+    decode = codec.decode_sound
+    monkeypatch.setattr(codec, "decode_sound",
                         lambda data, key, field: decoded.append(key) or decode(data, key, field))
     two_microbatches = [sample, loaded["s1"]] * 2
     audio_inputs = EncoderInputs(plugins["audio"], plugins["audio"].preprocessor(), sounds)

@@ -39,11 +39,11 @@ from megatron_plugins.data.text import (
 )
 from megatron_plugins.data.tokenizer import PromptTokenizer
 from megatron_plugins.encoders import EncoderPlugin
+from megatron_plugins.media import codec
 from megatron_plugins.media.codec import (
     BadSampleError,
     Waveform,
     decode_item,
-    decode_sound,
     is_video,
     media_size,
     probe_item,
@@ -173,7 +173,7 @@ class SoundOrder:
         slot = (key, field, id(data))
         if (held := self._held.tracks.get(slot)) is not None and held[0] is data:
             return held[1]
-        sound = decode_sound(data, key, field)
+        sound = codec.decode_sound(data, key, field)
         if sound is None:
             raise BadSampleError(key, field, "is a video without a sound track, but "
                                  "--use-audio-in-video feeds each video's sound to encoder "

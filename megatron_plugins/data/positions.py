@@ -151,7 +151,8 @@ def mrope_position_ids(tokens: torch.Tensor,
                                  "before it")
             shared = int(layout.pairs_share)  # the pair's second id at the first's position
             pieces.append(torch.arange(current, current + text - shared).expand(3, -1))
-            pieces.append(torch.full((3, shared), current + text - 2))
+            if layout.pairs_share:
+                pieces.append(torch.full((3, 1), current + text - 2))
             index, current = _with_sound(ids, index, token, layout, current + text - shared,
                                          pieces)
             text_start = index

@@ -24,6 +24,7 @@ import torch
 from megatron_plugins.data.addressing import RankSlice
 from megatron_plugins.media.mock import (
     MOCK_KINDS,
+    MOCK_VIDEO_FPS,
     NUM_CLASSES,
     largest_video_size,
     longest_clip_size,
@@ -116,6 +117,9 @@ class MockSource:
     video_frames: int = 0
     """``--mock-video-frames``: an item of an encoder that takes videos is, one time in two, a
     video of this many frames instead of an image (0: images only)."""
+    video_fps: float = MOCK_VIDEO_FPS
+    """``--mock-video-fps``: the mock videos' frames per second (Qwen's temporal positions
+    follow it)."""
 
     def __post_init__(self) -> None:
         if self.video_frames and not any(map(_takes_video, self.plugins.values())):
@@ -163,8 +167,8 @@ class MockSource:
         preprocessor = self.plugins[name].preprocessor()
         frames = self.video_frames if getattr(preprocessor, "takes_video", False) else 0
         varied = _varied_clips(self.plugins[name])
-        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate, frames, varied)
-                for _ in range(count)]
+        return [mock_size(preprocessor.media, generator, preprocessor.sample_rate, frames, varied,
+                          self.video_fps) for _ in range(count)]
 
     def item_tokens(self, split: str, index: int) -> dict[str, tuple[int, ...]]:
         """Each encoder's item token counts in one sample, from the items' sizes alone."""

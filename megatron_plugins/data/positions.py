@@ -4,13 +4,17 @@ As Qwen2-VL / Qwen2.5-VL's ``get_rope_index`` lays them out: a text token advanc
 height and width positions together by one; an item's placeholder run takes its ``(t, h, w)``
 grid's positions (:meth:`EncoderPlugin.item_grid`, row-major, width fastest), each offset by the
 position after the preceding text, and the text after it starts ``max(h, w)`` past that offset
-(an image's largest position + 1). A video's grid carries a fourth entry, the time interval:
-its temporal positions are ``floor(index * interval)`` (float32), so they count seconds, not
-steps, and may pass the text after it, as transformers' Qwen2.5-VL has them; Qwen2.5-Omni's
-TMRoPE starts the text after a video past its last temporal position too (its encoder's
-:attr:`EncoderPlugin.text_after_time`). An item without a grid takes
-consecutive positions, as text does. Language ranks compute them from the tokens and the items'
-sizes alone (no media decoded), on every pipeline stage, for the mock and Energon sources alike.
+(an image's largest position + 1). A video's grid carries a fourth entry, its steps' temporal
+positions, which count seconds, not steps, and may pass the text after it, as transformers'
+Qwen2.5-VL has them; the Omni thinkers' TMRoPE starts the text after a video past its last
+temporal position too (its encoder's :attr:`EncoderPlugin.text_after_time`). An item without a
+grid takes consecutive positions, as text does. Language ranks compute them from the tokens and
+the items' sizes alone (no media decoded), on every pipeline stage, for the mock and Energon
+sources alike.
+
+Positions are float32, as transformers' Qwen3-Omni ``get_rope_index`` has them: its video
+steps are not whole numbers at most frame rates (13 positions a second), nor is any position
+after such a video. Whole positions are exact in float32 (below 2**24).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from megatron_plugins.encoders.base import EncoderPlugin, EncoderPluginError
 __all__ = ["Grid", "ItemLayout", "WithSound", "grid_times", "item_layout", "mrope_position_ids",
            "text_after_time_ids"]
 
-Grid = tuple[int, int, int] | tuple[int, int, int, float]
-"""An item's ``(t, h, w)`` token layout, with a video's time interval (temporal positions per
-step) as a fourth entry."""
+Grid = tuple[int, int, int] | tuple[int, int, int, tuple[float, ...]]
+"""An item's ``(t, h, w)`` token layout, with a video's steps' temporal positions (from its
+start, one per step, as its family computes them) as a fourth entry."""
 
 ItemLayout = tuple[int, Grid | None]
 """An item's token count and its grid (None: consecutive positions)."""
@@ -59,15 +63,23 @@ def item_layout(plugin: EncoderPlugin, size: tuple[int, ...]) -> ItemLayout:
     grid = plugin.item_grid(size)
     if grid is not None:
         sides = tuple(int(side) for side in grid[:3])
-        interval = tuple(float(step) for step in grid[3:])
-        if (len(sides) != 3 or len(interval) > 1 or min(sides) < 1 or min(interval, default=0) < 0
-                or sides[0] * sides[1] * sides[2] != count):
+        times = tuple(float(time) for time in grid[3]) if len(grid) == 4 else None
+        if (len(sides) != 3 or len(grid) > 4 or min(sides) < 1
+                or sides[0] * sides[1] * sides[2] != count
+                or times is not None and not _step_times(times, sides[0])):
             raise EncoderPluginError(
                 f"--encoder {plugin.name}: item_grid({tuple(size)}) = {grid} is not three "
                 f"positive sides whose product is item_tokens({tuple(size)}) = {count} (and a "
-                "video's time interval >= 0); fix the plugin's item_grid")
-        grid = sides + interval
+                "video's temporal positions, one per step, from 0, ascending); fix the "
+                "plugin's item_grid")
+        grid = sides if times is None else (*sides, times)
     return count, grid
+
+
+def _step_times(times: tuple[float, ...], steps: int) -> bool:
+    """Whether ``times`` are a video's ``steps`` temporal positions: from 0, ascending."""
+    return (len(times) == steps and times[0] == 0
+            and all(a <= b for a, b in zip(times, times[1:])))
 
 
 def text_after_time_ids(plugins: Mapping[str, EncoderPlugin],
@@ -79,28 +91,31 @@ def text_after_time_ids(plugins: Mapping[str, EncoderPlugin],
 
 def grid_times(grid: Grid) -> torch.Tensor:
     """Each token's temporal position of an item's grid (row-major, width fastest), from 0."""
-    return _grid_positions(grid, 0)[0]
+    return _grid_positions(grid, torch.tensor(0.0))[0]
 
 
-def _grid_positions(grid: Grid, start: int) -> torch.Tensor:
-    """``[3, t * h * w]``: each axis' index offset by ``start``, width fastest; a video's
-    temporal index scaled by its time interval first."""
-    steps = torch.arange(grid[0])
-    if len(grid) == 4:
-        steps = (steps * grid[3]).long()
-    axes = torch.meshgrid(steps, torch.arange(grid[1]), torch.arange(grid[2]), indexing="ij")
+def _grid_positions(grid: Grid, start: torch.Tensor) -> torch.Tensor:
+    """``[3, t * h * w]`` float32: each axis' index (a video's steps at their temporal
+    positions), width fastest, plus ``start``."""
+    steps = torch.tensor(grid[3]) if len(grid) == 4 else torch.arange(grid[0], dtype=torch.float)
+    axes = torch.meshgrid(steps, torch.arange(grid[1], dtype=torch.float),
+                          torch.arange(grid[2], dtype=torch.float), indexing="ij")
     return torch.stack(axes).reshape(3, -1) + start
 
 
-def _with_sound(ids: list[int], index: int, token: int, layout: WithSound, current: int,
-                pieces: list[torch.Tensor]) -> tuple[int, int]:
+def _run(current: torch.Tensor, count: int) -> torch.Tensor:
+    """``[3, count]`` consecutive positions from ``current`` (float32), as text has them."""
+    return (torch.arange(count) + current).expand(3, -1)
+
+
+def _with_sound(ids: list[int], index: int, token: int, layout: WithSound,
+                current: torch.Tensor, pieces: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
     """The positions of a video with its sound (its runs from ``index``, starting at
-    ``current``, after its bos pair, which the text before it ends with) and of its eos pair;
-    returns the index and the position after that pair."""
+    ``current``, after its bos pair) and of its eos pair; returns the index and the position
+    after that pair."""
     count, grid = layout.video
     runs = {True: (token, _grid_positions(grid, current)),
-            False: (layout.sound_id, torch.arange(current, current + layout.sound_tokens
-                                                  ).expand(3, -1))}
+            False: (layout.sound_id, _run(current, layout.sound_tokens))}
     taken = {True: 0, False: 0}
     for is_video, size in layout.order:
         want, positions = runs[is_video]
@@ -114,27 +129,27 @@ def _with_sound(ids: list[int], index: int, token: int, layout: WithSound, curre
     if taken != {True: count, False: layout.sound_tokens} or index + 2 > len(ids):
         raise ValueError(f"the video with sound ending at position {index} is not its "
                          f"{count} + {layout.sound_tokens} tokens and an eos pair")
-    end = int(pieces[-1].max()) + 1
-    pieces.append(torch.full((3, 2), end) if layout.pairs_share
-                  else torch.arange(end, end + 2).expand(3, -1))
-    return index + 2, int(pieces[-1].max()) + 1
+    end = pieces[-1].max() + 1
+    pieces.append(torch.full((3, 2), float(end)) if layout.pairs_share else _run(end, 2))
+    return index + 2, pieces[-1].max() + 1
 
 
 def mrope_position_ids(tokens: torch.Tensor,
                        items: Mapping[int, Sequence[ItemLayout | WithSound]],
                        after_time: Collection[int] = ()) -> torch.Tensor:
-    """``[3, len(tokens)]`` position ids of one sample's tokens (padding included, positioned as
-    text). ``items`` maps each encoder's placeholder id to its items in order; each run of that
-    id is consumed item by item (runs side by side are told apart by the items' counts). The
-    text after a run of a placeholder id in ``after_time`` starts past its largest position on
-    any axis (Qwen2.5-Omni), else past its rows and columns.
+    """``[3, len(tokens)]`` float32 position ids of one sample's tokens (padding included,
+    positioned as text). ``items`` maps each encoder's placeholder id to its items in order;
+    each run of that id is consumed item by item (runs side by side are told apart by the items'
+    counts). The text after a run of a placeholder id in ``after_time`` starts past its largest
+    position on any axis (the Omni thinkers), else past its rows and columns.
 
     Raises ``ValueError`` when the runs do not hold exactly the items' tokens.
     """
     ids = tokens.tolist()
     pending = {token: list(layouts) for token, layouts in items.items()}
     pieces: list[torch.Tensor] = []
-    text_start, current, index = 0, 0, 0
+    current = torch.tensor(0.0)
+    text_start, index = 0, 0
     while index < len(ids):
         token = ids[index]
         if token not in pending:
@@ -150,9 +165,9 @@ def mrope_position_ids(tokens: torch.Tensor,
                 raise ValueError(f"the video with sound at position {index} has no bos pair "
                                  "before it")
             shared = int(layout.pairs_share)  # the pair's second id at the first's position
-            pieces.append(torch.arange(current, current + text - shared).expand(3, -1))
+            pieces.append(_run(current, text - shared))
             if layout.pairs_share:
-                pieces.append(torch.full((3, 1), current + text - 2))
+                pieces.append(torch.full((3, 1), float(current + text - 2)))
             index, current = _with_sound(ids, index, token, layout, current + text - shared,
                                          pieces)
             text_start = index
@@ -163,19 +178,19 @@ def mrope_position_ids(tokens: torch.Tensor,
             raise ValueError(f"placeholder token {token}: the run at position {index} is shorter "
                              f"than its item's {count} tokens")
         text = index - text_start
-        pieces.append(torch.arange(current, current + text).expand(3, -1))
-        current += text
+        pieces.append(_run(current, text))
+        current = current + text
         if grid is None:
-            pieces.append(torch.arange(current, current + count).expand(3, -1))
-            current += count
+            pieces.append(_run(current, count))
+            current = current + count
         else:
             pieces.append(_grid_positions(grid, current))
-            current = (int(pieces[-1].max()) + 1 if token in after_time
+            current = (pieces[-1].max() + 1 if token in after_time
                        else current + max(grid[1], grid[2]))
         index += count
         text_start = index
     left = {token: len(layouts) for token, layouts in pending.items() if layouts}
     if left:
         raise ValueError(f"items without a placeholder run: {left} (placeholder id: items)")
-    pieces.append(torch.arange(current, current + len(ids) - text_start).expand(3, -1))
-    return torch.cat(pieces, dim=1).to(torch.long)
+    pieces.append(_run(current, len(ids) - text_start))
+    return torch.cat(pieces, dim=1)

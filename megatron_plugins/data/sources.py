@@ -11,6 +11,7 @@ from megatron_plugins.data.mock import MockSource, max_encoder_tokens
 from megatron_plugins.data.streams import DataSource
 from megatron_plugins.encoders import EncoderPlugin
 from megatron_plugins.errors import DataFlagError
+from megatron_plugins.media.mock import MOCK_VIDEO_FPS
 
 __all__ = ["add_data_args", "audio_in_video", "build_source"]
 
@@ -30,8 +31,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                             "encoder); one number N for exactly N. Default 0:2.")
     group.add_argument("--mock-video-frames", type=int, default=0, metavar="N",
                        help="Mock data only: for encoders that take videos (qwen2_5_vl), each "
-                            "item is, one time in two, a video of N frames at 2 fps instead of "
-                            "an image. Default 0 (images only).")
+                            "item is, one time in two, a video of N frames (at "
+                            "--mock-video-fps) instead of an image. Default 0 (images only).")
+    group.add_argument("--mock-video-fps", type=float, default=MOCK_VIDEO_FPS, metavar="FPS",
+                       help="Mock data only: the frame rate of --mock-video-frames' videos, "
+                            "which sets their temporal positions (Qwen3-Omni: 13 a second, "
+                            f"fractional at most rates). Default {MOCK_VIDEO_FPS:g}.")
     group.add_argument("--balance-encoder-work", action="store_true",
                        help="Where an encoder has more DP replicas than the language model, let "
                             "the replicas that fill one language replica share its samples by "
@@ -102,6 +107,14 @@ def audio_in_video(args: argparse.Namespace) -> AudioInVideo | None:
     return AudioInVideo(*found)
 
 
+def _mock_video_fps(args: argparse.Namespace) -> float:
+    """``--mock-video-fps``, positive."""
+    fps = getattr(args, "mock_video_fps", MOCK_VIDEO_FPS)
+    if not fps > 0:
+        raise DataFlagError(f"--mock-video-fps {fps:g}: give a positive frame rate")
+    return fps
+
+
 def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin]) -> DataSource:
     """The run's data: Energon when stock ``--data-path`` names a dataset, else the mock. Checks
     everything that can be checked before any process group (paths, splits, tokenizer)."""
@@ -127,7 +140,7 @@ def build_source(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin])
                           items_per_sample=items,
                           mrope=args.position_embedding_type == "mrope",
                           placeholder_ids=_checkpoint_placeholders(args), wrapping=wrapping,
-                          video_frames=frames)
+                          video_frames=frames, video_fps=_mock_video_fps(args))
     if len(args.data_path) != 1:
         raise DataFlagError(
             f"--data-path takes one Energon dataset (a prepared folder, or a metadataset YAML "

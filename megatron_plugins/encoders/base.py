@@ -243,12 +243,12 @@ class EncoderPlugin(abc.ABC):
         sizes read from the sample's metadata, the encoder ranks must produce exactly that many."""
         return self.tokens_per_item
 
-    def item_grid(self, size: tuple[int, ...]) -> tuple[int, ...] | None:
+    def item_grid(self, size: tuple[int, ...]) -> tuple[Any, ...] | None:
         """The ``(t, h, w)`` layout of an item's language tokens for multimodal RoPE
         (``t * h * w == item_tokens(size)``), a pure function of the size like
-        :meth:`item_tokens`; a video's may add a fourth entry, the temporal positions between
-        its steps (:mod:`megatron_plugins.data.positions`). None (the default) gives the item's
-        tokens consecutive positions, as text has."""
+        :meth:`item_tokens`; a video's may add a fourth entry, its steps' temporal positions
+        from 0 (``t`` floats: :mod:`megatron_plugins.data.positions`). None (the default) gives
+        the item's tokens consecutive positions, as text has."""
         return None
 
     def item_flops(self, size: tuple[int, ...], config: TransformerConfig,

@@ -271,7 +271,7 @@ class Qwen3OmniVisionEncoder(ThinkerVideoTime, Qwen3VisionEncoder):
     """Qwen3-Omni's vision tower (``--encoder NAME=qwen3_omni_vision``): Qwen3-VL-MoE's, its
     config under the thinker's and its mergers named as :data:`QWEN3_OMNI_VISION` maps them.
     It takes videos as Qwen2-VL's video processor makes them (no timestamp text, unlike
-    Qwen3-VL), at TMRoPE's temporal positions (:meth:`item_grid`)."""
+    Qwen3-VL), at TMRoPE's temporal positions (:attr:`whole_times`)."""
 
     provider = "qwen3_omni_vision"
     model_type = "qwen3_omni_moe_vision_encoder"
@@ -281,21 +281,7 @@ class Qwen3OmniVisionEncoder(ThinkerVideoTime, Qwen3VisionEncoder):
     sub_config = "thinker_config"
     preprocessor_class = QwenImagePreprocessor
 
-    def item_grid(self, size: tuple[int | float, ...]) -> tuple[int, ...]:
-        """As Qwen2.5-Omni's, but a video's steps lie at ``step * temporal_patch_size / fps *
-        position_id_per_seconds`` (float32, not truncated, as transformers' Qwen3-Omni
-        ``get_rope_index``), which must be whole numbers: positions here are integers."""
-        grid = super().item_grid(size)
-        if len(grid) == 3:
-            return grid
-        seconds = torch.tensor(self.hf_config.temporal_patch_size / size[3], dtype=torch.float32)
-        times = torch.arange(grid[0]) * seconds * self.tokens_per_second
-        step = float(times[1]) if grid[0] > 1 else 0.0
-        if step != int(step) or not torch.equal(times, torch.arange(grid[0]) * step):
-            raise ValueError(
-                f"a video at {size[3]:g} frames a second puts its temporal steps "
-                f"{float(times[1]):g} positions apart ({self.tokens_per_second:g} a second), "
-                "not whole numbers, which the positions (integers here) cannot hold; give "
-                "videos whose frames run at 2 or 1 a second (a file: a whole number of seconds "
-                "long, sampled at 2 a second)")
-        return (*grid[:3], step)
+    whole_times = False
+    """A video's temporal positions stay float32 (``step * temporal_patch_size / fps *
+    position_id_per_seconds``, not truncated, as transformers' ``get_rope_index``): at most
+    frame rates they are not whole numbers, nor is any position after the video."""

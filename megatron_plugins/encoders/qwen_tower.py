@@ -220,16 +220,20 @@ class QwenTowerEncoder(HFVisionEncoder):
         steps, rows, columns = self.item_grid(size)[:3]
         return steps * rows * columns
 
-    def item_grid(self, size: tuple[int | float, ...]) -> tuple[int, ...]:
+    def item_grid(self, size: tuple[int | float, ...]) -> tuple[Any, ...]:
         """(1, merged rows, merged columns) of an image; a video's (temporal steps, merged rows,
-        merged columns, time interval): its steps' temporal positions lie ``tokens_per_second *
-        temporal_patch_size / fps`` apart, in float32 as transformers computes them."""
+        merged columns, the steps' temporal positions: :meth:`step_times`)."""
         steps, rows, columns = self._preprocessor.item_grid(size)
         merge = self.hf_config.spatial_merge_size
         if len(size) == 2:
             return 1, rows // merge, columns // merge
         seconds = torch.tensor(self.hf_config.temporal_patch_size / size[3], dtype=torch.float32)
-        return steps, rows // merge, columns // merge, float(seconds * self.tokens_per_second)
+        return steps, rows // merge, columns // merge, self.step_times(steps, seconds)
+
+    def step_times(self, steps: int, seconds: torch.Tensor) -> tuple[float, ...]:
+        """A video's steps' temporal positions, ``seconds`` (float32) apart: ``floor(step *
+        (tokens_per_second * seconds))`` in float32, as transformers' Qwen2.5-VL computes them."""
+        return tuple((torch.arange(steps) * (self.tokens_per_second * seconds)).long().tolist())
 
     @property
     def tokens_per_second(self) -> float:
@@ -284,6 +288,16 @@ class ThinkerVideoTime:
     has none), the text after a video past its last one, as TMRoPE has them."""
 
     text_after_time = True
+
+    whole_times = True
+    """Temporal positions truncated to whole numbers (Qwen2.5-Omni); Qwen3-Omni keeps them
+    float32."""
+
+    def step_times(self, steps: int, seconds: torch.Tensor) -> tuple[float, ...]:
+        """``step * seconds * position_id_per_seconds`` in float32, in transformers' order,
+        truncated where :attr:`whole_times` (its ``get_rope_index``)."""
+        times = torch.arange(steps) * seconds * self.tokens_per_second
+        return tuple((times.long() if self.whole_times else times).tolist())
 
     @property
     def tokens_per_second(self) -> float:

@@ -11,8 +11,8 @@ import torch
 
 from megatron_plugins.media.codec import DEFAULT_VIDEO_FPS, Video, Waveform
 
-__all__ = ["MOCK_KINDS", "NUM_CLASSES", "example_size", "largest_video_size", "longest_clip_size",
-           "mock_media", "mock_size"]
+__all__ = ["MOCK_KINDS", "MOCK_VIDEO_FPS", "NUM_CLASSES", "example_size", "largest_video_size",
+           "longest_clip_size", "mock_media", "mock_size"]
 
 NUM_CLASSES = 8
 """Mock samples belong to one of these classes; encoders see it, text depends on it."""
@@ -37,16 +37,17 @@ MOCK_KINDS = ("image", "audio")
 
 
 def mock_size(kind: str, generator: torch.Generator, rate: int | None,
-              video_frames: int = 0, varied_clips: bool = False) -> tuple[int | float, ...]:
+              video_frames: int = 0, varied_clips: bool = False,
+              video_fps: float = MOCK_VIDEO_FPS) -> tuple[int | float, ...]:
     """One item's size (:func:`~megatron_plugins.media.codec.media_size`), drawn from
     ``generator``: the language ranks draw it too, to lay out the item's placeholder run. With
-    ``video_frames``, an image item is, one time in two, a video of that many frames; with
-    ``varied_clips``, a clip's length is one of :data:`AUDIO_SECONDS`."""
+    ``video_frames``, an image item is, one time in two, a video of that many frames at
+    ``video_fps``; with ``varied_clips``, a clip's length is one of :data:`AUDIO_SECONDS`."""
     if kind == "image":
         sides = torch.randint(len(IMAGE_SIDES), (2,), generator=generator).tolist()
         size = (IMAGE_SIDES[sides[0]], IMAGE_SIDES[sides[1]])
         if video_frames and int(torch.randint(2, (1,), generator=generator)):
-            return (video_frames, *size, MOCK_VIDEO_FPS)
+            return (video_frames, *size, video_fps)
         return size
     rate = rate or AUDIO_RATE
     if varied_clips:

@@ -3,8 +3,9 @@ a 44.1 kHz FLAC and an MP3, 0..3 clips and 0..1 image per record, tags in the te
 converted by the README's commands trains a vision + audio + language MiMo through the entry
 point with packed rows, reporting the padding share; the audio encoder at dp2 on ranks of its own
 (its replicas sharing the clips by work) trains identically, every clip keyed and consumed. A tiny
-whole Qwen2.5-Omni with ``--use-audio-in-video`` trains on a folder of such clips, an image and
-videos with sound tracks, identically with its audio tower at dp2."""
+whole Qwen2.5-Omni and a tiny whole Qwen3-Omni with ``--use-audio-in-video`` train on a folder of
+such clips, an image and videos with sound tracks (one a 29.97-fps file), identically with their
+audio tower at dp2."""
 
 from __future__ import annotations
 
@@ -120,10 +121,15 @@ OMNI_GRIDS = {"one-rank-each": (3, ("--grid", "image:", "--grid", "audio:", "--g
                                          "language:"))}
 
 
+VIDEOS = ("talk.mp4", "talk.webm", "film.mp4")
+"""2.5 s at 8 fps with AAC, 1.5 s at 8 fps with Opus, 3 s at 29.97 fps with AAC: sampled at 1.6,
+1.33 and 1.998 frames a second, so Qwen3-Omni's temporal positions (13 a second) are fractional."""
+
+
 def _video_record(index: int) -> dict:
-    """A video with sound one record in two (an mp4 with AAC, a webm with Opus, in turn),
-    ``index % 3`` clips and an image every third record; the video's tag between the others."""
-    video = ["talk.mp4", "talk.webm"][index // 2 % 2] if index % 2 == 0 else None
+    """A video with sound one record in two (:data:`VIDEOS` in turn), ``index % 3`` clips and an
+    image every third record; the video's tag between the others."""
+    video = VIDEOS[index // 2 % len(VIDEOS)] if index % 2 == 0 else None
     clips = list(CLIPS)[: index % 3]
     images = ["square.png"] if index % 3 == 0 else []
     question = ("<image>" * len(images) + ("<video>" if video else "") + "<audio>" * len(clips)
@@ -134,27 +140,42 @@ def _video_record(index: int) -> dict:
                 {"role": "assistant", "content": "a talk" if video else "nothing"}]}
 
 
+VIDEO_TEXTS = ["what do you hear", "a talk", "nothing"]
+
+
 @once_per_run
-def omni_video_runs() -> dict[str, tuple[dict[int, float], str]]:
-    """The tiny Qwen2.5-Omni with ``--use-audio-in-video`` on a converted folder of videos with
-    sound (2.5 s mp4 + AAC, 1.5 s webm + Opus), clips and an image, packed, at one rank per
-    module and with the audio tower at DP 2 (balanced): ``lm loss`` per iteration and the
-    output, by layout."""
+def omni_video_folder() -> Path:
+    """A converted folder of videos with sound (:data:`VIDEOS`), clips and an image."""
+    from fractions import Fraction
+
     from tests.harness.video_files import write_video
-    from tests.models.hf import MIMO_FLAGS
-    from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
 
     root = Path(tempfile.mkdtemp(prefix="mimo-omni-video-"))
     write_clips(root, 330.0)
     Image.fromarray(np.full((16, 16, 3), (30, 220, 30), np.uint8)).save(root / "square.png")
     write_video(root / "talk.mp4", seconds=2.5, fps=8, sound_rate=16000)
     write_video(root / "talk.webm", seconds=1.5, fps=8, sound_rate=48000)
+    write_video(root / "film.mp4", seconds=3, fps=Fraction(30000, 1001), sound_rate=44100)
     records = [_video_record(index) for index in range(40)]
     (root / "swift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    texts = ["what do you hear", "a talk", "nothing"]
-    convert_by_the_readme(root, root / "swift.jsonl", texts, "--split", "80,10,10",
+    convert_by_the_readme(root, root / "swift.jsonl", VIDEO_TEXTS, "--split", "80,10,10",
                           in_process=True)
-    folder = save_omni_tokenizer(save_tiny_omni(root / "omni"), texts)
+    return root
+
+
+@once_per_run
+def omni_video_runs(family: str) -> dict[str, tuple[dict[int, float], str]]:
+    """A tiny whole ``family`` (qwen2_5_omni, qwen3_omni) with ``--use-audio-in-video`` on
+    :func:`omni_video_folder`, packed, at one rank per module and with the audio tower at DP 2
+    (balanced): ``lm loss`` per iteration and the output, by layout."""
+    from tests.models.hf import MIMO_FLAGS
+    from tests.models.qwen3_omni_whole import save_tiny_qwen3_omni
+    from tests.models.qwen_omni import save_omni_tokenizer, save_tiny_omni
+
+    root = omni_video_folder()
+    save = {"qwen2_5_omni": save_tiny_omni, "qwen3_omni": save_tiny_qwen3_omni}[family]
+    folder = save_omni_tokenizer(save(Path(tempfile.mkdtemp(prefix=f"mimo-{family}-"))
+                                      / "omni"), VIDEO_TEXTS)
     runs = {}
     for name, (nproc, grids) in OMNI_GRIDS.items():
         logdir = tempfile.mkdtemp(prefix=f"mimo-omni-video-{name}-")
@@ -169,14 +190,16 @@ def omni_video_runs() -> dict[str, tuple[dict[int, float], str]]:
     return runs
 
 
-def test_videos_with_their_sound_train_a_whole_qwen2_5_omni_identically_at_two_layouts() -> None:
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
+def test_videos_with_their_sound_train_a_whole_omni_identically_at_two_layouts(family) -> None:
     """``--use-audio-in-video`` with the folder's own tokenizer: each clip's run is the
-    checkpoint's ``<|AUDIO|>`` run of its resampled length and each video's sound track
-    (decoded from the file on both sides) the audio tower's item where the video is, its tokens
-    interleaved with the frames' in 2-s chunks (else the alignment guard stops the run); packed
-    rows report their padding; with the audio tower at DP 2 sharing clips and sounds by work the
-    losses are the same."""
-    runs = omni_video_runs()
+    checkpoint's audio run of its resampled length and each video's sound track (decoded from
+    the file on both sides) the audio tower's item where the video is, its tokens interleaved
+    with the frames' as the family does (Qwen2.5-Omni: 2-s chunks; Qwen3-Omni: by time, at
+    fractional positions), else the alignment guard stops the run; packed rows report their
+    padding; with the audio tower at DP 2 sharing clips and sounds by work the losses are the
+    same."""
+    runs = omni_video_runs(family)
     reference, output = runs["one-rank-each"]
     assert sorted(reference) == [1, 2, 3, 4]
     assert all(math.isfinite(value) for value in reference.values())
@@ -184,6 +207,6 @@ def test_videos_with_their_sound_train_a_whole_qwen2_5_omni_identically_at_two_l
     assert float(packed) < float(unpacked)
     losses, _ = runs["audio-dp2-balanced"]
     worst = max(abs(losses[i] - value) / abs(value) for i, value in reference.items())
-    print(f"Omni, audio in video, audio dp2 balanced: max relative lm loss difference "
+    print(f"{family}, audio in video, audio dp2 balanced: max relative lm loss difference "
           f"{worst:.2e}; padding {unpacked}% unpacked, {packed}% packed")
     assert worst <= 1e-5, (reference, losses)

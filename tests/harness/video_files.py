@@ -3,6 +3,7 @@ tiny clips whose frames are distinct colours, with a sine-wave sound track or no
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -27,8 +28,8 @@ def tone(rate: int, seconds: float, hz: float = 440.0) -> np.ndarray:
         np.float32)
 
 
-def write_video(path: Path, seconds: float = 1.5, fps: int = 8, size: tuple[int, int] = (32, 32),
-                sound_rate: int | None = 16000) -> Path:
+def write_video(path: Path, seconds: float = 1.5, fps: int | Fraction = 8,
+                size: tuple[int, int] = (32, 32), sound_rate: int | None = 16000) -> Path:
     """A ``seconds`` clip of :func:`frame` pictures at ``fps`` in the container the suffix names,
     with a :func:`tone` sound track at ``sound_rate`` Hz (None: no audio stream)."""
     container = path.suffix[1:]

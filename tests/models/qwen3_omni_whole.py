@@ -97,6 +97,9 @@ def save_tiny_qwen3_omni(folder: str | Path, seed: int = 0, thinker_only: bool =
     return folder
 
 
+VIDEO_FPS = 1.998
+"""The sample's video runs at a 29.97-fps file's rate as sampled at 2 a second: its steps 13.01
+positions apart, every position after it fractional."""
 IMAGE_SIZES = ((24, 40), (16, 16))
 """(height, width) of the sample's two images."""
 
@@ -109,12 +112,12 @@ def images(seed: int = 3) -> list[np.ndarray]:
 
 def media() -> dict[str, list[Any]]:
     """The sample's items per encoder ``--hf-model`` makes of the folder: its images and its
-    video (:func:`tests.models.qwen_omni.video`: 3 steps at 13 positions apart), then its clips
+    video (:func:`tests.models.qwen_omni.video`: 3 steps 13.01 positions apart), then its clips
     (:func:`tests.models.qwen3_omni.clips`: 258 and 73 mel frames) and the video's sound."""
     from megatron_plugins.media.codec import Waveform
     from tests.models.qwen_omni import sound, video
 
-    return {"image": [*images(), video()],
+    return {"image": [*images(), video(VIDEO_FPS)],
             "audio": [Waveform(clip, RATE) for clip in (*clips(), sound())]}
 
 
@@ -142,7 +145,7 @@ def sample(folder: str | Path) -> torch.Tensor:
     audio = plugin(folder)
     audio_runs = [[AUDIO_WRAPPING[0], *[AUDIO_TOKEN] * audio.item_tokens((len(clip), RATE)),
                    AUDIO_WRAPPING[1]] for clip in clips()]
-    composite = video_with_sound_ids(_hf_video(folder)["video_grid_thw"][0], 1.0,
+    composite = video_with_sound_ids(_hf_video(folder)["video_grid_thw"][0], 2 / VIDEO_FPS,
                                      audio.item_tokens((SOUND_SAMPLES, RATE)),
                                      "Qwen3OmniMoeProcessor", POSITIONS_PER_SECOND)
     return torch.tensor([[5, 17, *image_runs[0], 42, 8, *audio_runs[0], 23, *image_runs[1], 9,
@@ -186,7 +189,7 @@ def hf_thinker_forward(model: Any, folder: str | Path, ids: torch.Tensor,
     with torch.no_grad(), float64_throughout():
         positions, _ = model.model.get_rope_index(
             ids, inputs.get("image_grid_thw"), video.get("video_grid_thw"), torch.ones_like(ids),
-            film, frames, torch.tensor([1.0]) if film else None)  # 2 frames a step at 2 a second
+            film, frames, torch.tensor([2 / VIDEO_FPS]) if film else None)  # 2 frames a step
         return model(input_ids=ids, inputs_embeds=embeds, position_ids=positions,
                      pixel_values=None if pixels is None else pixels.to(model.dtype),
                      image_grid_thw=inputs.get("image_grid_thw"),

@@ -120,12 +120,13 @@ positions 0, 25, 50, so two 2-s chunks), with a 3-s sound track (75 tokens, two 
 SOUND_SAMPLES = 48000
 
 
-def video() -> Any:
-    """The sample's :class:`~megatron_plugins.media.codec.Video` (2 frames per second)."""
+def video(fps: float = 2.0) -> Any:
+    """The sample's :class:`~megatron_plugins.media.codec.Video` (2 frames per second unless
+    given)."""
     from megatron_plugins.media.codec import Video
 
     rng = np.random.default_rng(7)
-    return Video(rng.integers(0, 256, (VIDEO_FRAMES, 32, 32, 3), np.uint8), 2.0)
+    return Video(rng.integers(0, 256, (VIDEO_FRAMES, 32, 32, 3), np.uint8), fps)
 
 
 def sound() -> np.ndarray:

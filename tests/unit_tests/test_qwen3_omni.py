@@ -2,7 +2,8 @@
 DeepStack into the first language layers), its audio tower (AuT) and its Qwen3-MoE language model
 with interleaved multimodal RoPE, each a module on its own grid or the vision tower colocated on
 the language's, give transformers' float64 thinker logits on one sample of two images, two clips
-and a video with its sound merged by time (``use_audio_in_video``) at three layouts (experts
+and a video with its sound merged by time (``use_audio_in_video``; at a 29.97-fps file's
+sampled rate, so positions are fractional) at three layouts (experts
 split over EP 2 in one); every tensor of the modules streams back unchanged, the talker and
 code2wav are carried (one notice at start); our videos' tokens and positions, with their sound or
 without, are transformers' processor's and ``get_rope_index``'s. One training run serves the
@@ -126,8 +127,9 @@ def test_packed_rows_and_language_cp2_train_identically_without_the_load_balanci
         omni, tmp_path):
     """Packed rows and language CP 2 (positions and DeepStack levels split by CP) train as one
     rank per module does, on samples whose vision items are, one time in two, 4-frame videos
-    (13 temporal positions a step; a packed row's positions per sample; rows that hold two such
-    samples whole, as a cut sample would train differently). The folder's
+    at 3 frames a second (8.67 temporal positions a step, so every position after one is
+    fractional; a packed row's positions per sample; rows that hold two such samples whole, as
+    a cut sample would train differently). The folder's
     router_aux_loss_coef is set to 0: the load-balancing loss counts the tokens each microbatch
     routes, and unpacked rows route their padding too (with 0.001, step 3 of a packed run
     differs by 1.6e-5)."""
@@ -139,7 +141,8 @@ def test_packed_rows_and_language_cp2_train_identically_without_the_load_balanci
     thinker = json.loads((folder / "config.json").read_text())["thinker_config"]
     balanced = edited(folder, tmp_path / "no_aux_loss", config={"thinker_config": {
         **thinker, "text_config": {**thinker["text_config"], "router_aux_loss_coef": 0.0}}})
-    videos = ("--seq-length", "256", "--mock-video-frames", "4")  # two samples, never cut
+    videos = ("--seq-length", "256", "--mock-video-frames", "4",  # two samples, never cut
+              "--mock-video-fps", "3")
     reference = sgd_run(balanced, tmp_path, "reference", ONE_RANK_EACH[1], ONE_RANK_EACH[0],
                         videos)
     for name, nproc, grids, *flags in (
@@ -273,14 +276,20 @@ def test_one_notice_at_start_names_the_carried_talker_and_code2wav(omni, capsys)
 
 VIDEOS = [("text", 3), ("video", (4, 16, 16, 2.0)), ("text", 2), ("audio", 13000),
           ("image", (24, 40)), ("video", (3, 21, 30, 1.0)), ("text", 1),
-          ("video", (12, 8, 8, 2.0)), ("audio", 1600), ("text", 2)]
+          ("video", (12, 8, 8, 2.0)), ("audio", 1600), ("text", 2), ("video", (6, 16, 16, 3.0)),
+          ("video", (8, 8, 8, 1.998)), ("text", 2), ("image", (16, 16)), ("text", 1)]
 """Text, videos at 2 and 1 frames a second (13 and 26 positions a step, past their rows and
-columns), clips and an image, each run between its start / end ids."""
+columns), at 3 and 1.998 (a 29.97-fps file sampled at 2 a second: 8.67 and 13.01 positions a
+step, every position after them fractional), clips and images, each run between its start / end
+ids."""
 WITH_SOUND = [("text", 2), ("image", (16, 16)), ("audio", 13000),
               ("video", (4, 16, 16, 2.0), 32000), ("text", 1),
-              ("video", (12, 8, 8, 2.0), 20800), ("text", 2)]
+              ("video", (12, 8, 8, 2.0), 20800), ("text", 2),
+              ("video", (6, 8, 8, 1.998), 48000), ("audio", 5000),
+              ("video", (4, 16, 16, 3.0), 4000), ("text", 2)]
 """``use_audio_in_video``: a video whose 2-s sound outlasts its frames' time, one whose
-1.3-s sound ends before its last frames' time, an image and a clip."""
+1.3-s sound ends before its last frames' time, then at fractional positions a step (1.998 and
+3 frames a second) among a clip, an image and text."""
 
 
 @pytest.mark.parametrize("items", [VIDEOS, WITH_SOUND], ids=["videos", "videos-with-sound"])
@@ -290,7 +299,7 @@ def test_video_layout_and_positions_equal_the_processor_s_and_get_rope_index(omn
     with their sound (``use_audio_in_video``) merged token by token by time, a video token
     first on a tie, each start / end id at a position of its own: our tokens equal transformers'
     processor's (``replace_video_with_audio_token``) and our positions its thinker's
-    ``get_rope_index``. A frame rate putting steps between positions is one line."""
+    ``get_rope_index``, bit for bit, fractional ones too."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         _get_feat_extract_output_lengths,
     )
@@ -337,7 +346,7 @@ def test_video_layout_and_positions_equal_the_processor_s_and_get_rope_index(omn
                 torch.tensor([grid[0], grid[1] * 2, grid[2] * 2]))
             if kind == "video":
                 seconds.append(2 / value[3])
-                assert grid[3] == 2 / value[3] * POSITIONS_PER_SECOND
+                assert grid[3][1] == pytest.approx(2 / value[3] * POSITIONS_PER_SECOND)
         if sound:
             sound_tokens = audio.item_tokens((sound[0], 16000))
             layout = sounds.with_sound(layout, AUDIO_TOKEN, sound_tokens)
@@ -360,7 +369,5 @@ def test_video_layout_and_positions_equal_the_processor_s_and_get_rope_index(omn
     want, _ = hf_thinker(folder).model.get_rope_index(
         hf_ids, torch.stack(images), torch.stack(videos), torch.ones_like(hf_ids),
         any(len(item) == 3 for item in items), torch.tensor(frames), torch.tensor(seconds))
-    assert torch.equal(got, want[:, 0].long()) and torch.equal(want, want.round())
-    with pytest.raises(ValueError, match=r"^a video at 3 frames a second puts its temporal "
-                       r"steps 8\.66667 positions apart \(13 a second\), not whole numbers"):
-        vision.item_tokens((4, 16, 16, 3.0))
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.equal(got, want[:, 0]) and not torch.equal(got, got.round())

@@ -291,4 +291,6 @@ def test_tmrope_positions_of_videos_images_and_clips_equal_get_rope_index(folder
                                          torch.ones_like(ids), False, torch.tensor(frames),
                                          torch.tensor(seconds))
     assert torch.equal(got, want[:, 0])
-    assert layouts[IMAGE_TOKEN][3][1][3] == 25.0  # 1 s per step at 25 positions a second
+    # 1 s per step at 25 positions a second; 2/3 s at 3 frames a second, truncated
+    assert layouts[IMAGE_TOKEN][3][1][3] == (0, 25, 50, 75, 100, 125)
+    assert layouts[IMAGE_TOKEN][2][1][3] == (0, 16)

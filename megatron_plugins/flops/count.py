@@ -92,13 +92,16 @@ class FirstLayer(_Counts):
     which that gradient skips; ``scores`` and ``kernel_recompute``: its attention's, skipped with
     the scores' backward; ``mixing``: the backward between a Gated DeltaNet's ``in_proj`` and
     ``out_proj`` (the convolution's input gradient, the delta rule's), skipped by a gradient
-    starting at ``out_proj`` or later."""
+    starting at ``out_proj`` or later; ``routing``: the backward of an MoE layer's router (both
+    operands) and shared-expert gate (its input), skipped by a gradient starting at the
+    experts."""
 
     before: int = 0
     scores: int = 0
     linears: Linears = Linears()
     kernel_recompute: int = 0
     mixing: int = 0
+    routing: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,11 +174,8 @@ class Work(_Counts):
     def leading(self) -> Work:
         """This work as its module's first layer too (one layer's work)."""
         return replace(self, first=FirstLayer(self.first.before, self.scores, self.linears,
-                                              self.kernel_recompute, self.first.mixing))
-
-    def unadaptable(self) -> Work:
-        """This work with no linear LoRA adapts (MoE experts)."""
-        return replace(self, linears=Linears(), first=FirstLayer())
+                                              self.kernel_recompute, self.first.mixing,
+                                              self.first.routing))
 
     @property
     def forward(self) -> int:
@@ -231,6 +231,8 @@ class Work(_Counts):
         for name in TARGETS:
             if name == "linear_proj":  # past attention's scores or Gated DeltaNet's mixing
                 skipped += 2 * self.first.scores + self.first.mixing
+            if name == "linear_fc1":  # past an MoE layer's router and shared-expert gate
+                skipped += self.first.routing
             shape = getattr(self.first.linears, name)
             skipped += shape.forward
             if name in adapters.targets and shape.rows_in:

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_plugins.flops.count import Work, linear
+from megatron_plugins.flops.count import FirstLayer, Work, linear
 from megatron_plugins.ops import REFERENCE_ATTENTION
 
 __all__ = ["Attention", "AttentionKernel", "Layer", "MLP", "MoE", "attention_kernel", "linear"]
@@ -100,8 +100,9 @@ class MLP:
 @dataclass(frozen=True)
 class MoE:
     """Router (``hidden -> experts``), each token through its ``topk`` routed experts (no token
-    dropped: no capacity factor), the shared experts and their optional sigmoid gate; none of
-    their linears adaptable (LoRA adapts no expert)."""
+    dropped: no capacity factor), the shared experts and their optional sigmoid gate; LoRA on
+    ``linear_fc1`` / ``linear_fc2`` adapts the routed experts' (over ``topk`` rows a token) and
+    the shared experts'."""
 
     hidden: int
     experts: int
@@ -111,14 +112,15 @@ class MoE:
     shared_gate: bool = False
 
     def routed(self, tokens: int) -> Work:
-        return Work(gating=linear(tokens, self.hidden, self.experts)) + self.expert.work(
-            tokens * self.topk).unadaptable()
+        gating = linear(tokens, self.hidden, self.experts)
+        return (Work(gating=gating, first=FirstLayer(routing=2 * gating))
+                + self.expert.work(tokens * self.topk))
 
     def shared_work(self, tokens: int) -> Work:
         if self.shared is None:
             return Work()
         gate = linear(tokens, self.hidden, 1) if self.shared_gate else 0
-        return self.shared.work(tokens).unadaptable() + Work(inner=gate)
+        return self.shared.work(tokens) + Work(inner=gate, first=FirstLayer(routing=gate))
 
     def work(self, tokens: int) -> Work:
         return self.routed(tokens) + self.shared_work(tokens)

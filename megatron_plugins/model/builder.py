@@ -211,7 +211,7 @@ class MimoModelBuilder(ModelBuilder[MimoModel, MimoBuildConfig]):
             freeze=Freeze(language_model=cfg.freeze_language_model,
                           encoders=frozenset(cfg.freeze_encoders),
                           projections=frozenset(cfg.freeze_projections)),
-            lora=lora_specs(cfg.lora, topology.layout, language.num_moe_experts), seed=cfg.seed,
+            lora=lora_specs(cfg.lora, topology.layout), seed=cfg.seed,
             wrap_with_ddp=wrap_with_ddp, data_parallel_random_init=data_parallel_random_init,
             overlap_param_gather_with_optimizer_step=overlap_param_gather_with_optimizer_step,
         )

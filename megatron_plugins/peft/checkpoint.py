@@ -90,7 +90,7 @@ def _family_has_projection(plugin: Any) -> bool:
 
 def frozen_parts(args: argparse.Namespace, layout: ParallelLayout) -> set[str]:
     """Parts whose own weights do not train: adapted, or frozen by the freeze flags."""
-    frozen = set(lora_specs(args.lora, layout, args.num_experts))
+    frozen = set(lora_specs(args.lora, layout))
     if args.freeze_language_model:
         frozen.add(LANGUAGE)
     for module in layout.encoders:
@@ -190,9 +190,8 @@ def check_resume(args: argparse.Namespace, saved: argparse.Namespace, where: str
                 f"this run's is {describe_reference(mine)}; give the same, unchanged folder")
     if not continues:
         return
-    ours = describe(lora_specs(args.lora, layout, args.num_experts))
-    theirs = describe(lora_specs(_saved(saved, "lora", []), layout,
-                                 getattr(saved, "num_experts", None)))
+    ours = describe(lora_specs(args.lora, layout))
+    theirs = describe(lora_specs(_saved(saved, "lora", []), layout))
     if ours != theirs:
         raise PeftCheckpointError(
             f"--lora {' '.join(ours) or '(none)'} differs from the checkpoint's "

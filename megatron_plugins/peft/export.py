@@ -64,7 +64,7 @@ class HFAdapter:
 
 def run_specs(args: Any) -> dict[str, LoraSpec]:
     """The saving run's LoRA specs by part (its ``--lora`` values)."""
-    return lora_specs(getattr(args, "lora", None) or [], None, getattr(args, "num_experts", None))
+    return lora_specs(getattr(args, "lora", None) or [], None)
 
 
 def split_adapters(tensors: Iterable[tuple[str, torch.Tensor]], spec: LoraSpec | None
@@ -219,6 +219,23 @@ def _uncovered(name: str, held: Mapping[str, set[str]], trained: set[str],
             f"(modules_to_save), but its module {owner or '(the model)'} also holds {other}")
 
 
+def _check_linears(model: torch.nn.Module | None, adapters: Iterable[HFAdapter],
+                   names: Mapping[str, str]) -> None:
+    """Every adapter sits on a linear layer of transformers' model, as PEFT's LoRA needs (an
+    MoE expert's is not one: transformers fuses each layer's experts into one tensor)."""
+    if model is None:
+        return
+    linears = {name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear)}
+    for adapter in adapters:
+        weight = names[f"{adapter.module}.weight"]
+        if weight.removesuffix(".weight") not in linears:
+            raise PeftFormatError(
+                f"the folder's {adapter.module} is no linear layer of transformers' model (it "
+                f"holds it in {weight}: MoE experts are fused there), and PEFT's LoRA adapts "
+                "linear layers")
+
+
 def write_peft(folder: Path, adapters: list[HFAdapter], base: str | None,
                config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                trained: Iterable[str]) -> list[Path]:
@@ -239,6 +256,7 @@ def write_peft(folder: Path, adapters: list[HFAdapter], base: str | None,
         raise PeftFormatError(f"the run trained {trained[0]} in full, and the folder's config "
                               "names no transformers class whose modules PEFT could save it by")
     names = runtime_names(model, [*(f"{a.module}.weight" for a in adapters), *trained])
+    _check_linears(model, adapters, names)
     adapters = [HFAdapter(names[f"{a.module}.weight"].removesuffix(".weight"), a.a, a.b, a.spec)
                 for a in adapters]
     saved = {names[name]: tensors[name] for name in trained}

@@ -36,7 +36,8 @@ PROJECTION = ".projection"
 ATTENTION = ("linear_qkv", "linear_proj")
 """Megatron's attention linears: fused QKV (column parallel) and the output (row parallel)."""
 MLP = ("linear_fc1", "linear_fc2")
-"""Megatron's MLP linears (gated or plain ``linear_fc1``, column parallel; ``linear_fc2``, row)."""
+"""Megatron's MLP linears (gated or plain ``linear_fc1``, column parallel; ``linear_fc2``, row),
+in an MoE layer each routed expert's and the shared experts'."""
 GATED_DELTA_NET = ("in_proj", "out_proj")
 """Megatron's Gated DeltaNet linears (Qwen3.5's linear attention, language model only): ``in_proj``
 (q, k, v, the output gate z, beta, alpha; column parallel) and ``out_proj`` (row parallel)."""
@@ -119,16 +120,14 @@ def _known_part(part: str, layout: ParallelLayout | None, flag: str, text: str) 
                         f"{', '.join(parts)}")
 
 
-def _valid_targets(part: str, num_experts: int | None, linear_attention: bool | None
-                   ) -> tuple[str, ...]:
+def _valid_targets(part: str, linear_attention: bool | None) -> tuple[str, ...]:
     """The part's targets; the language model's Gated DeltaNet ones unless ``linear_attention``
     says it has none (None: not known yet, before its config is built)."""
     if part.endswith(PROJECTION):
         return MLP
     if part != LANGUAGE:
         return ATTENTION + MLP
-    return (ATTENTION + (GATED_DELTA_NET if linear_attention is not False else ())
-            + (() if num_experts else MLP))
+    return ATTENTION + (GATED_DELTA_NET if linear_attention is not False else ()) + MLP
 
 
 def _number(text: str, flag: str, value: str, kind: type) -> float:
@@ -142,8 +141,7 @@ def _number(text: str, flag: str, value: str, kind: type) -> float:
     return number
 
 
-def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None,
-          linear_attention: bool | None) -> LoraSpec:
+def _lora(text: str, layout: ParallelLayout | None, linear_attention: bool | None) -> LoraSpec:
     part, sep, options = text.partition(":")
     usage = f"expected PART:rank=R,alpha=A[,dropout=P][,targets=T+T] (e.g. {LORA_EXAMPLE})"
     if not sep or not part:
@@ -172,14 +170,9 @@ def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None,
     dropout = _number(text, LORA_FLAG, values.get("dropout", "0"), float)
     if not 0 <= dropout < 1:
         raise FlagError(f"{LORA_FLAG} {text}: dropout {values['dropout']} must be in [0, 1)")
-    valid = _valid_targets(part, num_experts, linear_attention)
+    valid = _valid_targets(part, linear_attention)
     targets = tuple(values["targets"].split("+")) if "targets" in values else valid
     for target in targets:
-        if target in MLP and target not in valid:
-            raise FlagError(f"{LORA_FLAG} {text}: the language model has MoE experts "
-                            f"(--num-experts {num_experts}), which LoRA does not adapt; give "
-                            f"targets={'+'.join(ATTENTION)} (attention only; on Qwen3.5 also "
-                            f"{'+'.join(GATED_DELTA_NET)})")
         if target in GATED_DELTA_NET and target not in valid:
             raise FlagError(f"{LORA_FLAG} {text}: {target} is a Gated DeltaNet linear (Qwen3.5's "
                             "linear attention), and this language model has no Gated DeltaNet "
@@ -193,14 +186,13 @@ def _lora(text: str, layout: ParallelLayout | None, num_experts: int | None,
 
 
 def lora_specs(values: Sequence[str], layout: ParallelLayout | None,
-               num_experts: int | None = None, linear_attention: bool | None = None
-               ) -> dict[str, LoraSpec]:
+               linear_attention: bool | None = None) -> dict[str, LoraSpec]:
     """Each ``--lora`` value checked against the layout (its parts are not checked without
     one: a saved run's values), by part. ``linear_attention``: whether the language model has
     Gated DeltaNet layers (None: not known, their targets accepted)."""
     specs: dict[str, LoraSpec] = {}
     for text in values:
-        spec = _lora(text, layout, num_experts, linear_attention)
+        spec = _lora(text, layout, linear_attention)
         if spec.part in specs:
             raise FlagError(f"{LORA_FLAG} {spec.part} is given twice; give each part once")
         specs[spec.part] = spec
@@ -238,10 +230,23 @@ def _frozen_parts(args: argparse.Namespace, layout: ParallelLayout,
     return frozen
 
 
+def _check_expert_adapters(spec: LoraSpec | None, num_experts: int | None,
+                           layout: ParallelLayout) -> None:
+    """Experts' adapters are sharded as the expert linears only at expert TP 1: refuse others."""
+    etp = layout.language.etp
+    if spec is None or not num_experts or etp == 1 or not set(spec.targets) & set(MLP):
+        return
+    raise FlagError(f"{LORA_FLAG} {LANGUAGE}: LoRA on MoE experts "
+                    f"(targets {'+'.join(t for t in spec.targets if t in MLP)}) needs expert "
+                    f"TP 1, and --grid {LANGUAGE} has etp={etp}; drop etp (the experts then "
+                    f"split over ep alone) or give targets={'+'.join(ATTENTION)}")
+
+
 def check_peft(args: argparse.Namespace, layout: ParallelLayout,
                freeze_projection: Sequence[str]) -> None:
     """Every PEFT flag against the layout and the freeze flags; one :class:`FlagError` line."""
-    specs = lora_specs(args.lora, layout, args.num_experts)
+    specs = lora_specs(args.lora, layout)
+    _check_expert_adapters(specs.get(LANGUAGE), args.num_experts, layout)
     optims = part_optims(args, layout)
     frozen = _frozen_parts(args, layout, freeze_projection)
     for part in specs:

@@ -19,9 +19,14 @@ the way its base is:
   the same input and output gradient everywhere. Under sequence parallelism the output is split
   over the sequence as the base's is.
 
+An MoE expert's linears (each routed expert's ``linear_fc1`` / ``linear_fc2``, at expert TP 1:
+the dispatcher hands them whole tokens) are adapted as unsharded layers; their adapters are
+reduced over the expert data-parallel group as the expert weights are (``allreduce = False``),
+never averaged with another expert's on a rank holding different experts.
+
 ``A`` starts uniform in ``+-1/sqrt(in)`` (PEFT's default), drawn from a generator seeded by the
-run's seed and the layer's global name, whole, then sliced: the same adapters at any layout, and
-no other random stream moves. ``B`` starts at zero, so an adapted model starts as its base.
+run's seed and the layer's global name (an expert's global index), whole, then sliced: the same
+adapters at any layout, and no other random stream moves. ``B`` starts at zero, so an adapted model starts as its base.
 Dropout on the adapter's input uses the default generator where the input is whole (equal on TP
 ranks, as the equal ``A`` copies need) and the model-parallel stream where it is split.
 """
@@ -149,8 +154,8 @@ def _supported(layer: torch.nn.Module, where: str) -> None:
         problem = (f"{type(layer).__name__} is not Megatron's ColumnParallelLinear or "
                    "RowParallelLinear (Transformer Engine's fused layers are not supported: use "
                    "--transformer-impl local)")
-    elif getattr(layer, "is_expert", False):
-        problem = "it is an MoE expert's layer, which LoRA does not adapt"
+    elif getattr(layer, "is_expert", False) and layer.tp_group.size() > 1:
+        problem = "it is an MoE expert's layer split over expert TP, which LoRA does not adapt"
     elif isinstance(layer, ColumnParallelLinear) and layer.gather_output:
         problem = "it gathers its output over TP"
     elif isinstance(layer, RowParallelLinear) and not layer.input_is_parallel:
@@ -184,6 +189,8 @@ def _adapt_layer(layer: torch.nn.Module, spec: LoraSpec, seed: int, name: str, g
         parallel = parameter is sharded and tp > 1
         set_tensor_model_parallel_attributes(parameter, parallel, (0 if column else 1)
                                              if parallel else -1, 1)
+        if hasattr(weight, "allreduce"):  # reduced where its weight is (an expert's: expert DP)
+            parameter.allreduce = weight.allreduce
     layer.lora_scale = spec.scale
     layer.lora_dropout = spec.dropout
     layer.lora_gated = gated

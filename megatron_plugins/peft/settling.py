@@ -72,7 +72,7 @@ def check_peft_run(args: argparse.Namespace, layout: ParallelLayout,
     """Refuse a LoRA run this build cannot train (a target the language model does not have
     among them), or a resume that would not continue its checkpoint; ``language`` is the
     language model's TransformerConfig."""
-    specs = lora_specs(args.lora, layout, args.num_experts, is_gated_delta_net(language))
+    specs = lora_specs(args.lora, layout, is_gated_delta_net(language))
     if specs and args.transformer_impl != "local":
         raise FlagError(f"{LORA_FLAG} adapts the local spec's linear layers; Transformer Engine's "
                         "fused ones are not supported yet: add --transformer-impl local")

@@ -65,7 +65,7 @@ class BatchCounter:
         frozen = set(args.freeze_encoder)
         frozen_projections = frozen | set(args.freeze_projection)
         adapters = {part: spec.adapters
-                    for part, spec in lora_specs(args.lora, run.layout, args.num_experts).items()}
+                    for part, spec in lora_specs(args.lora, run.layout).items()}
         encoders, notices = {}, []
         for name, plugin in run.plugins.items():
             notice = flops_notice(plugin)

@@ -6,7 +6,8 @@ projection trained fully): the per-iteration ``lm loss`` and grad norm, every tr
 the projection agree to 1e-5 relative with one rank per module at encoder TP 2 + language TP 2,
 language PP 2, language CP 2 and with the encoder colocated on the language ranks (adapters
 sharded over TP as their base layers, split over pipeline stages, under context parallelism and
-routed rows). MoE experts are not adapted (refused in one line), so there is no EP case.
+routed rows). On an MoE language model the experts are adapted too: EP 2 trains as EP 1, every
+expert's adapters included.
 
 Qwen3.5's Gated DeltaNet layers (a tiny whole folder, 3 SGD steps): LoRA on their fused ``in_proj``
 (its ``B`` split over TP by section, as the weight) and ``out_proj`` beside attention and MLP
@@ -140,11 +141,23 @@ def test_lora_language_with_a_fully_trained_tower_and_a_frozen_projection(saved,
             np.testing.assert_array_equal(ref_vision[name], before["vision"][name], name)
 
 
+def _every_rank(results: list[dict], module: str) -> dict[str, np.ndarray]:
+    """``module``'s parameters of every rank (unsharded: TP 1, PP 1) under global names, so
+    experts split over EP come together; replicas give the same tensor."""
+    params: dict[str, np.ndarray] = {}
+    for result in (r for r in results if r["module"] == module):
+        for name, value in result["params"].items():
+            params.setdefault(result["global_names"][name], value)
+    return params
+
+
 @pytest.mark.timeout(600)
 def test_lora_on_an_moe_language_model_trains_identically_at_ep1_and_ep2():
-    """LoRA on an MoE language model adapts its attention (experts are not LoRA targets):
-    expert parallelism changes neither the losses nor the trained adapters. CPU-initialized
-    experts are the same model at EP 1 and EP 2 (test_language_models.py)."""
+    """LoRA on an MoE language model adapts its attention and every routed expert's MLP: expert
+    parallelism changes neither the losses nor any trained adapter. At EP 2 the two DP ranks
+    hold different experts, so an expert's adapters reduced over plain DP, as a dense layer's
+    are, would mix two experts' gradients. CPU-initialized experts are the same model at EP 1
+    and EP 2 (test_language_models.py)."""
     moe = ("--num-experts", "4", "--moe-router-topk", "2", "--lora", "language:rank=4,alpha=8")
     runs = {ep: shared_run(MimoLaunch(3, (*VISION, "vision:", "--grid", language, *moe),
                                       timeout=400))
@@ -153,8 +166,9 @@ def test_lora_on_an_moe_language_model_trains_identically_at_ep1_and_ep2():
     assert sorted(ep2_scalars["lm loss"]) == list(range(1, 11))
     for iteration, value in ep1_scalars["lm loss"].items():
         assert ep2_scalars["lm loss"][iteration] == pytest.approx(value, rel=1e-5), iteration
-    expected, got = (_adapters(module_params(results, "language")) for results in (ep1, ep2))
-    assert len(expected) == 8 and got.keys() == expected.keys()  # 2 layers x (qkv, proj) x (A, B)
+    expected, got = (_adapters(_every_rank(results, "language")) for results in (ep1, ep2))
+    # 2 layers x ((qkv, proj) + 4 experts x (fc1, fc2)) x (A, B)
+    assert len(expected) == 40 and got.keys() == expected.keys()
     assert all(np.any(value) for name, value in expected.items() if ".lora_b" in name)  # trained
     for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)

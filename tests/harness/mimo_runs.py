@@ -89,6 +89,7 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
     patches.activate()
     from megatron_plugins.step.colocated import colocated_encoders
     from megatron_plugins.launch.pretrain import parse_mimo_args, train
+    from megatron_plugins.weights.local_view import global_names
 
     models: list[Any] = []
     meters: list[HeldActivations] = []
@@ -130,6 +131,7 @@ def train_mimo_rank(argv: list[str], observe_params: bool, count_reductions: boo
             result["partition_dims"] = {
                 name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 for name, p in part.named_parameters()}
+            result["global_names"] = global_names(part)  # layers and experts numbered globally
         if reductions is not None:
             result["reductions"] = reductions["calls"]
         hosted = colocated_encoders(models[0]) if models else None

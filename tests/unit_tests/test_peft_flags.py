@@ -31,9 +31,6 @@ def test_a_lora_flag_names_a_part_its_rank_alpha_dropout_and_targets():
     assert specs["vision"] == LoraSpec("vision", 4, 4.0, 0.1, ("linear_qkv",))
     assert specs["vision.projection"].targets == ("linear_fc1", "linear_fc2")
     assert specs["vision.projection"].scale == 4.0
-    # an MoE language model: attention only by default
-    assert lora_specs(["language:rank=8,alpha=16"], layout, num_experts=4)["language"].targets == (
-        "linear_qkv", "linear_proj", "in_proj", "out_proj")
     # a language model known to have no Gated DeltaNet layers: not theirs
     assert lora_specs(["language:rank=8,alpha=16"], layout, linear_attention=False)[
         "language"].targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -68,10 +65,6 @@ BAD = {
     "projection-target": (["--lora", "vision.projection:rank=4,alpha=8,targets=linear_qkv"],
                           "unknown target 'linear_qkv'; vision.projection's targets are "
                           "linear_fc1, linear_fc2$"),
-    "moe-experts": (["--num-experts", "4", "--lora",
-                     "language:rank=4,alpha=8,targets=linear_fc1"],
-                    "has MoE experts \\(--num-experts 4\\), which LoRA does not adapt; give "
-                    "targets=linear_qkv\\+linear_proj"),
     "frozen-language": (["--freeze-language-model", "--lora", "language:rank=4,alpha=8"],
                         "^--lora language: language is frozen by --freeze-language-model"),
     "frozen-encoder": (["--freeze-encoder", "vision", "--lora", "vision.projection:rank=4,alpha=8"],
@@ -101,6 +94,20 @@ def test_bad_peft_flags_are_one_line_before_any_import(flags, message):
     with pytest.raises(FlagError, match=message) as error:
         check_run([*LAYOUT, *flags], 2)
     assert "\n" not in str(error.value)
+
+
+def test_moe_experts_are_adapted_at_expert_tp_1_and_refused_in_one_line_above_it():
+    """An MoE language model's experts are targets like any MLP (each routed expert's and the
+    shared experts' linear_fc1 / linear_fc2); their adapters need expert TP 1."""
+    moe = ["--encoder", "vision=vit", "--grid", "vision:", "--num-experts", "4"]
+    check_run([*moe, "--grid", "language:dp=2,ep=2", "--lora", "language:rank=4,alpha=8"], 3)
+    check_run([*moe, "--grid", "language:dp=2,etp=2",
+               "--lora", "language:rank=4,alpha=8,targets=linear_qkv+linear_proj"], 3)
+    with pytest.raises(FlagError, match=(
+            "^--lora language: LoRA on MoE experts \\(targets linear_fc1\\+linear_fc2\\) needs "
+            "expert TP 1, and --grid language has etp=2; drop etp \\(the experts then split over "
+            "ep alone\\) or give targets=linear_qkv\\+linear_proj$")):
+        check_run([*moe, "--grid", "language:dp=2,etp=2", "--lora", "language:rank=4,alpha=8"], 3)
 
 
 LAUNCH = {

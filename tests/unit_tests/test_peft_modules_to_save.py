@@ -162,3 +162,30 @@ def test_what_peft_cannot_carry_is_one_line_and_no_folder(family, adapted, train
     assert capsys.readouterr().err == (
         f"export_hf: notice: no PEFT-format adapters written to {out / 'adapters'}: {why}; the "
         "merged folder holds the trained model\n")
+
+
+def test_expert_adapters_have_no_peft_layout_and_are_one_line(tmp_path, capsys):
+    """An MoE expert's adapter (LoRA on the experts) has no linear of transformers' model to sit
+    on, which fuses each layer's experts into one tensor: one line, no folder; the merged
+    folder carries it."""
+    from megatron_plugins.peft.export import HFAdapter
+    from megatron_plugins.peft.flags import LoraSpec
+    from tests.models.qwen3_5_whole import save_whole
+    from tools.export_hf import write_adapters
+
+    folder, out = save_whole(tmp_path / "moe", moe=True), tmp_path / "adapters"
+    tensors = safetensors_of(folder)
+    name = next(n for n in sorted(tensors) if n.endswith(".mlp.experts.1.up_proj.weight"))
+    rows, columns = tensors[name].shape
+    adapter = HFAdapter(name.removesuffix(".weight"), torch.ones(4, columns),
+                        torch.ones(rows, 4), LoraSpec("language", 4, 8.0, 0.0, ()))
+    config = json.loads((folder / "config.json").read_text())
+    capsys.readouterr()
+    assert write_adapters(out, [adapter], str(folder), config, tensors, set()) == []
+    assert not out.exists()
+    assert re.fullmatch(
+        f"export_hf: notice: no PEFT-format adapters written to {re.escape(str(out))}: the "
+        f"folder's {re.escape(name.removesuffix('.weight'))} is no linear layer of transformers' "
+        r"model \(it holds it in \S+\.mlp\.experts\.gate_up_proj: MoE experts are fused "
+        r"there\), and PEFT's LoRA adapts linear layers; the merged folder holds the trained "
+        r"model\n", capsys.readouterr().err)

@@ -99,24 +99,25 @@ def test_the_vision_tower_colocated_and_experts_split_train_identically(trained)
 
 LORA = ("--lora", "image:rank=4,alpha=8", "--lora", "audio:rank=4,alpha=8",
         "--lora", "language:rank=4,alpha=8")
-"""LoRA on every linear of both towers' layers and on the language model's attention (LoRA does
-not adapt MoE experts); the towers' projections train fully."""
+"""LoRA on every linear of both towers' layers and of the language model: its attention and every
+routed expert's MLP; the towers' projections train fully."""
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.multirank
 def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp_path):
-    """LoRA on the vision tower, the audio tower and the language model trains the same with
-    the vision tower at TP 2 colocated on the language's DP 2 ranks, its experts split over EP 2,
-    and the audio tower at TP 2 on ranks of its own; only the adapted linears (merged) and the
-    projections move: not the experts, the router, norms, biases, embeddings or convolutions."""
+    """LoRA on the vision tower, the audio tower and the language model (its experts too) trains
+    the same with the vision tower at TP 2 colocated on the language's DP 2 ranks, the experts
+    split over EP 2 (each DP rank holding different experts' adapters), and the audio tower at
+    TP 2 on ranks of its own; only the adapted linears (merged) and the projections move: not
+    the router, norms, biases, embeddings or convolutions."""
     from tests.models.qwen_omni import assert_lora_trains_like
 
     moved = assert_lora_trains_like(
         omni[0], tmp_path, ONE_RANK_EACH, SPLIT, (*OMNI_TRAIN, *LORA),
         r"thinker\.(audio_tower\.layers\.\d\.(fc\d|self_attn\.\w+_proj)|"
         r"visual\.blocks\.\d\.(attn\.(qkv|proj)|mlp\.linear_fc\d)|"
-        r"model\.layers\.\d\.self_attn\.\w_proj)\.weight$",
+        r"model\.layers\.\d\.(self_attn\.\w_proj|mlp\.experts\.\d\.(gate|up|down)_proj))\.weight$",
         r"thinker\.(audio_tower\.(ln_post|proj\d)|visual\.merger(_list)?)\.")
     assert {n.split(".")[1] for n in moved} == {"audio_tower", "visual", "model"}
 

@@ -18,15 +18,24 @@ from megatron_plugins.performance.candidates import HOMOGENEOUS, Candidate
 from megatron_plugins.performance.cost_model import Estimate, estimate
 from megatron_plugins.performance.data import DataDescription
 from megatron_plugins.performance.gpus import Hardware
+from megatron_plugins.performance.memory import Memory, candidate_memory
 from megatron_plugins.performance.workload import Workload
 
-__all__ = ["OBJECTIVES", "Advice", "advise", "describe", "format_advice"]
+__all__ = ["OBJECTIVES", "Advice", "Unfit", "advise", "describe", "format_advice"]
 
 OBJECTIVES: dict[str, Callable[[Estimate], float]] = {
     "per-gpu": lambda e: e.tokens_per_s_per_gpu,
     "throughput": lambda e: e.tokens_per_s,
 }
 """``--advise-objective`` choices: what the ranking maximizes."""
+
+
+@dataclass(frozen=True)
+class Unfit:
+    """A candidate that does not fit memory: its memory, not priced (nothing ranks it)."""
+
+    candidate: Candidate
+    memory: Memory
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,7 @@ class Advice:
     given: list[Estimate]
     checked: int
     fitting: int
-    unfit: list[Estimate]
+    unfit: list[Unfit]
     hardware: Hardware
     objective: str
 
@@ -53,13 +62,20 @@ class Advice:
 
 def advise(candidates: Iterable[Candidate], given: Sequence[Candidate], workload: Workload,
            hardware: Hardware, assumptions: Assumptions, objective: str = "per-gpu") -> Advice:
-    """Estimate ``candidates`` (and the ``given`` layouts) and rank those that fit."""
+    """Estimate the ``candidates`` that fit memory (the others only sized: most of a large
+    search does not fit, and pricing dominates its time), rank them, and estimate the ``given``
+    layouts."""
     score = OBJECTIVES[objective]
-    fits, unfit, checked = [], [], 0
+    fits: list[Estimate] = []
+    unfit: list[Unfit] = []
+    checked = 0
     for candidate in candidates:
         checked += 1
-        estimated = estimate(candidate, workload, hardware, assumptions)
-        (fits if estimated.memory.fits else unfit).append(estimated)
+        memory = candidate_memory(candidate, workload, hardware, assumptions)
+        if memory.fits:
+            fits.append(estimate(candidate, workload, hardware, assumptions, memory))
+        else:
+            unfit.append(Unfit(candidate, memory))
     fits.sort(key=score, reverse=True)
     launchable: dict[tuple[str, ...], Estimate] = {}
     for estimated in fits:

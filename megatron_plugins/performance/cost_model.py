@@ -230,21 +230,34 @@ def module_busy(candidate: Candidate, workload: Workload, hardware: Hardware,
     its ranks, at its assumed (or the given) efficiency."""
     m = microbatches(candidate, workload)
     if module == "language":
-        stages = _language_stages(candidate, workload, hardware, assumptions, efficiency)
-        return m * sum(p.forward + p.backward for p in stages) / len(stages)
+        return _language_busy(_language_stages(candidate, workload, hardware, assumptions,
+                                               efficiency), m)
     placement = next(p for p in candidate.encoders if p.name == module)
     passed = _encoder_pass(candidate, placement, workload.encoder(module), workload, hardware,
                            assumptions, efficiency)
+    return _encoder_busy(candidate, placement, passed, m)
+
+
+def _language_busy(stages: list[Pass], m: int) -> float:
+    """A language rank's busy seconds per step: its stage's compute, mean over the stages."""
+    return m * sum(p.forward + p.backward for p in stages) / len(stages)
+
+
+def _encoder_busy(candidate: Candidate, placement: EncoderPlacement, passed: Pass,
+                  m: int) -> float:
+    """An encoder rank's busy seconds per step (a homogeneous one's spread over the stages)."""
     share = 1 / candidate.language.pp if placement.mode == HOMOGENEOUS else 1
     return m * (passed.forward + passed.backward) * share
 
 
 def estimate(candidate: Candidate, workload: Workload, hardware: Hardware,
-             assumptions: Assumptions) -> Estimate:
-    """The predicted step of ``candidate``."""
+             assumptions: Assumptions, memory: Memory | None = None) -> Estimate:
+    """The predicted step of ``candidate`` (``memory``: its :func:`candidate_memory`, when the
+    caller has it already)."""
     m = microbatches(candidate, workload)
     language = candidate.language
-    stages = [p.total for p in _language_stages(candidate, workload, hardware, assumptions)]
+    language_passes = _language_stages(candidate, workload, hardware, assumptions)
+    stages = [p.total for p in language_passes]
     separate, before, after = 0.0, 0.0, 0.0
     lang_work = workload.language
     experts = lang_work.shape.expert_params
@@ -254,12 +267,11 @@ def estimate(candidate: Candidate, workload: Workload, hardware: Hardware,
                    lang_work.trains)
              + _tail(experts / (language.ep * language.etp * language.pp), expert_dp, language,
                      workload, hardware, assumptions, lang_work.trains)]
-    busy = {"language": module_busy(candidate, workload, hardware, assumptions, "language")}
+    busy = {"language": _language_busy(language_passes, m)}
     for placement in candidate.encoders:
         work = workload.encoder(placement.name)
         passed = _encoder_pass(candidate, placement, work, workload, hardware, assumptions)
-        busy[placement.name] = m * (passed.forward + passed.backward) * (
-            1 / language.pp if placement.mode == HOMOGENEOUS else 1)
+        busy[placement.name] = _encoder_busy(candidate, placement, passed, m)
         grid = _encoder_grid(candidate, placement)
         tail = _tail(work.params / placement.tp, placement.dp, grid, workload, hardware,
                      assumptions, work.trains)
@@ -282,5 +294,6 @@ def estimate(candidate: Candidate, workload: Workload, hardware: Hardware,
     parts = {"encoders before": before, "pipeline": pipeline, "encoders after": after,
              "reduction+optimizer": tail,
              "bubble": pipeline - m * max(pipeline_stages)}
-    memory = candidate_memory(candidate, workload, hardware, assumptions)
+    if memory is None:
+        memory = candidate_memory(candidate, workload, hardware, assumptions)
     return Estimate(candidate, step, parts, busy, memory, workload.real_tokens, model_flops)

@@ -12,6 +12,7 @@ here needs torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,9 +177,12 @@ class LanguageWork:
     _counted: dict[tuple[int, bool], Flops] = field(default_factory=dict, compare=False,
                                                    repr=False)
     """Counts already made, by (micro-batch size, recompute): candidates share them."""
+    _logits: dict[int, Flops] = field(default_factory=dict, compare=False, repr=False)
+    """:meth:`logits_flops` already counted, by micro-batch size."""
 
-    @property
+    @functools.cached_property
     def shape(self) -> TransformerShape:
+        """The layers' shape, read once: every candidate priced asks for it."""
         return TransformerShape.of(self.config)
 
     def rows(self, micro: int) -> list[list[int]]:
@@ -205,10 +209,12 @@ class LanguageWork:
 
     def logits_flops(self, micro: int) -> Flops:
         """The output layer's share of :meth:`microbatch_flops` (on the last pipeline stage)."""
-        tokens = sum(sum(row) for row in self.rows(micro))
-        heads = 1 + (getattr(self.config, "mtp_num_layers", None) or 0)
-        logits = Work(inner=linear(tokens, self.shape.hidden, self.vocab)) * heads
-        return logits.flops(trains=self.trains, input_grad=self.input_grad)
+        if micro not in self._logits:
+            tokens = sum(sum(row) for row in self.rows(micro))
+            heads = 1 + (getattr(self.config, "mtp_num_layers", None) or 0)
+            logits = Work(inner=linear(tokens, self.shape.hidden, self.vocab)) * heads
+            self._logits[micro] = logits.flops(trains=self.trains, input_grad=self.input_grad)
+        return self._logits[micro]
 
     @property
     def params(self) -> int:

@@ -1,10 +1,11 @@
 """The advisor on a two-tower model, the Qwen3-Omni-30B-A3B thinker of the recipe's config-only
 folder: clips given in seconds are counted by the AuT tower's own formula (long clips priced in
-full), the layout it picks moves with the data's clips, and ``mimo-plan --gpu`` prices
-Megatron-Bridge's 8-GPU preset with and without its optimizer CPU offload."""
+full), the layout it picks on eight H200s moves with the data's clips, and ``mimo-plan --gpu``
+prices Megatron-Bridge's 8-GPU preset with and without its optimizer CPU offload."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -117,3 +118,46 @@ def test_bridges_8_gpu_preset_fits_only_with_its_optimizer_state_on_the_cpu(omni
     memory = candidate_memory(layout_candidate(layout, 1, False, False), on_gpu,
                               hardware(8, 8, "h100-sxm", {}), Assumptions())
     assert not memory.fits and set(memory.ranks) == {"language stage 0"}
+
+
+H200_8 = ["--advise", "--gpus", "8", "--gpu", "h200", "--advise-top", "1"]
+AUDIO_ON_LANGUAGE_RANKS = ["--grid", "image:tp=1,dp=8@language", "--grid",
+                           "audio:tp=2,dp=4@language", "--grid",
+                           "language:tp=1,pp=1,cp=1,dp=8,ep=8", "--micro-batch-size", "4"]
+"""Both towers on the language ranks (audio over TP 2 x DP 4), micro-batches of 4."""
+TOWERS_ON_OWN_RANKS = ["--grid", "image:tp=1,dp=1", "--grid", "audio:tp=1,dp=1", "--grid",
+                       "language:tp=1,pp=3,cp=1,dp=2", "--micro-batch-size", "1"]
+"""Each tower on one rank of its own, the language model on six (PP 3 x DP 2)."""
+
+
+def _rows(report: str) -> dict[str, tuple[str, float, list[str]]]:
+    """The advisor's first and given rows: label -> (its line, tokens/s/GPU, its flags after
+    the ``--encoder`` pairs)."""
+    lines = report.splitlines()
+    rows = {}
+    for index, line in enumerate(lines):
+        if line.startswith(("1. ", "given")):
+            tokens = re.search(r", ([\d,]+) tokens/s/GPU", lines[index + 1]).group(1)
+            flags = lines[index + 4].removeprefix("    flags: ").split()
+            rows[line.split()[0]] = line, float(tokens.replace(",", "")), flags[4:]
+    return rows
+
+
+@pytest.mark.parametrize("clips, seconds, pick, other", [
+    (1, 5, AUDIO_ON_LANGUAGE_RANKS, TOWERS_ON_OWN_RANKS),
+    (3, 60, TOWERS_ON_OWN_RANKS, AUDIO_ON_LANGUAGE_RANKS),
+], ids=["one-5s-clip", "three-60s-clips"])
+def test_the_layout_picked_moves_with_the_clips(capsys, clips, seconds, pick, other):
+    """On eight H200s, one short clip per sample keeps the audio tower on the language ranks,
+    three minute-long ones move both towers to ranks of their own. The other case's pick, given
+    on the command line, fits memory and is priced below the pick: the clips move the pricing."""
+    from megatron_plugins.launch.advise import main
+
+    data = ["--advise-items-per-sample", f"audio={clips}", "--advise-clip-seconds",
+            f"audio={seconds}"]
+    assert main([*H200_8, *RUN, *OFFLOAD, *DATA, *data, *other]) == 0
+    rows = _rows(capsys.readouterr().out)
+    _, picked, flags = rows["1."]
+    line, given, given_flags = rows["given"]
+    assert (flags, given_flags) == (pick, other)
+    assert "does NOT fit" not in line and picked > given

@@ -25,6 +25,7 @@ from megatron_plugins.flops.count import EncoderFlops, Flops
 from megatron_plugins.media.mock import example_size
 from megatron_plugins.model.language import language_config_from_args
 from megatron_plugins.parallel.layout import LANGUAGE, ParallelLayout
+from megatron_plugins.peft.flags import PROJECTION, LoraSpec, lora_specs
 from megatron_plugins.performance.data import (
     DataDescription,
     given_description,
@@ -129,23 +130,29 @@ def _item_size(plugin: EncoderPlugin, tokens: int) -> tuple[int, ...]:
 
 
 def _encoder_work(plugin: EncoderPlugin, data: DataDescription, language: object,
-                  args: argparse.Namespace) -> EncoderWork:
-    """One encoder's work per sample over the data's items."""
+                  args: argparse.Namespace, lora: Mapping[str, LoraSpec]) -> EncoderWork:
+    """One encoder's work per sample over the data's items: its tower and projection trained,
+    frozen or LoRA'd (``lora``: the run's specs by part)."""
     name = plugin.name
     if not plugin.counts_flops:
         raise FlagError(f"--encoder {name}={plugin.grid.provider}: {type(plugin).__name__} does "
                         "not count its FLOPs (EncoderPlugin.item_flops), which the advisor needs")
     config = plugin.transformer_config(language)
     shape = TransformerShape.of(config)
-    encoder_trains = name not in args.freeze_encoder
-    projection_trains = encoder_trains and name not in args.freeze_projection
+    frozen = name in args.freeze_encoder
+    tower, projection_lora = lora.get(name), lora.get(name + PROJECTION)
+    encoder_trains = not frozen and tower is None
+    projection_trains = (not frozen and name not in args.freeze_projection
+                         and projection_lora is None)
+    adapters = {"encoder_adapters": tower and tower.adapters,
+                "projection_adapters": projection_lora and projection_lora.adapters}
     described = data.encoders[name]
     total, flops, tokens, entry_params, projection_params = 0, Flops(), 0.0, 0.0, 0.0
     for item_tokens, count in described.item_tokens:
         counted: EncoderFlops = plugin.item_flops(_item_size(plugin, item_tokens), config,
                                                   args.hidden_size)
         flops += counted.flops(encoder_trains=encoder_trains,
-                               projection_trains=projection_trains) * count
+                               projection_trains=projection_trains, **adapters) * count
         layer_tokens = counted.encoder.inner / (2 * shape.params) if shape.params else 0.0
         tokens += layer_tokens * count
         entry_params = max(entry_params, counted.encoder.entry / (2 * max(layer_tokens, 1)))
@@ -153,12 +160,16 @@ def _encoder_work(plugin: EncoderPlugin, data: DataDescription, language: object
         projection_params = max(projection_params, projection / (2 * max(item_tokens, 1)))
         total += count
     per_sample = described.items_per_sample / total if total else 0.0
+    tower_adapters = shape.adapter_params(tower.adapters)[0] if tower else 0
+    trained = ((shape.params + entry_params if encoder_trains else tower_adapters)
+               + (projection_params if projection_trains else 0))
     return EncoderWork(
         name=name, shape=shape,
-        params=int(shape.params + entry_params + projection_params),
+        params=int(shape.params + entry_params + projection_params + tower_adapters),
         flops=flops * per_sample, tokens=tokens * per_sample,
         output_tokens=described.tokens_per_sample,
-        output_width=args.hidden_size * (1 + plugin.deepstack_levels), trains=encoder_trains)
+        output_width=args.hidden_size * (1 + plugin.deepstack_levels), trains=encoder_trains,
+        trained_params=int(trained))
 
 
 def _state_bytes(args: argparse.Namespace) -> dict[str, float]:
@@ -189,13 +200,16 @@ def run_workload(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin],
     embedding = output + (args.max_position_embeddings * hidden
                           if args.position_embedding_type == "learned_absolute" else 0)
     mtp = (config.mtp_num_layers or 0) * (2 * hidden * hidden + shape.params // shape.layers)
-    encoders = tuple(_encoder_work(plugin, data, config, args) for plugin in plugins.values())
-    input_grad = any(work.trains or name not in args.freeze_projection
-                     for name, work in zip(plugins, encoders))
+    lora = lora_specs(getattr(args, "lora", None) or [], None)
+    encoders = tuple(_encoder_work(plugin, data, config, args, lora)
+                     for plugin in plugins.values())
+    adapted = lora.get(LANGUAGE)
     language = LanguageWork(
         config, vocab, args.seq_length, data.sample_tokens,
         packed=bool(getattr(args, "pack_sequences", False)),
-        trains=not args.freeze_language_model, input_grad=input_grad,
+        trains=not args.freeze_language_model and adapted is None,
+        input_grad=any(work.trained for work in encoders),
+        adapters=adapted and adapted.adapters,
         embedding_params=embedding,
         output_params=output if args.untie_embeddings_and_output_weights else 0,
         mtp_params=mtp)

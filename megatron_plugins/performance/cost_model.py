@@ -35,6 +35,7 @@ from megatron_plugins.performance.memory import (
     Memory,
     candidate_memory,
     encoder_samples,
+    language_stage_params,
     microbatches,
 )
 from megatron_plugins.performance.network import Link, group_link, link_between
@@ -171,7 +172,7 @@ def _encoder_pass(candidate: Candidate, placement: EncoderPlacement, work: Encod
     all_reduce = (2 * shape.layers * group_link(grid, "tp", hardware, assumptions)
                   .all_reduce(tokens * shape.hidden * workload.bytes_per_param, tp))
     rows = work.output_tokens * samples * work.output_width * workload.bytes_per_param
-    directions = 2 if work.trains else 1
+    directions = 2 if work.trained else 1
     if placement.mode == SEPARATE:
         language = candidate.language
         first_stage = range(language.rank_offset,
@@ -206,9 +207,9 @@ def _routing(candidate: Candidate, grid: ModulePlacement, sample_bytes: float,
 
 
 def _tail(params: float, dp: int, grid: ModulePlacement, workload: Workload,
-          hardware: Hardware, assumptions: Assumptions, trains: bool) -> float:
-    """Gradient reduction (exposed part) and optimizer step of one rank holding ``params``."""
-    if not trains or not params:
+          hardware: Hardware, assumptions: Assumptions) -> float:
+    """Gradient reduction (exposed part) and optimizer step of one rank training ``params``."""
+    if not params:
         return 0.0
     link = group_link(grid, "dp", hardware, assumptions)
     grads = params * workload.grad_bytes
@@ -260,21 +261,21 @@ def estimate(candidate: Candidate, workload: Workload, hardware: Hardware,
     stages = [p.total for p in language_passes]
     separate, before, after = 0.0, 0.0, 0.0
     lang_work = workload.language
-    experts = lang_work.shape.expert_params
-    dense = (lang_work.params - experts) / (language.tp * language.pp)
     expert_dp = language.tp * language.cp * language.dp // (language.ep * language.etp)
-    tails = [_tail(dense, language.dp * language.cp, language, workload, hardware, assumptions,
-                   lang_work.trains)
-             + _tail(experts / (language.ep * language.etp * language.pp), expert_dp, language,
-                     workload, hardware, assumptions, lang_work.trains)]
+    trained = [language_stage_params(candidate, workload, stage)
+               for stage in range(language.pp)]
+    tails = [_tail(sum(dense[1] for dense, _ in trained) / language.pp,
+                   language.dp * language.cp, language, workload, hardware, assumptions)
+             + _tail(sum(experts[1] for _, experts in trained) / language.pp, expert_dp,
+                     language, workload, hardware, assumptions)]
     busy = {"language": _language_busy(language_passes, m)}
     for placement in candidate.encoders:
         work = workload.encoder(placement.name)
         passed = _encoder_pass(candidate, placement, work, workload, hardware, assumptions)
         busy[placement.name] = _encoder_busy(candidate, placement, passed, m)
         grid = _encoder_grid(candidate, placement)
-        tail = _tail(work.params / placement.tp, placement.dp, grid, workload, hardware,
-                     assumptions, work.trains)
+        tail = _tail(work.trained / placement.tp, placement.dp, grid, workload, hardware,
+                     assumptions)
         if placement.mode == SEPARATE:
             separate = max(separate, passed.total)
             tails.append(tail)

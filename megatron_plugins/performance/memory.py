@@ -22,7 +22,8 @@ from megatron_plugins.performance.candidates import (
 from megatron_plugins.performance.gpus import Hardware
 from megatron_plugins.performance.workload import EncoderWork, Workload
 
-__all__ = ["Memory", "candidate_memory", "encoder_samples", "microbatches"]
+__all__ = ["Memory", "candidate_memory", "encoder_samples", "language_stage_params",
+           "microbatches"]
 
 GIB = 1024 ** 3
 
@@ -53,14 +54,33 @@ def microbatches(candidate: Candidate, workload: Workload) -> int:
     return workload.global_batch // (candidate.micro * candidate.language.dp)
 
 
-def _state(params: float, trains: bool, shards: int, workload: Workload) -> float:
-    """Bytes of weights, and when trained their gradients and optimizer state (sharded over
-    ``shards`` DP ranks with the distributed optimizer)."""
-    weights = params * workload.bytes_per_param
-    if not trains:
-        return weights
+def _state(params: float, trained: float, shards: int, workload: Workload) -> float:
+    """Bytes of ``params`` weights, and of the ``trained`` ones' gradients and optimizer state
+    (sharded over ``shards`` DP ranks with the distributed optimizer)."""
     shard = shards if workload.distributed_optimizer else 1
-    return weights + params * workload.grad_bytes + params * workload.optimizer_bytes / shard
+    return (params * workload.bytes_per_param + trained * workload.grad_bytes
+            + trained * workload.optimizer_bytes / shard)
+
+
+def language_stage_params(candidate: Candidate, workload: Workload, stage: int
+                          ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """One language rank's (held, trained) parameters of pipeline stage ``stage``: outside the
+    routed experts, then the experts'. LoRA's adapters are counted whole on every TP rank (half
+    of each is), an upper bound."""
+    language = candidate.language
+    work = workload.language
+    shape, pp, tp = work.shape, language.pp, language.tp
+    dense = (shape.params - shape.expert_params) / pp / tp
+    experts = shape.expert_params / pp / (language.ep * language.etp)
+    if stage == 0:
+        dense += work.embedding_params / tp
+    if stage == pp - 1:
+        dense += (work.output_params + work.mtp_params) / tp
+    dense_adapters, expert_adapters = work.adapter_params
+    dense_adapters /= pp
+    expert_adapters /= pp * language.ep
+    return ((dense + dense_adapters, dense if work.trains else dense_adapters),
+            (experts + expert_adapters, experts if work.trains else expert_adapters))
 
 
 def encoder_samples(candidate: Candidate, placement: EncoderPlacement) -> int:
@@ -89,16 +109,10 @@ def _language_stages(candidate: Candidate, workload: Workload) -> list[tuple[flo
     expt_dp = language.tp * language.cp * language.dp // (language.ep * language.etp)
     stages = []
     for stage in range(pp):
-        share = 1 / pp
-        dense = (shape.params - shape.expert_params) * share / tp
-        experts = shape.expert_params * share / (language.ep * language.etp)
-        if stage == 0:
-            dense += work.embedding_params / tp
-        if stage == pp - 1:
-            dense += (work.output_params + work.mtp_params) / tp
-        static = (_state(dense, work.trains, language.dp * language.cp, workload)
-                  + _state(experts, work.trains, expt_dp, workload))
-        layers = shape.layers * share
+        dense, experts = language_stage_params(candidate, workload, stage)
+        static = (_state(*dense, language.dp * language.cp, workload)
+                  + _state(*experts, expt_dp, workload))
+        layers = shape.layers / pp
         full = shape.activation_elements(tokens) / tp * workload.bytes_per_param
         if candidate.recompute:
             per_microbatch = tokens * shape.hidden / tp * workload.bytes_per_param * layers
@@ -124,7 +138,8 @@ def candidate_memory(candidate: Candidate, workload: Workload, hardware: Hardwar
     hosted_recomputed = 0.0
     for placement in candidate.encoders:
         work = workload.encoder(placement.name)
-        static = _state(work.params / placement.tp, work.trains, placement.dp, workload)
+        static = _state(work.params / placement.tp, work.trained / placement.tp, placement.dp,
+                        workload)
         one = _encoder_activations(work, encoder_samples(candidate, placement), placement.tp,
                                   workload)
         if placement.mode == SEPARATE:

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_plugins.flops.count import Flops, Work
+from megatron_plugins.flops.count import Adapters, Flops, Work
 from megatron_plugins.flops.gated_delta_net import (
     CHUNK_SIZE,
     GatedDeltaNet,
@@ -106,6 +106,32 @@ class TransformerShape:
             mixers += self.linear_layers * self.linear.params
         return mixers + dense * self.mlp_params(self.ffn) + moe + self.expert_params
 
+    def adapter_params(self, adapters: Adapters) -> tuple[int, int]:
+        """LoRA's parameters on these layers' ``adapters.targets`` (``rank x (in + out)`` per
+        adapted linear): (outside the routed experts, the routed experts' of all MoE layers,
+        what EP splits)."""
+        query, key_value = self.heads * self.head_dim, self.groups * self.head_dim
+        width = 2 if self.gated else 1
+        linears = {"linear_qkv": (self.layers - self.linear_layers)
+                   * (self.hidden + query * (2 if self.output_gate else 1) + 2 * key_value),
+                   "linear_proj": (self.layers - self.linear_layers) * (query + self.hidden),
+                   "linear_fc1": ((self.layers - self.moe_layers) * (width * self.ffn + self.hidden)
+                                  + self.moe_layers * (width * self.shared_ffn + self.hidden)
+                                  * bool(self.shared_ffn)),
+                   "linear_fc2": ((self.layers - self.moe_layers) * (self.ffn + self.hidden)
+                                  + self.moe_layers * (self.shared_ffn + self.hidden)
+                                  * bool(self.shared_ffn))}
+        if self.linear is not None:
+            values = self.linear.value_heads * self.linear.value_dim
+            linears["in_proj"] = self.linear_layers * (self.hidden + self.linear.in_proj_width)
+            linears["out_proj"] = self.linear_layers * (values + self.hidden)
+        experts = {"linear_fc1": width * self.expert_ffn + self.hidden,
+                   "linear_fc2": self.expert_ffn + self.hidden}
+        rank, targets = adapters.rank, adapters.targets
+        return (rank * sum(linears.get(name, 0) for name in targets),
+                rank * self.moe_layers * self.experts * sum(experts.get(name, 0)
+                                                            for name in targets))
+
     def _linear_elements(self) -> int:
         """Per token, what a Gated DeltaNet mixer keeps for its backward on the GPU kernel
         (flash-linear-attention, as attention is modelled on flash attention): its norm's input
@@ -155,6 +181,16 @@ class EncoderWork:
     output_width: int
     """Elements per output row (language hidden x (1 + DeepStack levels))."""
     trains: bool = True
+    trained_params: int | None = None
+    """Parameters with gradients and optimizer state; None: all of them where ``trains``, else
+    none. Under LoRA its adapters (counted in ``params`` too) and a projection that trains."""
+
+    @property
+    def trained(self) -> int:
+        """What :attr:`trained_params` says."""
+        if self.trained_params is not None:
+            return self.trained_params
+        return self.params if self.trains else 0
 
 
 @dataclass(frozen=True)
@@ -174,6 +210,9 @@ class LanguageWork:
     embedding_params: int = 0
     output_params: int = 0
     mtp_params: int = 0
+    adapters: Adapters | None = None
+    """``--lora language``: these adapters train, the model's own weights (``trains`` False)
+    do not."""
     _counted: dict[tuple[int, bool], Flops] = field(default_factory=dict, compare=False,
                                                    repr=False)
     """Counts already made, by (micro-batch size, recompute): candidates share them."""
@@ -204,7 +243,7 @@ class LanguageWork:
                                recompute_num_layers=1)
             self._counted[micro, recompute] = language_flops(
                 config, self.vocab, self.rows(micro), trains=self.trains,
-                input_grad=self.input_grad)
+                input_grad=self.input_grad, adapters=self.adapters)
         return self._counted[micro, recompute]
 
     def logits_flops(self, micro: int) -> Flops:
@@ -213,12 +252,18 @@ class LanguageWork:
             tokens = sum(sum(row) for row in self.rows(micro))
             heads = 1 + (getattr(self.config, "mtp_num_layers", None) or 0)
             logits = Work(inner=linear(tokens, self.shape.hidden, self.vocab)) * heads
-            self._logits[micro] = logits.flops(trains=self.trains, input_grad=self.input_grad)
+            self._logits[micro] = logits.flops(  # adapters before it need its input gradient
+                trains=self.trains, input_grad=self.input_grad or self.adapters is not None)
         return self._logits[micro]
 
     @property
     def params(self) -> int:
         return self.shape.params + self.embedding_params + self.output_params + self.mtp_params
+
+    @functools.cached_property
+    def adapter_params(self) -> tuple[int, int]:
+        """LoRA's parameters (:meth:`TransformerShape.adapter_params`; none without it)."""
+        return (0, 0) if self.adapters is None else self.shape.adapter_params(self.adapters)
 
 
 def _with(config: Any, **fields: Any) -> Any:

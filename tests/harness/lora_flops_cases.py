@@ -16,10 +16,12 @@ from tests.harness.flops_cases import (
     QWEN3_5,
     SHARED,
     Row,
+    _adapt,
     _audio,
     _encoder_row,
     _groups,
     _images,
+    _language,
     _language_row,
     flag_plugin,
 )
@@ -49,6 +51,19 @@ LORA_LANGUAGE_CASES = [
 """(family, case, flags, targets) of each LoRA'd language row."""
 
 
+def _parameters_row(case: str, flags: list[str], targets: tuple[str, ...]) -> Row:
+    """The advisor's count of the adapters' parameters
+    (:meth:`~megatron_plugins.performance.workload.TransformerShape.adapter_params`, routed
+    experts' included) against the adapted model's."""
+    from megatron_plugins.performance.workload import TransformerShape
+
+    model, config, _ = _language(flags)
+    adapters = _adapt(model, "language", targets)
+    held = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+    return Row("LoRA parameters", case, sum(TransformerShape.of(config).adapter_params(adapters)),
+               held)
+
+
 def lora_rows(folder: str) -> list[Row]:
     """LoRA'd language models (:data:`LORA_LANGUAGE_CASES`) and encoders, parts frozen,
     adapted or trained, HF folders saved under ``folder``."""
@@ -59,6 +74,9 @@ def lora_rows(folder: str) -> list[Row]:
     _groups()
     rows = [_language_row(family, case, flags, targets)
             for family, case, flags, targets in LORA_LANGUAGE_CASES]
+    rows += [_parameters_row(case, flags, targets)  # the advisor's shape: no MTP, no pattern
+             for _, case, flags, targets in LORA_LANGUAGE_CASES
+             if not any(flag.startswith(("--mtp", "--hybrid")) for flag in flags)]
     native = flag_plugin(ViTEncoder, "vit", ["--vit-native-resolution", "--vit-num-layers", "2"])
     images = _images((20, 30), (16, 16), (37, 11))
     for freeze, lora in (((), ("encoder",)), ((), ("encoder", "projection")),

@@ -40,7 +40,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, flags, message):
     assert main(flags) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.splitlines() == [f"mimo-plan: error: {message}"]
+    # torch's own log line where a CUDA toolkit lies without a GPU (this host), when this is the
+    # process's first import of torch
+    lines = [line for line in captured.err.splitlines() if "No CUDA runtime is found" not in line]
+    assert lines == [f"mimo-plan: error: {message}"]
 
 
 @pytest.mark.multirank

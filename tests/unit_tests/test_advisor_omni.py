@@ -161,3 +161,45 @@ def test_the_layout_picked_moves_with_the_clips(capsys, clips, seconds, pick, ot
     line, given, given_flags = rows["given"]
     assert (flags, given_flags) == (pick, other)
     assert "does NOT fit" not in line and picked > given
+
+
+LORA = ["language:rank=16,alpha=32", "image:rank=16,alpha=32", "audio:rank=16,alpha=32"]
+"""Rank-16 LoRA on both towers and the language model (attention and every expert)."""
+
+
+def test_lora_is_priced_as_frozen_weights_and_trained_adapters(omni):
+    """With LoRA the advisor prices what trains: the adapters (10.2M parameters outside the
+    experts, 629M on the 6,144 experts) and the towers' projections, no weight gradient of a
+    frozen weight (a language step's FLOPs three quarters of full fine-tuning's), no state for
+    frozen weights: Bridge's 8-GPU layout, which full fine-tuning fits only with the optimizer
+    state on the CPU, fits an H100 with it on the GPU."""
+    from megatron_plugins.launch.advise_workload import run_workload
+    from megatron_plugins.launch.preflight import check_run
+    from megatron_plugins.performance.assumptions import Assumptions
+    from megatron_plugins.performance.candidates import layout_candidate
+    from megatron_plugins.performance.gpus import hardware
+    from megatron_plugins.performance.memory import candidate_memory
+
+    _, planned = omni
+    args = planned.run.args
+    saved = args.lora, args.optimizer_cpu_offload
+    args.optimizer_cpu_offload = False
+    try:
+        works = {}
+        for name, lora in (("lora", LORA), ("full", [])):
+            args.lora = lora
+            works[name] = run_workload(args, planned.run.plugins, planned.data)
+    finally:
+        args.lora, args.optimizer_cpu_offload = saved
+    adapted, full = works["lora"].language, works["full"].language
+    assert not adapted.trains and adapted.adapter_params == (10_223_616, 629_145_600)
+    ratio = adapted.microbatch_flops(1, False).model / full.microbatch_flops(1, False).model
+    assert 2 / 3 < ratio < 0.8  # 0.75: attention's scores need both gradients either way
+    for name in ("image", "audio"):
+        tower, whole = works["lora"].encoder(name), works["full"].encoder(name)
+        assert not tower.trains and 0 < tower.trained < whole.trained / 3, name  # projections
+    candidate = layout_candidate(check_run([*RUN, *BRIDGE_8], 8, quiet=True).layout, 1, False,
+                                 False)
+    memory = {name: candidate_memory(candidate, work, hardware(8, 8, "h100-sxm", {}),
+                                     Assumptions()) for name, work in works.items()}
+    assert memory["lora"].fits and not memory["full"].fits

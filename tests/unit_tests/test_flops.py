@@ -72,7 +72,8 @@ def test_lora_counts_frozen_weights_and_adapters_as_flop_counter_mode_does():
         case[:2] for case in LORA_LANGUAGE_CASES]
     assert [(row.case, row.formula - row.counted) for row in rows
             if row.formula != row.counted] == []
-    assert {row.family for row in rows} == {"LoRA", "LoRA vit", "LoRA whisper"}
+    assert {row.family for row in rows} == {"LoRA", "LoRA vit", "LoRA whisper",
+                                            "LoRA parameters"}
 
 
 def test_lora_counts_no_weight_gradient_and_its_adapters():

@@ -166,10 +166,24 @@ def _module_tensors(model: torch.nn.Module) -> dict[str, set[str]]:
     return held
 
 
+def _embeddings(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The input embedding and output layer of transformers' model, or of its first submodel
+    that says (a whole Omni model leaves them to its thinker)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            try:
+                return module.get_input_embeddings(), module.get_output_embeddings()
+            except NotImplementedError:
+                continue
+    return None, None
+
+
 def _tied_embedding(model: torch.nn.Module) -> tuple[str, str] | None:
     """The module names of the input embedding and of the output layer sharing its weight."""
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if outputs is None or outputs.weight is not inputs.weight:
+    inputs, outputs = _embeddings(model)
+    if inputs is None or outputs is None or outputs.weight is not inputs.weight:
         return None
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     return names[id(inputs)], names[id(outputs)]

@@ -393,18 +393,39 @@ def assert_lora_trains_like(folder: Path, root: Path, reference: tuple[tuple[str
     """Short SGD runs of ``folder`` with ``extra`` (its ``--lora`` flags) at ``reference`` and
     ``other`` ((grids, ranks) each) train identically, and the trained tensors that differ from
     the folder's are exactly those whose names match one of ``moving`` (regexes, from the
-    name's start); returns them."""
+    name's start); returns them. The ``other`` run's checkpoint (adapters saved sharded as that
+    layout holds them) exports the tensors it streamed, adapters merged, bit for bit."""
     from tests.models.hf import safetensors_of
-    from tests.models.hf_vlm import assert_trains_like, sgd_run
+    from tests.models.hf_vlm import assert_trains_like, export, sgd_run
 
     first = sgd_run(folder, root, "reference", reference[1], reference[0], extra)
-    assert_trains_like(first, sgd_run(folder, root, "other", other[1], other[0], extra),
-                       f"lora {' '.join(other[0])}")
+    second = sgd_run(folder, root, "other", other[1], other[0],
+                     (*extra, "--save", str(root / "saved"), "--save-interval", "3"))
+    assert_trains_like(first, second, f"lora {' '.join(other[0])}")
+    export(root, ("saved",))
+    exported = safetensors_of(root / "out_saved")
+    assert {name for name, tensor in second[1].items()
+            if not torch.equal(exported[name], tensor)} == set()
     original = safetensors_of(folder)
     moved = {name for name, tensor in first[1].items() if not torch.equal(tensor, original[name])}
     expected = {name for name in first[1] if any(re.match(p, name) for p in moving)}
     assert moved == expected, (sorted(moved - expected), sorted(expected - moved))
     return moved
+
+
+def peft_folder_difference(base: Path, export: Path, model_class: str) -> float:
+    """The export's PEFT-format folder (``export/adapters``) put on transformers'
+    ``model_class`` of ``base`` by ``peft`` and merged, against the merged export: the largest
+    difference over every tensor, relative to the tensor's largest magnitude."""
+    import peft
+    import transformers
+
+    load = getattr(transformers, model_class).from_pretrained
+    adapted = peft.PeftModel.from_pretrained(load(base), export / "adapters").merge_and_unload()
+    ours, theirs = adapted.state_dict(), load(export).state_dict()
+    assert ours.keys() == theirs.keys()
+    return max(float((ours[k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
+               for k, v in theirs.items())
 
 
 def export_two_layouts(folder: Path, root: Path, pieces: list[list[Any]],

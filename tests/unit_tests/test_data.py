@@ -138,6 +138,18 @@ def test_mock_items_per_sample_refuses_bad_bounds(text):
         _items_per_sample(text)
 
 
+@pytest.mark.parametrize("fps", [0.0, -2.0])
+def test_mock_video_fps_refuses_a_rate_that_is_not_positive(fps):
+    import argparse
+
+    from megatron_plugins.data.sources import _mock_video_fps
+    from megatron_plugins.errors import DataFlagError
+
+    with pytest.raises(DataFlagError, match=f"^--mock-video-fps {fps:g}: give a positive frame "
+                       "rate$"):
+        _mock_video_fps(argparse.Namespace(mock_video_fps=fps))
+
+
 def test_text_never_uses_special_tokens_and_labels_skip_encoder_positions():
     source = _source(_layout(1, 1))
     special = source.special_token_ids

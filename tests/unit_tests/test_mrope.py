@@ -203,6 +203,11 @@ def test_mock_video_items_are_laid_out_and_embedded_alike(tmp_path) -> None:
         assert int((sample["tokens"] == source.special_token_ids["vision"]).sum()) == sum(
             encoder.item_tokens(size) for size in sizes)
     assert 3 <= videos < sum(len(source.item_sizes("vision", "train", i)) for i in range(8))
+    slow = MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": encoder},
+                      items_per_sample=(1, 2), mrope=True, video_frames=3, video_fps=1.5)
+    rates = {item.fps for index in range(8) for item in slow.media("vision", "train", index)
+             if isinstance(item, Video)}
+    assert rates == {1.5}  # --mock-video-fps: the videos' rate, which their positions follow
     with pytest.raises(DataFlagError, match="--mock-video-frames 3: no --encoder takes videos"):
         MockSource(seed=5, seq_length=160, vocab_size=128, plugins={"vision": _vit()},
                    video_frames=3)

@@ -110,7 +110,8 @@ def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp
     the same with the vision tower at TP 2 colocated on the language's DP 2 ranks, the experts
     split over EP 2 (each DP rank holding different experts' adapters), and the audio tower at
     TP 2 on ranks of its own; only the adapted linears (merged) and the projections move: not
-    the router, norms, biases, embeddings or convolutions."""
+    the router, norms, biases, embeddings or convolutions. The export writes no PEFT-format
+    folder: transformers fuses each layer's experts into one tensor, no linear to adapt."""
     from tests.models.qwen_omni import assert_lora_trains_like
 
     moved = assert_lora_trains_like(
@@ -120,6 +121,7 @@ def test_lora_on_both_towers_and_the_language_model_trains_identically(omni, tmp
         r"model\.layers\.\d\.(self_attn\.\w_proj|mlp\.experts\.\d\.(gate|up|down)_proj))\.weight$",
         r"thinker\.(audio_tower\.(ln_post|proj\d)|visual\.merger(_list)?)\.")
     assert {n.split(".")[1] for n in moved} == {"audio_tower", "visual", "model"}
+    assert (tmp_path / "out_saved").is_dir() and not (tmp_path / "out_saved" / "adapters").exists()
 
 
 @pytest.mark.timeout(600)

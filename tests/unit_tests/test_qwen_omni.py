@@ -157,8 +157,10 @@ def test_both_encoders_on_grids_of_their_own_colocated_packed_and_language_cp_tr
 def test_lora_on_both_towers_and_the_language_model_trains_identically(folder, tmp_path):
     """LoRA on the vision tower, the audio tower and the language model (the towers'
     projections trained fully) trains the same with both towers at TP 2, the audio tower
-    colocated on the language's DP 2 ranks; only adapted linears and the projections move."""
-    from tests.models.qwen_omni import assert_lora_trains_like
+    colocated on the language's DP 2 ranks; only adapted linears and the projections move. That
+    run's checkpoint exports the merged folder and a PEFT-format one, which ``peft`` puts on
+    transformers' whole Omni model to give the merged folder's tensors."""
+    from tests.models.qwen_omni import assert_lora_trains_like, peft_folder_difference
 
     moved = assert_lora_trains_like(
         folder, tmp_path, ONE_RANK_EACH,
@@ -168,6 +170,8 @@ def test_lora_on_both_towers_and_the_language_model_trains_identically(folder, t
         r"model\.layers\.\d\.(self_attn|mlp)\.\w_?\w*_proj)\.weight$",
         r"thinker\.(audio_tower\.(ln_post|proj)|visual\.merger\.mlp)\.")
     assert any(n.startswith("thinker.audio_tower.layers.") for n in moved)
+    assert peft_folder_difference(folder, tmp_path / "out_saved",
+                                  "Qwen2_5OmniForConditionalGeneration") < 1e-6
 
 
 @pytest.mark.timeout(600)

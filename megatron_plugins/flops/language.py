@@ -24,7 +24,8 @@ Recomputation follows Megatron's ``--recompute-granularity``: ``full`` reruns wh
 after the first layers are elementwise and not counted (its mergers are the encoder's). Under
 LoRA (``--lora language``, :class:`~.count.Adapters`) the weights get no gradient, the adapters
 do, and without a trained encoder before it the gradient starts at the first adapted linear
-(LoRA adapts no Gated DeltaNet linear). Not supported (a :class:`FlopsError` naming the flag):
+(Gated DeltaNet's ``in_proj`` / ``out_proj`` and the MoE experts' ``linear_fc1`` / ``linear_fc2``
+among them). Not supported (a :class:`FlopsError` naming the flag):
 multi-latent attention, attention variants other than Gated DeltaNet (DSA), MoE latent
 projections, Mamba / GDN / MLA / DSA hybrid layers, MTP in a hybrid pattern.
 """

@@ -6,7 +6,8 @@
 Each encoder trains on its own ranks (``--grid NAME:tp=..,dp=..``), the language model on the
 last ranks (``--grid language:tp=..,pp=..,dp=..,ep=..``). ``--cpu-simulation`` runs the stock loop
 on CPU over gloo. A bad flag ends every rank at once with one line naming it (exit code 2); a bad
-layout does so before torch or Megatron is imported.
+layout does so before torch or Megatron is imported; a sample that cannot train ends its rank
+with one line naming it (torchrun then stops the others).
 
 Nothing heavy is imported at module level: a process that ``multiprocessing`` spawns re-imports
 this file as ``__mp_main__`` (stock dist-checkpoint saving starts a spawned Manager on each rank
@@ -29,11 +30,13 @@ def main() -> int:
 
     from megatron_plugins.errors import UsageError, report
     from megatron_plugins.launch.pretrain import parse_mimo_args, train
+    from megatron_plugins.media.codec import BadSampleError
 
     try:
-        # HF weights that do not fit are found once the model is built, inside train().
+        # HF weights that do not fit are found once the model is built, inside train(); a
+        # sample that cannot train (its placeholder runs overflow a packed row) mid-run.
         train(parse_mimo_args(checked=checked))
-    except UsageError as error:
+    except (UsageError, BadSampleError) as error:
         return report(PROG, error)
     return 0
 

@@ -106,3 +106,23 @@ def test_mrope_grid_positions_at_language_cp2_train_as_at_cp1(pack: bool) -> Non
     packing = PACK if pack else ()
     _assert_same_training((2, (*MROPE, "language:", *packing)),
                           (3, (*MROPE, "language:cp=2", *packing)))
+
+
+def test_a_microbatch_whose_runs_overflow_the_packed_row_ends_the_run_in_one_line() -> None:
+    """Four samples of two images each cannot share one 64-position packed row: the language
+    rank that packs them ends the run with one line naming the samples and what to change
+    (exit code 2), not a traceback from inside Megatron's training loop."""
+    from tests.harness.mimo_runs import TINY_MIMO
+    from tests.harness.multiprocess import REPO_ROOT, run_preforked
+
+    run = run_preforked(REPO_ROOT / "examples" / "mimo" / "pretrain_mimo.py", [
+        *TINY_MIMO, *ROW, "--encoder", "vision=vit", "--grid", "vision:", "--grid", "language:",
+        *PACK, "--micro-batch-size", "4", "--mock-items-per-sample", "2"], nproc=2, timeout=150)
+    assert run.returncode == 2, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if "pretrain_mimo.py: error:" in line]
+    assert lines == [
+        "pretrain_mimo.py: error: samples 'train/0', 'train/1', 'train/2', 'train/3': their "
+        "encoder placeholder runs need 67 positions, more than one packed row of --seq-length 64 "
+        "holds (--pack-sequences); raise --seq-length or lower --micro-batch-size"]
+    # (the vision rank, cut off mid-step by its peer's exit, may say so before it is killed)
+    assert "in pack_row" not in run.output and "PackingError" not in run.output

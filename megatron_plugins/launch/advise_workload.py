@@ -168,7 +168,7 @@ def _encoder_work(plugin: EncoderPlugin, data: DataDescription, language: object
         params=int(shape.params + entry_params + projection_params + tower_adapters),
         flops=flops * per_sample, tokens=tokens * per_sample,
         output_tokens=described.tokens_per_sample,
-        output_width=args.hidden_size * (1 + plugin.deepstack_levels), trains=encoder_trains,
+        output_width=args.hidden_size * (1 + plugin.deepstack_levels),
         trained_params=int(trained))
 
 
@@ -208,7 +208,7 @@ def run_workload(args: argparse.Namespace, plugins: Mapping[str, EncoderPlugin],
         config, vocab, args.seq_length, data.sample_tokens,
         packed=bool(getattr(args, "pack_sequences", False)),
         trains=not args.freeze_language_model and adapted is None,
-        input_grad=any(work.trained for work in encoders),
+        input_grad=any(work.trained_params for work in encoders),
         adapters=adapted and adapted.adapters,
         embedding_params=embedding,
         output_params=output if args.untie_embeddings_and_output_weights else 0,

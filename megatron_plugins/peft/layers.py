@@ -26,7 +26,8 @@ never averaged with another expert's on a rank holding different experts.
 
 ``A`` starts uniform in ``+-1/sqrt(in)`` (PEFT's default), drawn from a generator seeded by the
 run's seed and the layer's global name (an expert's global index), whole, then sliced: the same
-adapters at any layout, and no other random stream moves. ``B`` starts at zero, so an adapted model starts as its base.
+adapters at any layout, and no other random stream moves. ``B`` starts at zero, so an adapted
+model starts as its base.
 Dropout on the adapter's input uses the default generator where the input is whole (equal on TP
 ranks, as the equal ``A`` copies need) and the model-parallel stream where it is split.
 """

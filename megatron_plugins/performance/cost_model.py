@@ -172,7 +172,7 @@ def _encoder_pass(candidate: Candidate, placement: EncoderPlacement, work: Encod
     all_reduce = (2 * shape.layers * group_link(grid, "tp", hardware, assumptions)
                   .all_reduce(tokens * shape.hidden * workload.bytes_per_param, tp))
     rows = work.output_tokens * samples * work.output_width * workload.bytes_per_param
-    directions = 2 if work.trained else 1
+    directions = 2 if work.trained_params else 1
     if placement.mode == SEPARATE:
         language = candidate.language
         first_stage = range(language.rank_offset,
@@ -274,7 +274,7 @@ def estimate(candidate: Candidate, workload: Workload, hardware: Hardware,
         passed = _encoder_pass(candidate, placement, work, workload, hardware, assumptions)
         busy[placement.name] = _encoder_busy(candidate, placement, passed, m)
         grid = _encoder_grid(candidate, placement)
-        tail = _tail(work.trained / placement.tp, placement.dp, grid, workload, hardware,
+        tail = _tail(work.trained_params / placement.tp, placement.dp, grid, workload, hardware,
                      assumptions)
         if placement.mode == SEPARATE:
             separate = max(separate, passed.total)

@@ -138,7 +138,7 @@ def candidate_memory(candidate: Candidate, workload: Workload, hardware: Hardwar
     hosted_recomputed = 0.0
     for placement in candidate.encoders:
         work = workload.encoder(placement.name)
-        static = _state(work.params / placement.tp, work.trained / placement.tp, placement.dp,
+        static = _state(work.params / placement.tp, work.trained_params / placement.tp, placement.dp,
                         workload)
         one = _encoder_activations(work, encoder_samples(candidate, placement), placement.tp,
                                   workload)

@@ -180,17 +180,10 @@ class EncoderWork:
     output_tokens: float
     output_width: int
     """Elements per output row (language hidden x (1 + DeepStack levels))."""
-    trains: bool = True
-    trained_params: int | None = None
-    """Parameters with gradients and optimizer state; None: all of them where ``trains``, else
-    none. Under LoRA its adapters (counted in ``params`` too) and a projection that trains."""
-
-    @property
-    def trained(self) -> int:
-        """What :attr:`trained_params` says."""
-        if self.trained_params is not None:
-            return self.trained_params
-        return self.params if self.trains else 0
+    trained_params: int
+    """Parameters with gradients and optimizer state: all of them when the encoder and its
+    projection train, none when frozen; under LoRA its adapters (counted in ``params`` too) and
+    a projection that trains."""
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ def vision_work(name: str, config: SimpleNamespace, patches: int, tokens: int, m
                                       config.transformer_impl))
     shape = TransformerShape.of(config)
     params = shape.params + merged * merged + merged * language_hidden
-    return EncoderWork(name, shape, params, counted.flops(), patches, tokens, language_hidden)
+    return EncoderWork(name, shape, params, counted.flops(), patches, tokens, language_hidden,
+                       trained_params=params)
 
 
 def small_workload(global_batch: int = 16, **language: Any) -> Workload:
